@@ -1,0 +1,75 @@
+"""Celery configuration for Oncelery: every setting from an environment variable, embedded defaults.
+
+With no environment at all this runs with no server: a SQLite claims database in the working
+directory, kombu's filesystem transport as the broker, and a SQLite result backend. Production sets
+ONCELERY_BROKER_URL=redis://... and ONCELERY_DATABASE_URL=postgresql://... (see README).
+"""
+
+from __future__ import annotations
+
+import os as _os
+from pathlib import Path as _Path
+
+from idempotency import settings as _settings
+
+
+def _float(name: str, default: float) -> float:
+    raw = _os.environ.get(name)
+    return float(raw) if raw else default
+
+
+_broker = _os.environ.get(_settings.ENV_BROKER_URL, "").strip()
+_backend = _os.environ.get(_settings.ENV_RESULT_BACKEND, "").strip()
+
+# -- the claims database (read by IdempotentTask from the app's conf) ------------------------------
+oncelery_database_url = _os.environ.get(_settings.ENV_DATABASE_URL) or _settings.default_database_url()
+
+# -- broker ------------------------------------------------------------------------------------
+if _broker:
+    broker_url = _broker
+    # Redis/SQS redeliver an unacked message after the visibility timeout. Keep it >= the longest
+    # task lease: an earlier redelivery of a running job is absorbed by the claim (it waits), but
+    # wastes a delivery. After a worker crash the job comes back after this many seconds.
+    broker_transport_options = {
+        "visibility_timeout": _float("ONCELERY_VISIBILITY_TIMEOUT", 120.0),
+        "unacked_restore_interval": _float("ONCELERY_UNACKED_RESTORE_INTERVAL", 5.0),
+        "unacked_restore_throttle": 1,
+    }
+else:
+    _spool = _Path(_settings.data_dir()) / "broker"
+    _queue_dir = _spool / "queue"
+    _queue_dir.mkdir(parents=True, exist_ok=True)
+    broker_url = "filesystem://"
+    broker_transport_options = {
+        "data_folder_in": str(_queue_dir),
+        "data_folder_out": str(_queue_dir),
+        "store_processed": False,
+    }
+
+# -- results -----------------------------------------------------------------------------------
+if _backend:
+    result_backend = _backend
+else:
+    result_backend = f"db+sqlite:///{_Path(_settings.data_dir()) / 'results.db'}"
+result_extended = True
+
+# -- delivery semantics: at-least-once, which the claims turn into exactly-once effects -----------
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+task_acks_on_failure_or_timeout = True
+
+# -- JSON only, never pickle ----------------------------------------------------------------------
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# -- Flower: task events on ------------------------------------------------------------------------
+worker_send_task_events = True
+task_send_sent_event = True
+task_track_started = True
+
+broker_connection_retry_on_startup = True
+timezone = "UTC"
+enable_utc = True

@@ -1,0 +1,166 @@
+"""Engines per process, the database clock, and translation of low-level failures into typed errors."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import create_engine, event, func, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.sql.elements import ColumnElement
+
+from idempotency.errors import ConfigurationError, SchemaMissing, StoreUnavailable
+from idempotency.settings import SQLITE_BUSY_TIMEOUT_MS
+
+_engines: dict[tuple[str, int], Engine] = {}
+_lock = threading.Lock()
+
+
+def normalize_url(url: str) -> str:
+    """Map `postgresql://` and `postgres://` to the psycopg 3 driver Oncelery ships with."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def get_engine(url: str) -> Engine:
+    """Return this process's engine for `url` (a new one after fork, so pooled sockets are never shared)."""
+    key = (url, os.getpid())
+    engine = _engines.get(key)
+    if engine is None:
+        with _lock:
+            engine = _engines.get(key)
+            if engine is None:
+                engine = _create_engine(url)
+                _engines[key] = engine
+    return engine
+
+
+def dispose_engines() -> None:
+    """Close every pooled connection of this process (used by tests and after a database restart)."""
+    with _lock:
+        for (_, pid), engine in list(_engines.items()):
+            if pid == os.getpid():
+                engine.dispose()
+        _engines.clear()
+
+
+def _create_engine(url: str) -> Engine:
+    url = normalize_url(url)
+    backend = make_url(url).get_backend_name()
+    if backend == "sqlite":
+        return _sqlite_engine(url)
+    if backend == "postgresql":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'oncelery[postgres]'") from exc
+        return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    return create_engine(url, pool_pre_ping=True)
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take over transaction control from pysqlite, whose implicit BEGIN is DEFERRED: a deferred
+        # transaction that reads then writes fails at once with "database is locked" instead of waiting.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # IMMEDIATE takes the write lock up front, so lock waits honour busy_timeout.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+_SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%f"
+
+
+def db_now(engine_or_dialect: Any) -> ColumnElement[Any]:
+    """Return a SQL expression for the database clock's current time (leases never use the worker clock)."""
+    name = _dialect_name(engine_or_dialect)
+    if name == "sqlite":
+        # Millisecond text in the layout SQLAlchemy stores DateTime in on SQLite, so comparisons hold.
+        return func.strftime(_SQLITE_TIME_FORMAT, "now")
+    if name == "postgresql":
+        # clock_timestamp(), not now(): now() is frozen at the start of a (possibly long) transaction.
+        return func.clock_timestamp()
+    raise ConfigurationError(f"Unsupported database dialect {name!r}: use PostgreSQL or SQLite")
+
+
+def db_now_plus(engine_or_dialect: Any, seconds: float) -> ColumnElement[Any]:
+    """Return database-clock now + `seconds` as a SQL expression (a lease's expiry)."""
+    name = _dialect_name(engine_or_dialect)
+    if name == "sqlite":
+        return func.strftime(_SQLITE_TIME_FORMAT, "now", f"{seconds:+.3f} seconds")
+    if name == "postgresql":
+        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
+    raise ConfigurationError(f"Unsupported database dialect {name!r}: use PostgreSQL or SQLite")
+
+
+def _dialect_name(engine_or_dialect: Any) -> str:
+    dialect = getattr(engine_or_dialect, "dialect", engine_or_dialect)
+    return str(dialect.name)
+
+
+_MISSING_TABLE_MARKERS = ("no such table", "undefinedtable", "does not exist")
+_UNAVAILABLE_MARKERS = (
+    "connection refused",
+    "could not connect",
+    "server closed the connection",
+    "connection is closed",
+    "terminating connection",
+    "unable to open database file",
+    "connection failed",
+    "the database system is",
+)
+
+
+def translate_error(exc: BaseException, url: str) -> BaseException:
+    """Map a driver error to SchemaMissing / StoreUnavailable with the fix in the message, else return it."""
+    if not isinstance(exc, DBAPIError):
+        return exc
+    msg = str(exc.orig if exc.orig is not None else exc).lower()
+    safe_url = make_url(url).render_as_string(hide_password=True)
+    if isinstance(exc, (OperationalError, ProgrammingError)) and any(
+        m in msg for m in _MISSING_TABLE_MARKERS
+    ):
+        return SchemaMissing(
+            f"Oncelery's tables are missing in {safe_url}: run `oncelery db upgrade` "
+            f"(with ONCELERY_DATABASE_URL set to this database) to create them",
+            url=safe_url,
+        )
+    if exc.connection_invalidated or any(m in msg for m in _UNAVAILABLE_MARKERS):
+        return StoreUnavailable(f"Cannot reach the claims database {safe_url}: {msg.strip()}", url=safe_url)
+    return exc
+
+
+@contextmanager
+def translated(url: str) -> Iterator[None]:
+    """Re-raise driver errors inside the block as Oncelery's typed store errors (chained to the cause)."""
+    try:
+        yield
+    except DBAPIError as exc:
+        mapped = translate_error(exc, url)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def ping(engine: Engine) -> None:
+    """Run a trivial query, raising StoreUnavailable if the database cannot be reached."""
+    with translated(str(engine.url)), engine.connect() as conn:
+        conn.execute(text("SELECT 1"))

@@ -1,0 +1,72 @@
+"""Oncelery's exceptions: one root, typed subtrees, every one picklable with its extra fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OnceleryError(Exception):
+    """Root of every error Oncelery raises."""
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Celery pickles exceptions between pool processes and into result backends; rebuilding from
+        # (message, **fields) keeps subclasses with extra fields intact (Exception's default drops them).
+        return (_rebuild, (type(self), self.message, self.fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[OnceleryError], message: str, fields: dict[str, Any]) -> OnceleryError:
+    return cls(message, **fields)
+
+
+class ConfigurationError(OnceleryError):
+    """Raised when a task option or setting is invalid; raised at decoration or call time, not at 3 a.m."""
+
+
+class InvalidKey(ConfigurationError):
+    """Raised when an idempotency key is empty, longer than 255 characters, or has control characters."""
+
+
+class PayloadNotJSON(ConfigurationError):
+    """Raised when a fingerprinted argument cannot be encoded as canonical JSON."""
+
+
+class ClaimError(OnceleryError):
+    """Root of the errors about who may run a key."""
+
+
+class IdempotencyConflict(ClaimError):
+    """Raised when a key is reused with a different payload; names the key and the fields that differ."""
+
+
+class InProgress(ClaimError):
+    """Raised (with on_in_progress="raise") when another live holder is running the same key or entity."""
+
+
+class LeaseLost(ClaimError):
+    """Raised when a holder's fencing token is stale: another worker took the run over; nothing commits."""
+
+
+class ResultNotJSON(OnceleryError):
+    """Raised when a task's result or a step's result cannot be stored as JSON; nothing is committed."""
+
+
+class StoreError(OnceleryError):
+    """Root of the errors about the database behind the claims."""
+
+
+class SchemaMissing(StoreError):
+    """Raised when Oncelery's tables do not exist in the configured database."""
+
+
+class StoreUnavailable(StoreError):
+    """Raised when the claims database cannot be reached; the job is retried, never dropped."""

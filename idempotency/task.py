@@ -1,0 +1,324 @@
+"""`IdempotentTask`: the Celery Task base that turns at-least-once delivery into exactly-once effects.
+
+The task decides *what happens* on each claim decision; `RunStore` decides *how* a claim is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from celery import Task
+from celery._state import _task_stack
+from celery.exceptions import Retry
+from sqlalchemy.orm import Session
+
+from idempotency.errors import (
+    ConfigurationError,
+    IdempotencyConflict,
+    InProgress,
+    LeaseLost,
+    ResultNotJSON,
+    StoreUnavailable,
+)
+from idempotency.heartbeat import Heartbeat
+from idempotency.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, differing_fields, validate_key
+from idempotency.settings import (
+    DEFAULT_LEASE_SECONDS,
+    DIRECT_WAIT_TIMEOUT,
+    HEADER_KEY,
+    HEADER_WAITS,
+    MIN_LEASE_SECONDS,
+    WAIT_BACKOFF_BASE,
+    WAIT_BACKOFF_CAP,
+    OnceleryConfig,
+)
+from idempotency.store import Claim, ClaimResult, Decision, RunStore, encode_result
+from models import Outcome
+
+logger = logging.getLogger(__name__)
+
+IN_PROGRESS_POLICIES = ("retry", "skip", "raise")
+_RUN_ATTR = "oncelery_run"
+
+
+@dataclass
+class RunContext:
+    """The live claim of the run executing on this thread, with its heartbeat and effects session."""
+
+    claim: Claim
+    heartbeat: Heartbeat
+    session: Session | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def wait_backoff(waits: int, base: float = WAIT_BACKOFF_BASE, cap: float = WAIT_BACKOFF_CAP) -> float:
+    """Return the delay before the `waits`-th re-check of a busy key: exponential, capped, jittered."""
+    delay = min(cap, base * (2 ** min(waits, 16)))
+    # Full jitter over the top half, so many waiters on one key do not poll in lockstep.
+    return float(delay / 2 + random.random() * delay / 2)
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """A Celery task whose body's committed effects and stored result happen once per idempotency key."""
+
+    #: Template over the bound arguments ("article:{article_id}:v{version}"), a callable taking the
+    #: task's arguments, or None for a content-addressed key (task arguments' sha256).
+    idempotency_key: KeySpec = None
+    #: Argument names whose values make the payload fingerprint; None means all arguments.
+    fingerprint: FingerprintSpec = None
+    #: Lease in seconds, renewed by a heartbeat every lease/3 while the body runs.
+    lease: float = DEFAULT_LEASE_SECONDS
+    #: What a delivery does while another live holder runs the key: "retry" | "skip" | "raise".
+    on_in_progress: str = "retry"
+    #: Optional template/callable: at most one RUNNING run per entity (a partial unique index).
+    concurrency_key: KeySpec = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        if type(self).run is not Task.run:
+            self._validate_options()
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def _validate_options(self) -> None:
+        if self.on_in_progress not in IN_PROGRESS_POLICIES:
+            raise ConfigurationError(
+                f"{self.name}: on_in_progress={self.on_in_progress!r}; choose one of {IN_PROGRESS_POLICIES}"
+            )
+        if not isinstance(self.lease, int | float) or self.lease < MIN_LEASE_SECONDS:
+            raise ConfigurationError(
+                f"{self.name}: lease={self.lease!r}; give seconds >= {MIN_LEASE_SECONDS}"
+            )
+        if self.name and (self.name.startswith("tasks.") or "." not in self.name):
+            logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
+        _ = self._keys, self._concurrency_keys
+
+    @cached_property
+    def _keys(self) -> KeyBuilder:
+        return KeyBuilder(self.run, self.name or "", self.idempotency_key, self.fingerprint)
+
+    @cached_property
+    def _concurrency_keys(self) -> KeyBuilder | None:
+        if self.concurrency_key is None:
+            return None
+        return KeyBuilder(self.run, self.name or "", self.concurrency_key, None)
+
+    @property
+    def store(self) -> RunStore:
+        """The claims store of this task's app (app.conf.oncelery_database_url, env, or the SQLite default)."""
+        url = OnceleryConfig.from_app_conf(self.app.conf).database_url
+        cached: RunStore | None = self.__dict__.get("_store")
+        if cached is None or cached.url != url:
+            cached = RunStore(url)
+            self.__dict__["_store"] = cached
+        return cached
+
+    def identity_of(self, args: Any = (), kwargs: Any = None, idempotency_key: str | None = None) -> Identity:
+        """Return the key and payload fingerprint this task derives for the given call."""
+        return self._keys.identity(tuple(args or ()), dict(kwargs or {}), idempotency_key)
+
+    # -- producer side ---------------------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
+        """Send the task; `idempotency_key=` travels as a header (Celery drops unknown options)."""
+        key = options.pop("idempotency_key", None)
+        if key is not None:
+            validate_key(key)
+            options["headers"] = {**(options.get("headers") or {}), HEADER_KEY: key}
+        elif self.idempotency_key is not None:
+            self._validate_key_at_call_time(args, kwargs)
+        return super().apply_async(args, kwargs, *a, **options)
+
+    def _validate_key_at_call_time(self, args: Any, kwargs: Any) -> None:
+        # Fail in the caller, not in a worker at 3 a.m.; chain links get their first argument from
+        # the previous link in the worker, so an incomplete argument list is checked there instead.
+        try:
+            arguments = self._keys.bind(tuple(args or ()), dict(kwargs or {}))
+        except ConfigurationError:
+            return
+        if isinstance(self.idempotency_key, str):
+            validate_key(self.idempotency_key.format(**arguments))
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body at most once per key: claim, execute or answer from the stored result."""
+        top = self.request_stack.top
+        if top is not None and not top.called_directly:
+            return self._guarded(args, kwargs, direct=False)
+        # Called directly (not by a worker): give it a request of its own, as Task.__call__ does.
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            return self._guarded(args, kwargs, direct=True)
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+
+    def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
+        req = self.request
+        headers = req.headers or {}
+        explicit_key = headers.get(HEADER_KEY)
+        ident = self._keys.identity(args, kwargs, explicit_key)
+        entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+        message = {
+            "args": list(args),
+            "kwargs": kwargs,
+            "headers": {HEADER_KEY: explicit_key} if explicit_key else {},
+        }
+        store = self.store
+        waited = 0
+        deadline = time.monotonic() + DIRECT_WAIT_TIMEOUT
+        while True:
+            try:
+                res = store.claim(self.name, ident, float(self.lease), entity, req.id, message)
+            except StoreUnavailable as exc:
+                if direct:
+                    raise
+                logger.warning("claims database unavailable for %s: %s; retrying", ident.key, exc)
+                return self._send_again(exc)
+            if res.decision is Decision.CLAIMED and res.claim is not None:
+                return self._execute(store, res.claim, args, kwargs, direct)
+            if res.decision is Decision.COMPLETED and res.run is not None:
+                store.record_outcome(self.name, Outcome.REPLAYED)
+                logger.info("replayed %s[%s] from its stored result", self.name, ident.key)
+                return res.run.result
+            if res.decision is Decision.CONFLICT:
+                store.record_outcome(self.name, Outcome.CONFLICT)
+                raise self._conflict(ident, res)
+            # IN_PROGRESS or ENTITY_BUSY: someone else holds the key (or the entity) right now.
+            if self.on_in_progress == "skip":
+                store.record_outcome(self.name, Outcome.IN_PROGRESS)
+                return None
+            if self.on_in_progress == "raise":
+                store.record_outcome(self.name, Outcome.IN_PROGRESS)
+                raise InProgress(
+                    f"{self.name}[{ident.key}] is being run by another worker"
+                    + (f" (entity {entity} busy)" if res.decision is Decision.ENTITY_BUSY else ""),
+                    task_name=self.name,
+                    key=ident.key,
+                )
+            if not direct:
+                store.record_outcome(self.name, Outcome.IN_PROGRESS)
+                return self._send_again(None)
+            if time.monotonic() > deadline:
+                raise InProgress(
+                    f"{self.name}[{ident.key}] still held after {DIRECT_WAIT_TIMEOUT}s", key=ident.key
+                )
+            # A direct caller has no broker to re-deliver it: poll the database clock's verdict.
+            time.sleep(wait_backoff(waited, base=0.02, cap=0.5))
+            waited += 1
+
+    def _conflict(self, ident: Identity, res: ClaimResult) -> IdempotencyConflict:
+        stored = res.run.field_digests if res.run is not None else {}
+        fields = differing_fields(stored, ident.field_digests)
+        return IdempotencyConflict(
+            f"{self.name}: idempotency key {ident.key!r} was first used with a different payload "
+            f"(fields that differ: {', '.join(fields) or 'unknown'}); the first result stands. "
+            f"Use a new key (e.g. bump the version in it) for a new payload.",
+            task_name=self.name,
+            key=ident.key,
+            fields=fields,
+        )
+
+    def _send_again(self, exc: BaseException | None) -> Any:
+        """Re-send this message with backoff, without spending the task's max_retries, and ack this one."""
+        req = self.request
+        headers = dict(req.headers or {})
+        waits = int(headers.get(HEADER_WAITS, 0))
+        headers[HEADER_WAITS] = waits + 1
+        delay = wait_backoff(waits)
+        # Same task id and the same `retries` count: waiting on a live holder is not a failure.
+        sig = self.signature_from_request(req, countdown=delay, retries=req.retries, headers=headers)
+        sig.apply_async()
+        # Retry makes the worker ack this delivery and mark the task RETRY, without occupying a slot.
+        raise Retry(exc=exc, when=delay, sig=sig)
+
+    def _execute(
+        self, store: RunStore, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool
+    ) -> Any:
+        logger.info("claimed %s[%s] token=%d attempt=%d", self.name, claim.key, claim.token, claim.attempts)
+        hb = Heartbeat(store, claim).start()
+        ctx = RunContext(claim, hb)
+        setattr(self.request, _RUN_ATTR, ctx)
+        try:
+            try:
+                result = self.run(*args, **kwargs)
+                hb.stop()
+                hb.check()
+                encoded = encode_result(result, f"The result of {self.name}[{claim.key}]")
+                store.complete(claim, encoded, ctx.session)
+            finally:
+                hb.stop()
+        except LeaseLost:
+            _rollback(ctx)
+            store.record_outcome(self.name, Outcome.LEASE_LOST)
+            logger.warning(
+                "lease lost for %s[%s] token=%d: writes rolled back", self.name, claim.key, claim.token
+            )
+            if direct:
+                raise
+            # Re-deliver: the next delivery replays the new holder's result, or runs the job if the claim
+            # itself was lost (e.g. a database crash) — never a silent drop.
+            return self._send_again(None)
+        except Retry:
+            _rollback(ctx)
+            store.fail(claim, "retry requested: " + traceback.format_exc(limit=5))
+            raise
+        except ResultNotJSON as exc:
+            _rollback(ctx)
+            store.fail(claim, str(exc))
+            raise
+        except BaseException as exc:
+            _rollback(ctx)
+            store.fail(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
+            raise
+        finally:
+            if getattr(self.request, _RUN_ATTR, None) is ctx:
+                setattr(self.request, _RUN_ATTR, None)
+        return encoded
+
+    # -- inside the body -------------------------------------------------------------------------
+
+    def run_context(self) -> RunContext:
+        """Return the live run of this thread's current delivery, or raise if called outside the body."""
+        ctx: RunContext | None = getattr(self.request, _RUN_ATTR, None)
+        if ctx is None:
+            raise ConfigurationError(f"{self.name}: effects()/step() can only be used inside the task body")
+        return ctx
+
+    @contextmanager
+    def effects(self) -> Iterator[Session]:
+        """Yield a session whose writes commit atomically with the run's completion, fenced by its token."""
+        ctx = self.run_context()
+        ctx.heartbeat.check()
+        if ctx.session is None:
+            ctx.session = Session(self.store.engine, expire_on_commit=False)
+        try:
+            yield ctx.session
+            ctx.session.flush()
+        except BaseException:
+            ctx.session.rollback()
+            raise
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Return this task's exact delivery outcome counts across all processes."""
+        return self.store.outcome_counts(self.name)
+
+
+def _rollback(ctx: RunContext) -> None:
+    if ctx.session is not None:
+        ctx.session.rollback()
+        ctx.session.close()
+        ctx.session = None
+
+
+KeyFunction = Callable[..., str]

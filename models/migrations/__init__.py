@@ -1,0 +1,1 @@
+"""Alembic migrations for Oncelery's tables; applied by `oncelery db upgrade`."""

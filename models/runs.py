@@ -1,0 +1,134 @@
+"""Tables of the claim engine: one row per (task, key), its step checkpoints, and delivery outcome counts."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    CheckConstraint,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from models.base import Base, BigId, Json
+
+
+class RunStatus(enum.Enum):
+    """Lifecycle of a run: RUNNING (claimed, lease live or expired) -> COMPLETED | FAILED."""
+
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+class Outcome(enum.Enum):
+    """What one delivery of a message ended as; every delivery records exactly one (G7)."""
+
+    EXECUTED = "executed"
+    REPLAYED = "replayed"
+    RESUMED = "resumed"
+    IN_PROGRESS = "in_progress"
+    CONFLICT = "conflict"
+    STALE = "stale"
+    LEASE_LOST = "lease_lost"
+    FAILED = "failed"
+    DEAD = "dead"
+
+
+def _enum(cls: type[enum.Enum], name: str) -> Enum:
+    # Stored as VARCHAR + CHECK on every dialect (native_enum=False): adding a value later is a
+    # CHECK change, not an ALTER TYPE that PostgreSQL cannot run inside a transaction.
+    return Enum(
+        cls,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+    )
+
+
+class TaskRun(Base):
+    """One row per (task_name, idempotency_key): the claim, its lease and fencing token, and the result."""
+
+    __tablename__ = "task_runs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    task_name: Mapped[str] = mapped_column(String(255), nullable=False)
+    idempotency_key: Mapped[str] = mapped_column(String(255), nullable=False)
+    fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
+    # sha256 per fingerprinted argument, so a conflict can name the fields that differ.
+    field_digests: Mapped[dict[str, str]] = mapped_column(Json, nullable=False)
+    status: Mapped[RunStatus] = mapped_column(_enum(RunStatus, "run_status"), nullable=False)
+    fencing_token: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    # Random per claim: with the token it makes a claim unique even if a crash loses a claim row.
+    owner: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    result: Mapped[Any] = mapped_column(Json, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text)
+    concurrency_key: Mapped[str | None] = mapped_column(String(255))
+    # What is needed to re-enqueue a job whose message an embedded broker lost.
+    celery_task_id: Mapped[str | None] = mapped_column(String(255))
+    message: Mapped[Any] = mapped_column(Json, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        UniqueConstraint("task_name", "idempotency_key"),
+        CheckConstraint("fencing_token >= 1", name="token_positive"),
+        # One RUNNING run per entity: enforced by the database, not by a lock in Python.
+        Index(
+            "uq_task_runs_running_concurrency_key",
+            "concurrency_key",
+            unique=True,
+            postgresql_where=text("status = 'RUNNING'"),
+            sqlite_where=text("status = 'RUNNING'"),
+        ),
+        Index("ix_task_runs_status_updated_at", "status", "updated_at"),
+    )
+
+
+class StepResult(Base):
+    """A checkpointed step of a run: replayed instead of re-executed on a later attempt (G4)."""
+
+    __tablename__ = "step_results"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(BigId, ForeignKey("task_runs.id", ondelete="CASCADE"), nullable=False)
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    step_name: Mapped[str] = mapped_column(String(255), nullable=False)
+    result: Mapped[Any] = mapped_column(Json, nullable=True)
+    token: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+
+    __table_args__ = (UniqueConstraint("run_id", "position"),)
+
+
+class DeliveryOutcome(Base):
+    """Exact per-task count of delivery outcomes, incremented in the transaction that decides each one."""
+
+    __tablename__ = "delivery_outcomes"
+
+    task_name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    outcome: Mapped[Outcome] = mapped_column(_enum(Outcome, "outcome"), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)

@@ -1,0 +1,1 @@
+"""Oncelery's AI jobs and pipelines, built on the `idempotency` framework."""

@@ -1,0 +1,8 @@
+"""The Celery app of Oncelery's jobs, configured by `celeryconfig` (environment + embedded defaults)."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+app = Celery("oncelery", include=["tasks.demo"])
+app.config_from_object("celeryconfig")
