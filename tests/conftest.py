@@ -1,0 +1,100 @@
+"""Fixtures: one contract suite over SQLite and PostgreSQL, a real Redis broker, in-process workers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from idempotency.db import dispose_engines, get_engine
+from models.migrate import upgrade
+from tests import services
+
+ORDERED_TABLES = ["step_results", "delivery_outcomes", "task_runs", "test_effects", "test_executions"]
+
+
+@pytest.fixture(scope="session")
+def pg_session_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, migrated to head."""
+    services.need("PostgreSQL", services.postgres_available(), "start it (see README: Services)")
+    services.recreate_pg_database()
+    url = services.pg_url()
+    engine = get_engine(url)
+    upgrade(engine)
+    services.test_metadata.create_all(engine)
+    yield url
+    dispose_engines()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The claims database URL, once per store: a fresh SQLite file, and a truncated PostgreSQL database."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'claims.db'}"
+        engine = get_engine(url)
+        upgrade(engine)
+        services.test_metadata.create_all(engine)
+        yield url
+        engine.dispose()
+        return
+    url = request.getfixturevalue("pg_session_url")
+    engine = get_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE " + ", ".join(ORDERED_TABLES) + " RESTART IDENTITY CASCADE"))
+    yield url
+
+
+@pytest.fixture
+def db_engine(db_url: str) -> Engine:
+    """This process's engine for `db_url`."""
+    return get_engine(db_url)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The test Redis URL (a dedicated logical database), required in CI."""
+    services.need("Redis", services.redis_available(), "start redis-server (see README: Services)")
+    return services.REDIS_URL
+
+
+@pytest.fixture
+def app(db_url: str, redis_url: str) -> Celery:
+    """A Celery app on the real Redis broker, a unique queue, and `db_url` as the claims database."""
+    celery_app = Celery(f"test-{os.getpid()}")
+    celery_app.conf.update(
+        broker_url=redis_url,
+        result_backend=redis_url,
+        oncelery_database_url=db_url,
+        task_default_queue=services.unique_queue(),
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    return celery_app
+
+
+@contextmanager
+def running_worker(app: Celery, concurrency: int = 4, pool: str = "threads") -> Iterator[Any]:
+    """Run a real in-process Celery worker consuming `app`'s queue until the block exits."""
+    app.finalize()
+    with start_worker(app, concurrency=concurrency, pool=pool, perform_ping_check=False, shutdown_timeout=30) as worker:
+        yield worker
+
+
+@pytest.fixture
+def worker_factory() -> Any:
+    """Return `running_worker`, so tests can start a worker after defining their tasks."""
+    return running_worker

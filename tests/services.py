@@ -1,0 +1,127 @@
+"""Real-service addresses for the tests, and the rule: skip locally without a service, fail in CI."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, text
+from sqlalchemy.engine import Engine, make_url
+
+PG_ADMIN_URL = os.environ.get("ONCELERY_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+PG_TEST_DB = os.environ.get("ONCELERY_TEST_PG_DB", "oncelery_test")
+REDIS_URL = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need(service: str, reachable: bool, how: str) -> None:
+    """Skip the test when `service` is unreachable locally; fail it in CI, where it must be there."""
+    if reachable:
+        return
+    msg = f"{service} is not reachable: {how}"
+    if IN_CI:
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Return whether a TCP connect to host:port succeeds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pg_url() -> str:
+    """Return the URL of the (session-wide) PostgreSQL test database."""
+    return make_url(PG_ADMIN_URL).set(database=PG_TEST_DB).render_as_string(hide_password=False)
+
+
+def redis_available() -> bool:
+    """Return whether the test Redis answers."""
+    u = make_url(REDIS_URL.replace("redis://", "redis+x://", 1))
+    return port_open(u.host or "127.0.0.1", u.port or 6379)
+
+
+def postgres_available() -> bool:
+    """Return whether the PostgreSQL server answers."""
+    u = make_url(PG_ADMIN_URL)
+    return port_open(u.host or "127.0.0.1", u.port or 5432)
+
+
+def recreate_pg_database() -> None:
+    """Drop and create the PostgreSQL test database (fresh schema every test session)."""
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"
+            ),
+            {"d": PG_TEST_DB},
+        )
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{PG_TEST_DB}"'))
+        conn.execute(text(f'CREATE DATABASE "{PG_TEST_DB}"'))
+    admin.dispose()
+
+
+# Test-only tables: effects written through `self.effects()`, and executions counted outside any
+# transaction of the run (so a rolled-back zombie still shows it ran).
+test_metadata = MetaData()
+effects_table = Table(
+    "test_effects",
+    test_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+)
+executions_table = Table(
+    "test_executions",
+    test_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+)
+
+
+def count_rows(engine: Engine, table: Table, key: str | None = None) -> int:
+    """Return how many rows `table` has (for `key`, if given)."""
+    stmt = f"SELECT COUNT(*) FROM {table.name}" + (" WHERE key = :k" if key is not None else "")
+    with engine.connect() as conn:
+        return int(conn.execute(text(stmt), {"k": key}).scalar_one())
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05, what: str = "") -> Any:
+    """Poll `predicate` until it returns a truthy value or `timeout` passes (then fail, naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def unique_queue() -> str:
+    """Return a queue name no other test uses (so leftover messages never cross tests)."""
+    return f"oncelery-test-{uuid.uuid4().hex[:12]}"
+
+
+def redis_cli(*args: str) -> str:
+    """Run redis-cli against the test Redis and return its output."""
+    u = make_url(REDIS_URL.replace("redis://", "redis+x://", 1))
+    out = subprocess.run(
+        ["redis-cli", "-h", u.host or "127.0.0.1", "-p", str(u.port or 6379), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return out.stdout.strip()
