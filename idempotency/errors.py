@@ -11,21 +11,22 @@ class OnceleryError(Exception):
     def __init__(self, message: str = "", **fields: Any) -> None:
         super().__init__(message)
         self.message = message
-        self.fields = fields
+        # Extra fields are also attributes (e.g. IdempotencyConflict.fields is the differing names).
+        self.context = dict(fields)
         for name, value in fields.items():
             setattr(self, name, value)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Celery pickles exceptions between pool processes and into result backends; rebuilding from
         # (message, **fields) keeps subclasses with extra fields intact (Exception's default drops them).
-        return (_rebuild, (type(self), self.message, self.fields))
+        return (_rebuild, (type(self), self.message, self.context))
 
     def __str__(self) -> str:
         return self.message
 
 
-def _rebuild(cls: type[OnceleryError], message: str, fields: dict[str, Any]) -> OnceleryError:
-    return cls(message, **fields)
+def _rebuild(cls: type[OnceleryError], message: str, context: dict[str, Any]) -> OnceleryError:
+    return cls(message, **context)
 
 
 class ConfigurationError(OnceleryError):

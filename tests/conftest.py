@@ -66,7 +66,7 @@ def redis_url() -> str:
 
 
 @pytest.fixture
-def app(db_url: str, redis_url: str) -> Celery:
+def app(db_url: str, redis_url: str) -> Iterator[Celery]:
     """A Celery app on the real Redis broker, a unique queue, and `db_url` as the claims database."""
     celery_app = Celery(f"test-{os.getpid()}")
     celery_app.conf.update(
@@ -83,7 +83,20 @@ def app(db_url: str, redis_url: str) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
-    return celery_app
+    yield celery_app
+    close_app(celery_app)
+
+
+def close_app(celery_app: Celery) -> None:
+    """Close the app's broker pool and result-backend sockets (unclosed sockets are errors here)."""
+    backend = celery_app.__dict__.get("backend")
+    client = getattr(backend, "client", None)
+    if client is not None:
+        client.close()
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            pool.disconnect()
+    celery_app.close()
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from sqlalchemy import insert
 from idempotency import IdempotencyConflict, IdempotentTask, ResultNotJSON
 from idempotency.store import RunStore
 from models import RunStatus
-from tests.services import count_rows, effects_table, wait_for
+from tests.services import count_rows, effects_table
 
 
 def test_duplicate_deliveries_run_the_body_once(app: Celery, worker_factory: Any, db_url: str) -> None:
@@ -155,3 +155,71 @@ def test_user_retry_marks_run_failed_so_the_retry_takes_over(app: Celery, worker
         assert once_retry.delay(3).get(timeout=60) == "done"
     assert seen == [0, 1]
     assert Retry is not None
+
+
+def test_fifty_threads_delivering_one_key_run_the_body_once(app: Celery, db_url: str) -> None:
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_race", idempotency_key="race:{n}")
+    def racy(self: IdempotentTask, n: int) -> dict[str, int]:
+        with lock:
+            calls.append(n)
+        time.sleep(0.2)  # widen the window in which the other 49 arrive
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=f"race:{n}", pid=0))
+        return {"n": n, "calls": len(calls)}
+
+    app.finalize()
+    barrier = threading.Barrier(50)
+    results: list[Any] = []
+
+    def deliver() -> None:
+        barrier.wait()
+        results.append(racy(5))
+
+    threads = [threading.Thread(target=deliver) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+    assert calls == [5]
+    assert len(results) == 50 and all(r == {"n": 5, "calls": 1} for r in results)
+    assert count_rows(RunStore(db_url).engine, effects_table, "race:5") == 1
+    assert racy.outcome_counts() == {"executed": 1, "replayed": 49}
+
+
+def test_per_call_key_reaches_the_worker_and_survives_retry(app: Celery, worker_factory: Any, db_url: str) -> None:
+    seen: list[str] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_callkey", max_retries=2)
+    def charge(self: IdempotentTask, amount: int) -> int:
+        seen.append(self.request.headers["oncelery_key"])
+        if len(seen) == 1:
+            raise self.retry(countdown=0.1)
+        return amount
+
+    with worker_factory(app):
+        assert charge.apply_async((10,), idempotency_key="client-key-1").get(timeout=60) == 10
+        # Same client key, same payload, sent again later: answered from the stored result.
+        assert charge.apply_async((10,), idempotency_key="client-key-1").get(timeout=60) == 10
+    assert seen == ["client-key-1", "client-key-1"]
+    run = RunStore(db_url).get("oncelery.t_callkey", "client-key-1")
+    assert run is not None and run.status is RunStatus.COMPLETED and run.attempts == 2
+
+
+def test_effects_roll_back_when_the_body_fails(app: Celery, db_url: str) -> None:
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_rollback", idempotency_key="rb:{n}")
+    def half_done(self: IdempotentTask, n: int) -> int:
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key="rb", pid=0))
+        raise ValueError("model returned garbage")
+
+    app.finalize()
+    with pytest.raises(ValueError):
+        half_done(1)
+    store = RunStore(db_url)
+    assert count_rows(store.engine, effects_table, "rb") == 0
+    run = store.get("oncelery.t_rollback", "rb:1")
+    assert run is not None and run.status is RunStatus.FAILED and "garbage" in (run.error or "")

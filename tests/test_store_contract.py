@@ -1,0 +1,189 @@
+"""The claim protocol's contract, run against every store (SQLite and PostgreSQL), with real races."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import insert, text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from idempotency import LeaseLost
+from idempotency.keys import Identity
+from idempotency.store import Claim, Decision, RunStore
+from models import RunStatus, TaskRun
+from tests.services import count_rows, effects_table, wait_for
+
+TASK = "oncelery.contract"
+
+
+def ident(key: str = "k1", payload: str = "p") -> Identity:
+    return Identity(key=key, fingerprint="fp-" + payload, field_digests={"text": "d-" + payload})
+
+
+def race(n: int, fn: Callable[[], Any]) -> list[Any]:
+    """Run `fn` in `n` threads released together by a Barrier; return results (exceptions re-raised)."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def expire_lease(store: RunStore, claim: Claim) -> None:
+    """Move a lease into the past by the database clock (as if its holder froze)."""
+    with store.engine.begin() as conn:
+        past = "datetime('now', '-60 seconds')" if store.engine.dialect.name == "sqlite" else "now() - interval '60 s'"
+        conn.execute(text(f"UPDATE task_runs SET lease_expires_at = {past} WHERE id = :id"), {"id": claim.run_id})
+
+
+def test_fifty_racing_claims_yield_exactly_one_holder(db_url: str) -> None:
+    store = RunStore(db_url)
+    outcomes = race(50, lambda: store.claim(TASK, ident(), lease=30))
+    winners = [o for o in outcomes if o.decision is Decision.CLAIMED]
+    assert len(winners) == 1
+    assert all(o.decision is Decision.IN_PROGRESS for o in outcomes if o not in winners)
+    assert winners[0].claim.token == 1
+
+
+def test_live_lease_is_not_taken_over_and_expired_one_is_with_a_new_token(db_url: str) -> None:
+    store = RunStore(db_url)
+    first = store.claim(TASK, ident(), lease=30).claim
+    assert first is not None
+    assert store.claim(TASK, ident(), lease=30).decision is Decision.IN_PROGRESS
+    expire_lease(store, first)
+    second = store.claim(TASK, ident(), lease=30)
+    assert second.decision is Decision.CLAIMED and second.claim is not None
+    assert second.claim.token == 2 and second.claim.takeover and second.claim.owner != first.owner
+
+
+def test_racing_takeovers_of_an_expired_lease_yield_one_holder(db_url: str) -> None:
+    store = RunStore(db_url)
+    first = store.claim(TASK, ident(), lease=30).claim
+    assert first is not None
+    expire_lease(store, first)
+    outcomes = race(20, lambda: store.claim(TASK, ident(), lease=30))
+    winners = [o.claim for o in outcomes if o.decision is Decision.CLAIMED]
+    assert len(winners) == 1 and winners[0].token == 2
+
+
+def test_zombie_cannot_heartbeat_complete_or_commit_effects(db_url: str) -> None:
+    store = RunStore(db_url)
+    zombie = store.claim(TASK, ident(), lease=30).claim
+    assert zombie is not None
+    expire_lease(store, zombie)
+    taker = store.claim(TASK, ident(), lease=30).claim
+    assert taker is not None
+    assert store.heartbeat(zombie) is False
+    session = Session(store.engine)
+    session.execute(insert(effects_table).values(key="zombie", pid=1))
+    with pytest.raises(LeaseLost, match="stale"):
+        store.complete(zombie, {"by": "zombie"}, session)
+    assert count_rows(store.engine, effects_table, "zombie") == 0
+    assert store.fail(zombie, "late failure") is False
+    store.complete(taker, {"by": "taker"})
+    run = store.get(TASK, "k1")
+    assert run is not None and run.status is RunStatus.COMPLETED and run.result == {"by": "taker"} and run.token == 2
+
+
+def test_heartbeat_extends_the_lease_by_the_database_clock(db_url: str) -> None:
+    store = RunStore(db_url)
+    claim = store.claim(TASK, ident(), lease=2).claim
+    assert claim is not None
+    started = time.monotonic()
+    while time.monotonic() - started < 3:  # renew for longer than one lease period
+        assert store.heartbeat(claim)
+        assert store.claim(TASK, ident(), lease=2).decision is Decision.IN_PROGRESS
+        time.sleep(0.3)
+    # Without renewals the lease runs out (database clock) and a new claimant takes over.
+    taken = wait_for(lambda: store.claim(TASK, ident(), lease=2).claim, timeout=30, what="lease expiry")
+    assert taken.token == 2
+
+
+def test_failed_run_is_taken_over_and_completed_run_replays(db_url: str) -> None:
+    store = RunStore(db_url)
+    claim = store.claim(TASK, ident(), lease=30).claim
+    assert claim is not None
+    assert store.fail(claim, "boom")
+    again = store.claim(TASK, ident(), lease=30)
+    assert again.decision is Decision.CLAIMED and again.claim is not None and again.claim.attempts == 2
+    store.complete(again.claim, [1, 2, 3])
+    done = store.claim(TASK, ident(), lease=30)
+    assert done.decision is Decision.COMPLETED and done.run is not None and done.run.result == [1, 2, 3]
+
+
+def test_different_fingerprint_is_a_conflict_in_every_state(db_url: str) -> None:
+    store = RunStore(db_url)
+    claim = store.claim(TASK, ident(payload="a"), lease=30).claim
+    assert claim is not None
+    assert store.claim(TASK, ident(payload="b"), lease=30).decision is Decision.CONFLICT
+    store.fail(claim, "x")
+    assert store.claim(TASK, ident(payload="b"), lease=30).decision is Decision.CONFLICT
+    retry = store.claim(TASK, ident(payload="a"), lease=30).claim
+    assert retry is not None
+    store.complete(retry, "ok")
+    res = store.claim(TASK, ident(payload="b"), lease=30)
+    assert res.decision is Decision.CONFLICT and res.run is not None and res.run.result == "ok"
+
+
+def test_one_running_run_per_entity_is_enforced_by_the_partial_unique_index(db_url: str) -> None:
+    store = RunStore(db_url)
+    keys = [f"job-{i}" for i in range(10)]
+    results = race(10, lambda: store.claim(TASK, ident(keys.pop()), lease=30, concurrency_key="article:1"))
+    winners = [r.claim for r in results if r.decision is Decision.CLAIMED]
+    assert len(winners) == 1
+    assert sum(r.decision is Decision.ENTITY_BUSY for r in results) == 9
+    store.complete(winners[0], "first")
+    # The entity is free once the holder is not RUNNING.
+    assert store.claim(TASK, ident("job-next"), lease=30, concurrency_key="article:1").decision is Decision.CLAIMED
+    # Even a raw INSERT that bypasses the store cannot make a second RUNNING run for the entity.
+    with store.engine.begin() as conn, pytest.raises(IntegrityError, match=r"(?i)unique"):
+        conn.execute(
+            insert(TaskRun).values(
+                task_name=TASK,
+                idempotency_key="job-y",
+                fingerprint="f",
+                field_digests={},
+                status=RunStatus.RUNNING,
+                fencing_token=1,
+                attempts=1,
+                concurrency_key="article:1",
+            )
+        )
+
+
+def test_status_check_constraint_rejects_unknown_status(db_url: str) -> None:
+    store = RunStore(db_url)
+    with store.engine.begin() as conn, pytest.raises(IntegrityError, match=r"(?i)check"):
+        conn.execute(
+            text(
+                "INSERT INTO task_runs (task_name, idempotency_key, fingerprint, field_digests, status, "
+                "fencing_token, attempts) VALUES ('t', 'k', 'f', '{}', 'WEIRD', 1, 1)"
+            )
+        )
+
+
+def test_outcome_counts_are_exact_under_concurrency(db_url: str) -> None:
+    from models import Outcome
+
+    store = RunStore(db_url)
+    race(20, lambda: store.record_outcome(TASK, Outcome.REPLAYED))
+    assert store.outcome_counts(TASK) == {"replayed": 20}
