@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy import Connection, CursorResult, Table, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -41,8 +41,13 @@ from models import DeliveryOutcome, Outcome, RunStatus, TaskRun
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
-_RUNS = TaskRun.__table__
-_OUTCOMES = DeliveryOutcome.__table__
+_RUNS = cast(Table, TaskRun.__table__)
+_OUTCOMES = cast(Table, DeliveryOutcome.__table__)
+
+
+def _rowcount(result: Any) -> int:
+    # DML results are CursorResults on both Connection and Session; Session's stub says Result.
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 class Decision(Enum):
@@ -271,7 +276,7 @@ class RunStore:
             .values(lease_expires_at=db_now_plus(self.engine, claim.lease))
         )
         with self._txn() as conn:
-            return conn.execute(stmt).rowcount == 1
+            return _rowcount(conn.execute(stmt)) == 1
 
     def check_txn(self, conn: Connection | Session, claim: Claim) -> None:
         """Raise LeaseLost unless `claim` still holds its run (inside the caller's transaction)."""
@@ -293,7 +298,7 @@ class RunStore:
                 lease_expires_at=None,
             )
         )
-        if conn.execute(stmt).rowcount != 1:
+        if _rowcount(conn.execute(stmt)) != 1:
             raise _lease_lost(claim)
         self.record_outcome_txn(conn, claim.task_name, Outcome.EXECUTED)
 
@@ -320,7 +325,7 @@ class RunStore:
             .values(status=RunStatus.FAILED, error=error[:10_000], updated_at=now, lease_expires_at=None)
         )
         with self._txn() as conn:
-            ok = conn.execute(stmt).rowcount == 1
+            ok = _rowcount(conn.execute(stmt)) == 1
             self.record_outcome_txn(conn, claim.task_name, outcome if ok else Outcome.LEASE_LOST)
         return ok
 
