@@ -25,7 +25,7 @@ from idempotency.errors import (
     IdempotencyConflict,
     InProgress,
     LeaseLost,
-    ResultNotJSON,
+    StoreError,
     StoreUnavailable,
 )
 from idempotency.heartbeat import Heartbeat
@@ -94,9 +94,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"{self.name}: on_in_progress={self.on_in_progress!r}; choose one of {IN_PROGRESS_POLICIES}"
             )
         if not isinstance(self.lease, int | float) or self.lease < MIN_LEASE_SECONDS:
-            raise ConfigurationError(
-                f"{self.name}: lease={self.lease!r}; give seconds >= {MIN_LEASE_SECONDS}"
-            )
+            raise ConfigurationError(f"{self.name}: lease={self.lease!r}; give seconds >= {MIN_LEASE_SECONDS}")
         if self.name and (self.name.startswith("tasks.") or "." not in self.name):
             logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
         _ = self._keys, self._concurrency_keys
@@ -210,9 +208,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 store.record_outcome(self.name, Outcome.IN_PROGRESS)
                 return self._send_again(None)
             if time.monotonic() > deadline:
-                raise InProgress(
-                    f"{self.name}[{ident.key}] still held after {DIRECT_WAIT_TIMEOUT}s", key=ident.key
-                )
+                raise InProgress(f"{self.name}[{ident.key}] still held after {DIRECT_WAIT_TIMEOUT}s", key=ident.key)
             # A direct caller has no broker to re-deliver it: poll the database clock's verdict.
             time.sleep(wait_backoff(waited, base=0.02, cap=0.5))
             waited += 1
@@ -252,39 +248,49 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             try:
                 result = self.run(*args, **kwargs)
-                hb.stop()
                 hb.check()
                 encoded = encode_result(result, f"The result of {self.name}[{claim.key}]")
                 store.complete(claim, encoded, ctx.session)
             finally:
+                # Stopped only after the commit: on SQLite a renewal may wait for the effects
+                # transaction's write lock, which the commit releases (joining first would deadlock).
                 hb.stop()
         except LeaseLost:
             _rollback(ctx)
             store.record_outcome(self.name, Outcome.LEASE_LOST)
-            logger.warning(
-                "lease lost for %s[%s] token=%d: writes rolled back", self.name, claim.key, claim.token
-            )
+            logger.warning("lease lost for %s[%s] token=%d: writes rolled back", self.name, claim.key, claim.token)
             if direct:
                 raise
             # Re-deliver: the next delivery replays the new holder's result, or runs the job if the claim
             # itself was lost (e.g. a database crash) — never a silent drop.
             return self._send_again(None)
+        except StoreUnavailable as exc:
+            _rollback(ctx)
+            if direct:
+                raise
+            # Nothing committed; the run stays RUNNING until its lease expires, then a re-delivery takes it.
+            logger.warning("claims database unavailable finishing %s[%s]: %s", self.name, claim.key, exc)
+            return self._send_again(exc)
         except Retry:
             _rollback(ctx)
-            store.fail(claim, "retry requested: " + traceback.format_exc(limit=5))
-            raise
-        except ResultNotJSON as exc:
-            _rollback(ctx)
-            store.fail(claim, str(exc))
+            self._record_failure(store, claim, "retry requested: " + traceback.format_exc(limit=5))
             raise
         except BaseException as exc:
             _rollback(ctx)
-            store.fail(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
+            self._record_failure(store, claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
             raise
         finally:
             if getattr(self.request, _RUN_ATTR, None) is ctx:
                 setattr(self.request, _RUN_ATTR, None)
         return encoded
+
+    def _record_failure(self, store: RunStore, claim: Claim, error: str) -> None:
+        # The body's exception is what Celery must see; a database error recording it must not mask it.
+        # If the record is lost, the run stays RUNNING until its lease expires and is then taken over.
+        try:
+            store.fail(claim, error)
+        except StoreError as exc:
+            logger.error("could not record failure of %s[%s]: %s", self.name, claim.key, exc)
 
     # -- inside the body -------------------------------------------------------------------------
 
