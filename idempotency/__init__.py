@@ -11,6 +11,7 @@ from idempotency.errors import (
     PayloadNotJSON,
     ResultNotJSON,
     SchemaMissing,
+    StepMismatch,
     StoreError,
     StoreUnavailable,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "PayloadNotJSON",
     "ResultNotJSON",
     "SchemaMissing",
+    "StepMismatch",
     "StoreError",
     "StoreUnavailable",
 ]

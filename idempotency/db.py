@@ -6,9 +6,9 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import create_engine, event, func, text
+from sqlalchemy import CursorResult, create_engine, event, func, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.sql.elements import ColumnElement
@@ -135,9 +135,7 @@ def translate_error(exc: BaseException, url: str) -> BaseException:
         return exc
     msg = str(exc.orig if exc.orig is not None else exc).lower()
     safe_url = make_url(url).render_as_string(hide_password=True)
-    if isinstance(exc, (OperationalError, ProgrammingError)) and any(
-        m in msg for m in _MISSING_TABLE_MARKERS
-    ):
+    if isinstance(exc, (OperationalError, ProgrammingError)) and any(m in msg for m in _MISSING_TABLE_MARKERS):
         return SchemaMissing(
             f"Oncelery's tables are missing in {safe_url}: run `oncelery db upgrade` "
             f"(with ONCELERY_DATABASE_URL set to this database) to create them",
@@ -158,6 +156,11 @@ def translated(url: str) -> Iterator[None]:
         if mapped is exc:
             raise
         raise mapped from exc
+
+
+def rowcount(result: Any) -> int:
+    """Return the rows a DML statement matched (Session's stubs type its results as plain Result)."""
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 def ping(engine: Engine) -> None:

@@ -61,6 +61,10 @@ class ResultNotJSON(OnceleryError):
     """Raised when a task's result or a step's result cannot be stored as JSON; nothing is committed."""
 
 
+class StepMismatch(OnceleryError):
+    """Raised when a step's name differs from the checkpoint at its position (the pipeline code changed)."""
+
+
 class StoreError(OnceleryError):
     """Root of the errors about the database behind the claims."""
 

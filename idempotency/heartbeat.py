@@ -21,9 +21,7 @@ class Heartbeat:
         self.interval = claim.lease / HEARTBEATS_PER_LEASE
         self.lost = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, name=f"oncelery-heartbeat-{claim.run_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name=f"oncelery-heartbeat-{claim.run_id}", daemon=True)
 
     def start(self) -> Heartbeat:
         """Start renewing in a daemon thread (a thread, so a frozen process also stops renewing)."""

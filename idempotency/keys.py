@@ -80,9 +80,7 @@ class KeyBuilder:
                 )
         self.fields: tuple[str, ...] | None = tuple(fields) if fields is not None else None
         if isinstance(key, str):
-            names = {
-                name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(key) if name
-            }
+            names = {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(key) if name}
             unknown = sorted(n for n in names if n not in params)
             if unknown or any(n == "" or n.isdigit() for n in names):
                 raise ConfigurationError(
@@ -103,9 +101,7 @@ class KeyBuilder:
         bound.apply_defaults()
         return {name: _jsonable(value) for name, value in bound.arguments.items()}
 
-    def identity(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], explicit_key: str | None = None
-    ) -> Identity:
+    def identity(self, args: Sequence[Any], kwargs: Mapping[str, Any], explicit_key: str | None = None) -> Identity:
         """Return the key (explicit, template, callable, or content-addressed) and fingerprint of a call."""
         arguments = self.bind(args, kwargs)
         chosen = arguments if self.fields is None else {f: arguments[f] for f in self.fields}

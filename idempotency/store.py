@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, cast
 
-from sqlalchemy import Connection, CursorResult, Table, and_, func, or_, select, update
+from sqlalchemy import Connection, Table, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from idempotency.db import db_now, db_now_plus, get_engine, translated
+from idempotency.db import db_now, db_now_plus, get_engine, rowcount, translated
 from idempotency.errors import LeaseLost, ResultNotJSON, StoreError
 from idempotency.keys import Identity
 from models import DeliveryOutcome, Outcome, RunStatus, TaskRun
@@ -43,11 +43,6 @@ from models import DeliveryOutcome, Outcome, RunStatus, TaskRun
 _MAX_CLAIM_ROUNDS = 8
 _RUNS = cast(Table, TaskRun.__table__)
 _OUTCOMES = cast(Table, DeliveryOutcome.__table__)
-
-
-def _rowcount(result: Any) -> int:
-    # DML results are CursorResults on both Connection and Session; Session's stub says Result.
-    return int(cast(CursorResult[Any], result).rowcount)
 
 
 class Decision(Enum):
@@ -124,6 +119,17 @@ class RunStore:
         """This process's engine for the store's database."""
         return get_engine(self.url)
 
+    @property
+    def runs(self) -> Table:
+        """The task_runs table."""
+        return _RUNS
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A transaction on the store's database; driver errors become typed store errors."""
+        with self._txn() as conn:
+            yield conn
+
     @contextmanager
     def _txn(self) -> Iterator[Connection]:
         with translated(self.url), self.engine.begin() as conn:
@@ -150,13 +156,9 @@ class RunStore:
         for _ in range(_MAX_CLAIM_ROUNDS):
             owner = uuid.uuid4().hex
             try:
-                claim = self._insert_claim(
-                    task_name, ident, lease, owner, concurrency_key, celery_task_id, message
-                )
+                claim = self._insert_claim(task_name, ident, lease, owner, concurrency_key, celery_task_id, message)
                 if claim is None:
-                    claim = self._takeover(
-                        task_name, ident, lease, owner, concurrency_key, celery_task_id, message
-                    )
+                    claim = self._takeover(task_name, ident, lease, owner, concurrency_key, celery_task_id, message)
             except IntegrityError:
                 # The partial unique index refused a second RUNNING run for this entity.
                 return ClaimResult(Decision.ENTITY_BUSY)
@@ -172,9 +174,7 @@ class RunStore:
             if run.status is RunStatus.RUNNING and run.lease_live:
                 return ClaimResult(Decision.IN_PROGRESS, run=run)
             # FAILED or expired after our takeover statement looked: take it on the next round.
-        raise StoreError(
-            f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds"
-        )
+        raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
 
     def _insert_claim(
         self,
@@ -253,13 +253,12 @@ class RunStore:
             row = conn.execute(stmt).first()
         if row is None:
             return None
-        return Claim(
-            row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, takeover=True
-        )
+        return Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, takeover=True)
 
     # -- holder's writes (all fenced) ----------------------------------------------------------------
 
-    def _fenced(self, claim: Claim) -> Any:
+    def fenced(self, claim: Claim) -> Any:
+        """The WHERE clause every write of a holder carries: its run, token and owner, still RUNNING."""
         c = _RUNS.c
         return and_(
             c.id == claim.run_id,
@@ -270,26 +269,24 @@ class RunStore:
 
     def heartbeat(self, claim: Claim) -> bool:
         """Extend the lease by `claim.lease` from now (database clock) iff the claim is still ours."""
-        stmt = (
-            update(_RUNS)
-            .where(self._fenced(claim))
-            .values(lease_expires_at=db_now_plus(self.engine, claim.lease))
-        )
+        stmt = update(_RUNS).where(self.fenced(claim)).values(lease_expires_at=db_now_plus(self.engine, claim.lease))
         with self._txn() as conn:
-            return _rowcount(conn.execute(stmt)) == 1
+            return rowcount(conn.execute(stmt)) == 1
 
     def check_txn(self, conn: Connection | Session, claim: Claim) -> None:
         """Raise LeaseLost unless `claim` still holds its run (inside the caller's transaction)."""
-        row = conn.execute(select(_RUNS.c.id).where(self._fenced(claim))).first()
+        row = conn.execute(select(_RUNS.c.id).where(self.fenced(claim))).first()
         if row is None:
             raise _lease_lost(claim)
 
-    def complete_txn(self, conn: Connection | Session, claim: Claim, result: Any) -> None:
+    def complete_txn(
+        self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED
+    ) -> None:
         """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write)."""
         now = db_now(self.engine)
         stmt = (
             update(_RUNS)
-            .where(self._fenced(claim))
+            .where(self.fenced(claim))
             .values(
                 status=RunStatus.COMPLETED,
                 result=result,
@@ -298,19 +295,21 @@ class RunStore:
                 lease_expires_at=None,
             )
         )
-        if _rowcount(conn.execute(stmt)) != 1:
+        if rowcount(conn.execute(stmt)) != 1:
             raise _lease_lost(claim)
-        self.record_outcome_txn(conn, claim.task_name, Outcome.EXECUTED)
+        self.record_outcome_txn(conn, claim.task_name, outcome)
 
-    def complete(self, claim: Claim, result: Any, session: Session | None = None) -> None:
+    def complete(
+        self, claim: Claim, result: Any, session: Session | None = None, outcome: Outcome = Outcome.EXECUTED
+    ) -> None:
         """Commit the run's completion (and `session`'s pending effects) atomically, fenced by the token."""
         if session is None:
             with self._txn() as conn:
-                self.complete_txn(conn, claim, result)
+                self.complete_txn(conn, claim, result, outcome)
             return
         with translated(self.url):
             try:
-                self.complete_txn(session, claim, result)
+                self.complete_txn(session, claim, result, outcome)
                 session.commit()
             except BaseException:
                 session.rollback()
@@ -321,11 +320,11 @@ class RunStore:
         now = db_now(self.engine)
         stmt = (
             update(_RUNS)
-            .where(self._fenced(claim))
+            .where(self.fenced(claim))
             .values(status=RunStatus.FAILED, error=error[:10_000], updated_at=now, lease_expires_at=None)
         )
         with self._txn() as conn:
-            ok = _rowcount(conn.execute(stmt)) == 1
+            ok = rowcount(conn.execute(stmt)) == 1
             self.record_outcome_txn(conn, claim.task_name, outcome if ok else Outcome.LEASE_LOST)
         return ok
 
@@ -335,9 +334,7 @@ class RunStore:
         """Return the run for (task, key), with whether its lease is live by the database clock."""
         c = _RUNS.c
         live = and_(c.lease_expires_at.is_not(None), c.lease_expires_at >= db_now(self.engine))
-        stmt = select(_RUNS, live.label("lease_live")).where(
-            c.task_name == task_name, c.idempotency_key == key
-        )
+        stmt = select(_RUNS, live.label("lease_live")).where(c.task_name == task_name, c.idempotency_key == key)
         with translated(self.url), self.engine.connect() as conn:
             row = conn.execute(stmt).first()
         if row is None:
@@ -359,11 +356,7 @@ class RunStore:
 
     def record_outcome_txn(self, conn: Connection | Session, task_name: str, outcome: Outcome) -> None:
         """Count one delivery outcome inside the caller's transaction (exact across processes)."""
-        ins = (
-            postgresql.insert(_OUTCOMES)
-            if self.engine.dialect.name == "postgresql"
-            else sqlite.insert(_OUTCOMES)
-        )
+        ins = postgresql.insert(_OUTCOMES) if self.engine.dialect.name == "postgresql" else sqlite.insert(_OUTCOMES)
         stmt = ins.values(task_name=task_name, outcome=outcome, count=1).on_conflict_do_update(
             index_elements=["task_name", "outcome"], set_={"count": _OUTCOMES.c.count + 1}
         )

@@ -11,7 +11,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -40,6 +40,7 @@ from idempotency.settings import (
     WAIT_BACKOFF_CAP,
     OnceleryConfig,
 )
+from idempotency.steps import StepRunner, load_checkpoints, step_seed
 from idempotency.store import Claim, ClaimResult, Decision, RunStore, encode_result
 from models import Outcome
 
@@ -51,12 +52,12 @@ _RUN_ATTR = "oncelery_run"
 
 @dataclass
 class RunContext:
-    """The live claim of the run executing on this thread, with its heartbeat and effects session."""
+    """The live claim of the run executing on this thread: heartbeat, step runner, effects session."""
 
     claim: Claim
     heartbeat: Heartbeat
+    steps: StepRunner
     session: Session | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def wait_backoff(waits: int, base: float = WAIT_BACKOFF_BASE, cap: float = WAIT_BACKOFF_CAP) -> float:
@@ -80,6 +81,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     on_in_progress: str = "retry"
     #: Optional template/callable: at most one RUNNING run per entity (a partial unique index).
     concurrency_key: KeySpec = None
+    #: Optional number of steps, reported as "total" in the PROGRESS state Flower shows.
+    total_steps: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -242,15 +245,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self, store: RunStore, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool
     ) -> Any:
         logger.info("claimed %s[%s] token=%d attempt=%d", self.name, claim.key, claim.token, claim.attempts)
+        # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
+        checkpoints = load_checkpoints(store, claim.run_id) if claim.takeover else []
         hb = Heartbeat(store, claim).start()
-        ctx = RunContext(claim, hb)
+        ctx = RunContext(claim, hb, StepRunner(store, claim, checkpoints))
         setattr(self.request, _RUN_ATTR, ctx)
         try:
             try:
                 result = self.run(*args, **kwargs)
                 hb.check()
                 encoded = encode_result(result, f"The result of {self.name}[{claim.key}]")
-                store.complete(claim, encoded, ctx.session)
+                outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
+                store.complete(claim, encoded, ctx.session, outcome)
             finally:
                 # Stopped only after the commit: on SQLite a renewal may wait for the effects
                 # transaction's write lock, which the commit releases (joining first would deadlock).
@@ -300,6 +306,48 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if ctx is None:
             raise ConfigurationError(f"{self.name}: effects()/step() can only be used inside the task body")
         return ctx
+
+    def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(*args, **kwargs)` once per run: checkpoint its JSON result, replay it on later attempts.
+
+        If `fn` takes a `seed` argument it receives the step's deterministic seed (sha256 of task, key, step).
+        """
+        ctx = self.run_context()
+        ctx.heartbeat.check()
+        if ctx.session is not None:
+            raise ConfigurationError(
+                f"{self.name}: step {name!r} called after effects(); effects commit with the run's completion, "
+                f"so run every step() first and open effects() last"
+            )
+        self._report_progress(ctx, name)
+        return ctx.steps.run(name, fn, args, kwargs)
+
+    def step_seed(self, name: str) -> int:
+        """Return the deterministic seed of step `name` for the current run (same in every process)."""
+        ctx = self.run_context()
+        return step_seed(self.name, ctx.claim.key, name)
+
+    @property
+    def seed(self) -> int:
+        """The current run's deterministic seed: sha256 of task name and key (never Python's salted hash())."""
+        return self.step_seed("")
+
+    def _report_progress(self, ctx: RunContext, name: str) -> None:
+        req = self.request
+        if req.called_directly or not req.id or self.ignore_result:
+            return
+        meta = {
+            "step": name,
+            "position": ctx.steps.position,
+            "total": self.total_steps,
+            "replayed": list(ctx.steps.replayed),
+            "key": ctx.claim.key,
+            "token": ctx.claim.token,
+        }
+        try:
+            self.update_state(state="PROGRESS", meta=meta)
+        except Exception as exc:  # progress is informative; a backend hiccup must not fail the job
+            logger.debug("progress update failed for %s: %s", ctx.claim.key, exc)
 
     @contextmanager
     def effects(self) -> Iterator[Session]:

@@ -32,6 +32,7 @@ def pg_session_url() -> Iterator[str]:
     services.test_metadata.create_all(engine)
     yield url
     dispose_engines()
+    services.drop_pg_database()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

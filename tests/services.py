@@ -15,7 +15,8 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, 
 from sqlalchemy.engine import Engine, make_url
 
 PG_ADMIN_URL = os.environ.get("ONCELERY_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-PG_TEST_DB = os.environ.get("ONCELERY_TEST_PG_DB", "oncelery_test")
+# One database per test session (inherited by worker subprocesses), so concurrent sessions never collide.
+PG_TEST_DB = os.environ.setdefault("ONCELERY_TEST_PG_DB", f"oncelery_test_{os.getpid()}")
 REDIS_URL = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -54,6 +55,14 @@ def postgres_available() -> bool:
     """Return whether the PostgreSQL server answers."""
     u = make_url(PG_ADMIN_URL)
     return port_open(u.host or "127.0.0.1", u.port or 5432)
+
+
+def drop_pg_database() -> None:
+    """Drop the session's PostgreSQL test database."""
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{PG_TEST_DB}" WITH (FORCE)'))
+    admin.dispose()
 
 
 def recreate_pg_database() -> None:

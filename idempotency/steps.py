@@ -1,0 +1,126 @@
+"""Per-step checkpoints (G4): a step's JSON result is stored once, fenced by the token, and replayed after.
+
+A run's steps are identified by position *and* name: replaying changed pipeline code (a different name
+at a position) raises StepMismatch instead of returning another step's cached result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Connection, Table, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from idempotency.db import db_now_plus, rowcount
+from idempotency.errors import LeaseLost, StepMismatch
+from idempotency.store import Claim, RunStore, encode_result
+from models import StepResult
+
+_STEPS = cast(Table, StepResult.__table__)
+SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)
+
+
+def step_seed(task_name: str, key: str, step: str) -> int:
+    """Return the step's deterministic seed: sha256(task, key, step) — equal in every process and retry."""
+    digest = hashlib.sha256(f"{task_name}\x00{key}\x00{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (1 << SEED_BITS)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A stored step: its position, name and JSON result."""
+
+    position: int
+    name: str
+    result: Any
+
+
+def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
+    """Return the run's stored steps in position order."""
+    c = _STEPS.c
+    stmt = select(c.position, c.step_name, c.result).where(c.run_id == run_id).order_by(c.position)
+    with store.engine.connect() as conn:
+        return [Checkpoint(p, n, r) for p, n, r in conn.execute(stmt)]
+
+
+def save_checkpoint_txn(conn: Connection, store: RunStore, claim: Claim, position: int, name: str, result: Any) -> None:
+    """Store a step in the caller's transaction iff `claim` still holds the run, renewing its lease.
+
+    The fenced UPDATE both proves the claim and row-locks the run (PostgreSQL; SQLite's writer lock
+    serialises it), so a takeover waits for this checkpoint to commit instead of racing it.
+    """
+    renewed = conn.execute(
+        update(store.runs).where(store.fenced(claim)).values(lease_expires_at=db_now_plus(store.engine, claim.lease))
+    )
+    if rowcount(renewed) != 1:
+        raise LeaseLost(
+            f"{claim.task_name}[{claim.key}]: step {name!r} not saved — token {claim.token} was taken over",
+            task_name=claim.task_name,
+            key=claim.key,
+            token=claim.token,
+        )
+    conn.execute(
+        insert(_STEPS).values(run_id=claim.run_id, position=position, step_name=name, result=result, token=claim.token)
+    )
+
+
+class StepRunner:
+    """Executes or replays the named steps of one run, in order."""
+
+    def __init__(self, store: RunStore, claim: Claim, checkpoints: list[Checkpoint]) -> None:
+        self.store = store
+        self.claim = claim
+        self.checkpoints = checkpoints
+        self.position = 0
+        self.replayed: list[str] = []
+        self.executed: list[str] = []
+
+    def seed(self, name: str) -> int:
+        """The deterministic seed of step `name` in this run."""
+        return step_seed(self.claim.task_name, self.claim.key, name)
+
+    def run(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Return the step's stored result if checkpointed, else execute `fn` and checkpoint its result."""
+        position = self.position
+        self.position += 1
+        if position < len(self.checkpoints):
+            stored = self.checkpoints[position]
+            if stored.name != name:
+                raise StepMismatch(
+                    f"{self.claim.task_name}[{self.claim.key}]: step {position} is {name!r} in this code but "
+                    f"{stored.name!r} in the checkpoint — the pipeline changed between attempts; use a new "
+                    f"key (bump the version) to run the new code",
+                    position=position,
+                    expected=stored.name,
+                    found=name,
+                )
+            self.replayed.append(name)
+            return stored.result
+        if _accepts_seed(fn) and "seed" not in kwargs:
+            kwargs = {**kwargs, "seed": self.seed(name)}
+        result = encode_result(fn(*args, **kwargs), f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
+        try:
+            with self.store.transaction() as conn:
+                save_checkpoint_txn(conn, self.store, self.claim, position, name, result)
+        except IntegrityError as exc:
+            # Another holder saved this position: ours is stale by definition.
+            raise LeaseLost(
+                f"{self.claim.task_name}[{self.claim.key}]: step {position} already saved by another holder",
+                task_name=self.claim.task_name,
+                key=self.claim.key,
+                token=self.claim.token,
+            ) from exc
+        self.executed.append(name)
+        return result
+
+
+def _accepts_seed(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "seed" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
