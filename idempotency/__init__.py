@@ -15,6 +15,8 @@ from idempotency.errors import (
     StoreError,
     StoreUnavailable,
 )
+from idempotency.pipeline import pipeline
+from idempotency.steps import step_seed
 from idempotency.task import IdempotentTask
 
 __all__ = [
@@ -32,4 +34,6 @@ __all__ = [
     "StepMismatch",
     "StoreError",
     "StoreUnavailable",
+    "pipeline",
+    "step_seed",
 ]

@@ -22,6 +22,7 @@ DEFAULT_DATA_DIR = ".oncelery"
 # `request.headers` and across `retry()`.
 HEADER_KEY = "oncelery_key"
 HEADER_WAITS = "oncelery_waits"
+HEADER_PIPELINE = "oncelery_pipeline"
 
 MAX_KEY_LENGTH = 255  # the width of task_runs.idempotency_key
 DEFAULT_LEASE_SECONDS = 60.0

@@ -1,0 +1,263 @@
+"""G4 resume-don't-redo: step checkpoints, seeds, StepMismatch, progress, chain pipelines, entity locks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import func, select
+
+from idempotency import IdempotentTask, LeaseLost, ResultNotJSON, StepMismatch, pipeline, step_seed
+from idempotency.keys import Identity
+from idempotency.steps import StepRunner, load_checkpoints
+from idempotency.store import RunStore
+from models import RunStatus, TaskRun
+from tests.services import wait_for
+from tests.test_store_contract import expire_lease
+
+
+def test_retry_replays_finished_steps_and_executes_only_the_failed_one(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    calls: Counter[str] = Counter()
+
+    def work(name: str, value: str) -> str:
+        calls[name] += 1
+        if name == "score" and calls[name] == 1:
+            raise RuntimeError("model timed out")
+        return f"{name}({value})"
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_steps",
+        idempotency_key="doc:{doc}",
+        autoretry_for=(RuntimeError,),
+        retry_kwargs={"max_retries": 2, "countdown": 0.1},
+    )
+    def three_steps(self: IdempotentTask, doc: str) -> str:
+        a = self.step("summarize", work, "summarize", doc)
+        b = self.step("keywords", work, "keywords", a)
+        return str(self.step("score", work, "score", b))
+
+    with worker_factory(app):
+        assert three_steps.delay("d").get(timeout=60) == "score(keywords(summarize(d)))"
+
+    assert calls == {"summarize": 1, "keywords": 1, "score": 2}
+    store = RunStore(db_url)
+    run = store.get("oncelery.t_steps", "doc:d")
+    assert run is not None and run.status is RunStatus.COMPLETED and run.token == 2
+    assert [c.name for c in load_checkpoints(store, run.run_id)] == ["summarize", "keywords", "score"]
+    assert three_steps.outcome_counts() == {"failed": 1, "resumed": 1}
+
+
+def test_changed_step_order_raises_step_mismatch_and_run_stays_failed(app: Celery, db_url: str) -> None:
+    order = ["extract", "summarize"]
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_mismatch", idempotency_key="m:{n}")
+    def evolving(self: IdempotentTask, n: int) -> list[str]:
+        out = [self.step(name, str.upper, name) for name in order]
+        if order[0] == "extract":
+            raise RuntimeError("first attempt dies after its steps")
+        return out
+
+    app.finalize()
+    with pytest.raises(RuntimeError):
+        evolving(1)
+    order.reverse()  # the code changed between attempts
+    with pytest.raises(StepMismatch, match="'summarize' in this code but 'extract' in the checkpoint"):
+        evolving(1)
+    run = RunStore(db_url).get("oncelery.t_mismatch", "m:1")
+    assert run is not None and run.status is RunStatus.FAILED and "StepMismatch" in (run.error or "")
+
+
+def test_stale_holder_cannot_write_a_step(db_url: str) -> None:
+    store = RunStore(db_url)
+    zombie = store.claim("oncelery.t_stale", Identity("s", "f", {}), lease=30).claim
+    assert zombie is not None
+    expire_lease(store, zombie)
+    taker = store.claim("oncelery.t_stale", Identity("s", "f", {}), lease=30).claim
+    assert taker is not None and taker.token == 2
+    calls: list[int] = []
+    with pytest.raises(LeaseLost):
+        StepRunner(store, zombie, []).run("summarize", lambda: calls.append(1) or "x", (), {})
+    assert load_checkpoints(store, zombie.run_id) == []
+    assert StepRunner(store, taker, []).run("summarize", lambda: "y", (), {}) == "y"
+    assert [c.result for c in load_checkpoints(store, taker.run_id)] == ["y"]
+
+
+def test_non_json_step_result_is_refused_at_the_step(app: Celery, db_url: str) -> None:
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_step_json", idempotency_key="j:{n}")
+    def bad(self: IdempotentTask, n: int) -> None:
+        self.step("embed", lambda: {"vector": {1.0, 2.0}})
+
+    app.finalize()
+    with pytest.raises(ResultNotJSON, match="Step 'embed'"):
+        bad(1)
+    store = RunStore(db_url)
+    run = store.get("oncelery.t_step_json", "j:1")
+    assert run is not None and load_checkpoints(store, run.run_id) == []
+
+
+def test_step_seed_is_passed_to_fn_and_equal_across_processes(app: Celery) -> None:
+    seeds: list[int] = []
+
+    def sample(text: str, seed: int) -> int:
+        seeds.append(seed)
+        return seed
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_seed", idempotency_key="seed:{n}")
+    def seeded(self: IdempotentTask, n: int) -> int:
+        return int(self.step("generate", sample, "t"))
+
+    app.finalize()
+    value = seeded(1)
+    code = "from idempotency import step_seed; print(step_seed('oncelery.t_seed', 'seed:1', 'generate'))"
+    others = [
+        int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout)
+        for _ in range(2)
+    ]
+    assert seeds == [value] and others == [value, value]
+    assert value == step_seed("oncelery.t_seed", "seed:1", "generate")
+    assert step_seed("oncelery.t_seed", "seed:1", "other") != value
+
+
+def test_progress_state_shows_step_and_replayed_steps(app: Celery, worker_factory: Any) -> None:
+    gate = threading.Event()
+    attempt: list[int] = []
+
+    def first(x: int) -> int:
+        return x + 1
+
+    def blocking(x: int) -> int:
+        if not attempt:
+            attempt.append(1)
+            raise RuntimeError("fail once so the next attempt replays 'first'")
+        gate.wait(60)
+        return x * 2
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_progress",
+        idempotency_key="p:{x}",
+        total_steps=2,
+        autoretry_for=(RuntimeError,),
+        retry_kwargs={"max_retries": 2, "countdown": 0.1},
+    )
+    def progressing(self: IdempotentTask, x: int) -> int:
+        y = self.step("first", first, x)
+        return int(self.step("second", blocking, y))
+
+    with worker_factory(app):
+        res = progressing.delay(3)
+        info = wait_for(
+            lambda: res.state == "PROGRESS" and res.info.get("replayed") == ["first"] and res.info,
+            timeout=60,
+            what="PROGRESS with a replayed step",
+        )
+        gate.set()
+        assert res.get(timeout=60) == 8
+    assert info["step"] == "second" and info["position"] == 1 and info["total"] == 2
+
+
+def test_chain_pipeline_resumes_from_the_failed_link(app: Celery, worker_factory: Any, db_url: str) -> None:
+    calls: Counter[str] = Counter()
+    broken = [True]
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_link_summarize")
+    def summarize(self: IdempotentTask, text: str) -> str:
+        calls["summarize"] += 1
+        return text[:20]
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_link_keywords")
+    def keywords(self: IdempotentTask, summary: str) -> list[str]:
+        calls["keywords"] += 1
+        return sorted(set(summary.lower().split()))
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_link_score",
+        autoretry_for=(RuntimeError,),
+        retry_kwargs={"max_retries": 1, "countdown": 0.1},
+    )
+    def score(self: IdempotentTask, words: list[str]) -> dict[str, Any]:
+        calls["score"] += 1
+        if broken[0]:
+            raise RuntimeError("scoring model down")
+        return {"words": words, "n": len(words)}
+
+    text = "The quick brown fox jumps over the lazy dog"
+    with worker_factory(app):
+        with pytest.raises(RuntimeError):
+            pipeline("article:42:v3", summarize.s(text), keywords.s(), score.s()).delay().get(timeout=60)
+        assert calls == {"summarize": 1, "keywords": 1, "score": 2}  # score: first try + 1 retry
+        broken[0] = False
+        result = pipeline("article:42:v3", summarize.s(text), keywords.s(), score.s()).delay().get(timeout=60)
+        # A fresh, never-failed pipeline under another key gives the same answer.
+        reference = pipeline("article:43:v1", summarize.s(text), keywords.s(), score.s()).delay().get(timeout=60)
+
+    assert result == reference == {"words": ["brown", "fox", "quick", "the"], "n": 4}
+    assert calls == {"summarize": 2, "keywords": 2, "score": 4}  # 1 each for the re-run pipeline: only the reference
+    store = RunStore(db_url)
+    for position, name in enumerate(["summarize", "keywords", "score"]):
+        run = store.get(f"oncelery.t_link_{name}", f"article:42:v3/{position}:oncelery.t_link_{name}")
+        assert run is not None and run.status is RunStatus.COMPLETED
+    assert summarize.outcome_counts() == {"executed": 2, "replayed": 1}
+
+
+def test_one_running_job_per_entity(app: Celery, worker_factory: Any, db_url: str) -> None:
+    store = RunStore(db_url)
+    running_seen: list[int] = []
+    started = Counter[str]()
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_entity",
+        idempotency_key="article:{article_id}:v{version}",
+        concurrency_key="article:{article_id}",
+    )
+    def rescore(self: IdempotentTask, article_id: str, version: int) -> int:
+        started[str(version)] += 1
+        time.sleep(1.0)
+        return version
+
+    def sample() -> None:
+        stmt = select(func.count()).where(TaskRun.concurrency_key == "article:9", TaskRun.status == RunStatus.RUNNING)
+        with store.engine.connect() as conn:
+            running_seen.append(int(conn.execute(stmt).scalar_one()))
+
+    with worker_factory(app, concurrency=4):
+        barrier = threading.Barrier(2)
+        results: dict[int, Any] = {}
+
+        def send(version: int) -> None:
+            barrier.wait()
+            results[version] = rescore.delay("9", version)
+
+        threads = [threading.Thread(target=send, args=(v,)) for v in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        while not all(r.ready() for r in results.values()):
+            sample()
+            time.sleep(0.02)
+        assert sorted(r.get(timeout=60) for r in results.values()) == [1, 2]
+
+    assert max(running_seen) == 1  # never both RUNNING
+    assert started == {"1": 1, "2": 1}
+    assert json.dumps(rescore.outcome_counts(), sort_keys=True).count("in_progress") == 1
