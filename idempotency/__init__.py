@@ -16,7 +16,7 @@ from idempotency.errors import (
     StoreUnavailable,
 )
 from idempotency.pipeline import pipeline
-from idempotency.steps import step_seed
+from idempotency.steps import StepInfo, current_step, step_seed
 from idempotency.task import IdempotentTask
 
 __all__ = [
@@ -31,9 +31,11 @@ __all__ = [
     "PayloadNotJSON",
     "ResultNotJSON",
     "SchemaMissing",
+    "StepInfo",
     "StepMismatch",
     "StoreError",
     "StoreUnavailable",
+    "current_step",
     "pipeline",
     "step_seed",
 ]

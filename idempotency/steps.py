@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, insert, select, update
+from sqlalchemy import Connection, Table, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from idempotency.db import db_now_plus, rowcount
@@ -32,22 +34,55 @@ def step_seed(task_name: str, key: str, step: str) -> int:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A stored step: its position, name and JSON result."""
+    """A stored step: its position, name, JSON result and what produced it (meta)."""
 
     position: int
     name: str
     result: Any
+    meta: Any = None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The step executing on this thread: what an LLM client needs to write its cost ledger."""
+
+    task_name: str
+    key: str
+    run_id: int
+    token: int
+    name: str
+    position: int
+    seed: int
+
+
+_current: ContextVar[StepInfo | None] = ContextVar("oncelery_current_step", default=None)
+
+
+def current_step() -> StepInfo | None:
+    """Return the step executing in this context (None outside a step)."""
+    return _current.get()
+
+
+@contextmanager
+def _in_step(info: StepInfo) -> Iterator[None]:
+    token = _current.set(info)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
     """Return the run's stored steps in position order."""
     c = _STEPS.c
-    stmt = select(c.position, c.step_name, c.result).where(c.run_id == run_id).order_by(c.position)
+    stmt = select(c.position, c.step_name, c.result, c.meta).where(c.run_id == run_id).order_by(c.position)
     with store.engine.connect() as conn:
-        return [Checkpoint(p, n, r) for p, n, r in conn.execute(stmt)]
+        return [Checkpoint(p, n, r, m) for p, n, r, m in conn.execute(stmt)]
 
 
-def save_checkpoint_txn(conn: Connection, store: RunStore, claim: Claim, position: int, name: str, result: Any) -> None:
+def save_checkpoint_txn(
+    conn: Connection, store: RunStore, claim: Claim, position: int, name: str, result: Any, meta: Any = None
+) -> None:
     """Store a step in the caller's transaction iff `claim` still holds the run, renewing its lease.
 
     The fenced UPDATE both proves the claim and row-locks the run (PostgreSQL; SQLite's writer lock
@@ -63,8 +98,13 @@ def save_checkpoint_txn(conn: Connection, store: RunStore, claim: Claim, positio
             key=claim.key,
             token=claim.token,
         )
+    # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.
+    c = _STEPS.c
+    conn.execute(delete(_STEPS).where(c.run_id == claim.run_id, c.position >= position))
     conn.execute(
-        insert(_STEPS).values(run_id=claim.run_id, position=position, step_name=name, result=result, token=claim.token)
+        insert(_STEPS).values(
+            run_id=claim.run_id, position=position, step_name=name, result=result, meta=meta, token=claim.token
+        )
     )
 
 
@@ -83,11 +123,25 @@ class StepRunner:
         """The deterministic seed of step `name` in this run."""
         return step_seed(self.claim.task_name, self.claim.key, name)
 
-    def run(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Return the step's stored result if checkpointed, else execute `fn` and checkpoint its result."""
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        meta: Any = None,
+        rerun_on_change: bool = False,
+    ) -> Any:
+        """Return the step's stored result if checkpointed, else execute `fn` and checkpoint its result.
+
+        `meta` (JSON) describes what produces the result (model, prompt hash...): a checkpoint whose meta
+        differs raises StepMismatch, or is re-executed (with later steps) when `rerun_on_change`.
+        """
+        meta = encode_result(meta, f"The meta of step {name!r}") if meta is not None else None
         position = self.position
         self.position += 1
-        if position < len(self.checkpoints):
+        replay = position < len(self.checkpoints)
+        if replay:
             stored = self.checkpoints[position]
             if stored.name != name:
                 raise StepMismatch(
@@ -98,14 +152,34 @@ class StepRunner:
                     expected=stored.name,
                     found=name,
                 )
-            self.replayed.append(name)
-            return stored.result
+            if meta is None or stored.meta == meta:
+                self.replayed.append(name)
+                return stored.result
+            if not rerun_on_change:
+                changed = sorted(
+                    k for k in set(meta) | set(stored.meta or {}) if (stored.meta or {}).get(k) != meta.get(k)
+                )
+                raise StepMismatch(
+                    f"{self.claim.task_name}[{self.claim.key}]: step {name!r} was checkpointed with different "
+                    f"inputs ({', '.join(changed)} changed); refusing to replay another model's or prompt's "
+                    f"answer — use a new key, or declare the step rerun_on_change=True",
+                    position=position,
+                    expected=name,
+                    found=name,
+                    changed=changed,
+                )
+            # Everything from here on was computed from the stale result: forget it.
+            del self.checkpoints[position:]
+        seed = self.seed(name)
         if _accepts_seed(fn) and "seed" not in kwargs:
-            kwargs = {**kwargs, "seed": self.seed(name)}
-        result = encode_result(fn(*args, **kwargs), f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
+            kwargs = {**kwargs, "seed": seed}
+        info = StepInfo(self.claim.task_name, self.claim.key, self.claim.run_id, self.claim.token, name, position, seed)
+        with _in_step(info):
+            value = fn(*args, **kwargs)
+        result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
         try:
             with self.store.transaction() as conn:
-                save_checkpoint_txn(conn, self.store, self.claim, position, name, result)
+                save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta)
         except IntegrityError as exc:
             # Another holder saved this position: ours is stale by definition.
             raise LeaseLost(

@@ -307,10 +307,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise ConfigurationError(f"{self.name}: effects()/step() can only be used inside the task body")
         return ctx
 
-    def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        step_meta: dict[str, Any] | None = None,
+        rerun_on_change: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         """Run `fn(*args, **kwargs)` once per run: checkpoint its JSON result, replay it on later attempts.
 
         If `fn` takes a `seed` argument it receives the step's deterministic seed (sha256 of task, key, step).
+        `step_meta` (model, prompt hash...) is stored with the checkpoint; replaying under different meta
+        raises StepMismatch, or re-executes the step when `rerun_on_change=True`.
         """
         ctx = self.run_context()
         ctx.heartbeat.check()
@@ -320,7 +331,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"so run every step() first and open effects() last"
             )
         self._report_progress(ctx, name)
-        return ctx.steps.run(name, fn, args, kwargs)
+        return ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
 
     def step_seed(self, name: str) -> int:
         """Return the deterministic seed of step `name` for the current run (same in every process)."""

@@ -116,6 +116,9 @@ class StepResult(Base):
     position: Mapped[int] = mapped_column(Integer, nullable=False)
     step_name: Mapped[str] = mapped_column(String(255), nullable=False)
     result: Mapped[Any] = mapped_column(Json, nullable=True)
+    # What produced the result (model, version, seed, temperature, prompt hash): a replay with different
+    # inputs is refused or re-run, never answered from another model's checkpoint.
+    meta: Mapped[Any] = mapped_column(Json, nullable=True)
     token: Mapped[int] = mapped_column(Integer, nullable=False)
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()

@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import func, select
 
-from idempotency import IdempotentTask, LeaseLost, ResultNotJSON, StepMismatch, pipeline, step_seed
+from idempotency import IdempotentTask, LeaseLost, ResultNotJSON, StepMismatch, current_step, pipeline, step_seed
 from idempotency.keys import Identity
 from idempotency.steps import StepRunner, load_checkpoints
 from idempotency.store import RunStore
@@ -261,3 +261,52 @@ def test_one_running_job_per_entity(app: Celery, worker_factory: Any, db_url: st
     assert max(running_seen) == 1  # never both RUNNING
     assert started == {"1": 1, "2": 1}
     assert json.dumps(rescore.outcome_counts(), sort_keys=True).count("in_progress") == 1
+
+
+def test_step_meta_change_is_refused_or_rerun_with_later_steps(app: Celery, db_url: str) -> None:
+    model = {"model": "local-extractive", "version": "1", "prompt_hash": "abc"}
+    calls: Counter[str] = Counter()
+    fail = [True]
+    rerun = [False]
+    seen_steps: list[tuple[str, int]] = []
+
+    def generate(text: str, seed: int) -> str:
+        info = current_step()
+        assert info is not None
+        seen_steps.append((info.name, info.position))
+        calls["generate"] += 1
+        return f"{model['version']}:{text}"
+
+    def polish(text: str) -> str:
+        calls["polish"] += 1
+        return text + "!"
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_meta", idempotency_key="meta:{n}")
+    def job(self: IdempotentTask, n: int) -> str:
+        draft = self.step("generate", generate, "t", step_meta=dict(model), rerun_on_change=rerun[0])
+        first = self.step("polish", polish, draft)
+        if fail[0]:
+            raise RuntimeError("dies after both checkpoints")
+        return str(first)
+
+    app.finalize()
+    with pytest.raises(RuntimeError):
+        job(1)
+    assert calls == {"generate": 1, "polish": 1}
+    fail[0] = False
+    model["version"] = "2"  # the model changed between attempts
+    with pytest.raises(StepMismatch, match="version changed"):
+        job(1)
+    rerun[0] = True
+    assert job(1) == "2:t!"
+    # generate re-ran under the new model and polish, which consumed its old output, re-ran too.
+    assert calls == {"generate": 2, "polish": 2}
+    assert seen_steps == [("generate", 0), ("generate", 0)]
+    store = RunStore(db_url)
+    run = store.get("oncelery.t_meta", "meta:1")
+    assert run is not None
+    assert [(c.name, c.meta["version"] if c.meta else None) for c in load_checkpoints(store, run.run_id)] == [
+        ("generate", "2"),
+        ("polish", None),
+    ]
+    assert current_step() is None

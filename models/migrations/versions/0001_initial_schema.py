@@ -46,9 +46,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "task_runs",
-        sa.Column(
-            "id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False
-        ),
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
         sa.Column("task_name", sa.String(length=255), nullable=False),
         sa.Column("idempotency_key", sa.String(length=255), nullable=False),
         sa.Column("fingerprint", sa.String(length=64), nullable=False),
@@ -90,9 +88,7 @@ def upgrade() -> None:
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
         sa.CheckConstraint("fencing_token >= 1", name=op.f("ck_task_runs_token_positive")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_task_runs")),
-        sa.UniqueConstraint(
-            "task_name", "idempotency_key", name=op.f("uq_task_runs_task_name_idempotency_key")
-        ),
+        sa.UniqueConstraint("task_name", "idempotency_key", name=op.f("uq_task_runs_task_name_idempotency_key")),
     )
     with op.batch_alter_table("task_runs", schema=None) as batch_op:
         batch_op.create_index("ix_task_runs_status_updated_at", ["status", "updated_at"], unique=False)
@@ -106,13 +102,12 @@ def upgrade() -> None:
 
     op.create_table(
         "step_results",
-        sa.Column(
-            "id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False
-        ),
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), autoincrement=True, nullable=False),
         sa.Column("run_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("position", sa.Integer(), nullable=False),
         sa.Column("step_name", sa.String(length=255), nullable=False),
         sa.Column("result", sa.JSON(), nullable=True),
+        sa.Column("meta", sa.JSON(), nullable=True),
         sa.Column("token", sa.Integer(), nullable=False),
         sa.Column(
             "created_at",
