@@ -333,6 +333,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self._report_progress(ctx, name)
         return ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
 
+    @property
+    def run_id(self) -> int:
+        """The id of the task_runs row this delivery holds (e.g. for a `generated_by_run_id` column)."""
+        return self.run_context().claim.run_id
+
     def step_seed(self, name: str) -> int:
         """Return the deterministic seed of step `name` for the current run (same in every process)."""
         ctx = self.run_context()

@@ -18,7 +18,15 @@ from idempotency.db import dispose_engines, get_engine
 from models.migrate import upgrade
 from tests import services
 
-ORDERED_TABLES = ["step_results", "delivery_outcomes", "task_runs", "test_effects", "test_executions"]
+ORDERED_TABLES = [
+    "article_scores",
+    "llm_calls",
+    "step_results",
+    "delivery_outcomes",
+    "task_runs",
+    "test_effects",
+    "test_executions",
+]
 
 
 @pytest.fixture(scope="session")
