@@ -53,6 +53,7 @@ class StepInfo:
     name: str
     position: int
     seed: int
+    database_url: str
 
 
 _current: ContextVar[StepInfo | None] = ContextVar("oncelery_current_step", default=None)
@@ -173,7 +174,16 @@ class StepRunner:
         seed = self.seed(name)
         if _accepts_seed(fn) and "seed" not in kwargs:
             kwargs = {**kwargs, "seed": seed}
-        info = StepInfo(self.claim.task_name, self.claim.key, self.claim.run_id, self.claim.token, name, position, seed)
+        info = StepInfo(
+            self.claim.task_name,
+            self.claim.key,
+            self.claim.run_id,
+            self.claim.token,
+            name,
+            position,
+            seed,
+            self.store.url,
+        )
         with _in_step(info):
             value = fn(*args, **kwargs)
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
