@@ -82,7 +82,14 @@ def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
 
 
 def save_checkpoint_txn(
-    conn: Connection, store: RunStore, claim: Claim, position: int, name: str, result: Any, meta: Any = None
+    conn: Connection,
+    store: RunStore,
+    claim: Claim,
+    position: int,
+    name: str,
+    result: Any,
+    meta: Any = None,
+    supersede: bool = False,
 ) -> None:
     """Store a step in the caller's transaction iff `claim` still holds the run, renewing its lease.
 
@@ -99,9 +106,9 @@ def save_checkpoint_txn(
             key=claim.key,
             token=claim.token,
         )
-    # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.
-    c = _STEPS.c
-    conn.execute(delete(_STEPS).where(c.run_id == claim.run_id, c.position >= position))
+    if supersede:
+        # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.
+        conn.execute(delete(_STEPS).where(_STEPS.c.run_id == claim.run_id, _STEPS.c.position >= position))
     conn.execute(
         insert(_STEPS).values(
             run_id=claim.run_id, position=position, step_name=name, result=result, meta=meta, token=claim.token
@@ -119,6 +126,7 @@ class StepRunner:
         self.position = 0
         self.replayed: list[str] = []
         self.executed: list[str] = []
+        self.superseded = False
 
     def seed(self, name: str) -> int:
         """The deterministic seed of step `name` in this run."""
@@ -171,6 +179,7 @@ class StepRunner:
                 )
             # Everything from here on was computed from the stale result: forget it.
             del self.checkpoints[position:]
+            self.superseded = True
         seed = self.seed(name)
         if _accepts_seed(fn) and "seed" not in kwargs:
             kwargs = {**kwargs, "seed": seed}
@@ -189,7 +198,8 @@ class StepRunner:
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
         try:
             with self.store.transaction() as conn:
-                save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta)
+                save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta, self.superseded)
+            self.superseded = False
         except IntegrityError as exc:
             # Another holder saved this position: ours is stale by definition.
             raise LeaseLost(

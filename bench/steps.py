@@ -1,0 +1,152 @@
+"""Benchmark: what a checkpointed step costs executed vs replayed, and what checkpoints save on retry.
+
+Run: python bench/steps.py [--database-url URL] [--steps 500]
+Figures go to docs/benchmarks.md. Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import event
+
+from idempotency import IdempotentTask
+from idempotency.db import get_engine
+from idempotency.keys import Identity
+from idempotency.steps import StepRunner, load_checkpoints
+from idempotency.store import RunStore
+from models.migrate import upgrade
+
+
+class StatementCounter:
+    """Counts SQL statements sent on an engine (database round trips)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.count = 0
+        event.listen(engine, "before_cursor_execute", self._on_execute)
+
+    def _on_execute(self, *_: Any) -> None:
+        self.count += 1
+
+
+def step_costs(url: str, n: int) -> dict[str, float]:
+    """Time n executed steps and n replayed steps of one run; count statements of each."""
+    store = RunStore(url)
+    counter = StatementCounter(store.engine)
+    claim = store.claim("bench.steps", Identity(f"bench-{time.time_ns()}", "f", {}), lease=600).claim
+    assert claim is not None
+    runner = StepRunner(store, claim, [])
+    executed: list[float] = []
+    before = counter.count
+    for i in range(n):
+        t0 = time.perf_counter()
+        runner.run(f"s{i}", lambda i=i: {"i": i}, (), {})
+        executed.append(time.perf_counter() - t0)
+    exec_statements = (counter.count - before) / n
+    # A later attempt: one query loads every checkpoint, then each step replays from memory.
+    before = counter.count
+    t0 = time.perf_counter()
+    checkpoints = load_checkpoints(store, claim.run_id)
+    load_s = time.perf_counter() - t0
+    load_statements = counter.count - before
+    replayer = StepRunner(store, claim, checkpoints)
+    replayed: list[float] = []
+    before = counter.count
+    for i in range(n):
+        t0 = time.perf_counter()
+        replayer.run(f"s{i}", lambda: None, (), {})
+        replayed.append(time.perf_counter() - t0)
+    return {
+        "executed_p50_us": statistics.median(executed) * 1e6,
+        "executed_statements": exec_statements,
+        "replayed_p50_us": statistics.median(replayed) * 1e6,
+        "replayed_statements": (counter.count - before) / n,
+        "load_all_checkpoints_us": load_s * 1e6,
+        "load_statements": float(load_statements),
+    }
+
+
+def retry_savings(url: str, steps: int = 5) -> dict[str, int]:
+    """Run a `steps`-step pipeline that fails at its last step once, with and without checkpoints."""
+    app = Celery("bench-steps")
+    app.conf.oncelery_database_url = url
+    calls: Counter[str] = Counter()
+    fail = [True]
+
+    def work(i: int, value: int) -> int:
+        calls[f"step{i}"] += 1
+        if i == steps - 1 and fail[0]:
+            fail[0] = False
+            raise RuntimeError("transient model error at the last step")
+        return value + i
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="bench.pipeline", idempotency_key="p:{n}")
+    def checkpointed(self: IdempotentTask, n: int) -> int:
+        value = n
+        for i in range(steps):
+            value = self.step(f"step{i}", work, i, value)
+        return value
+
+    app.finalize()
+    key = time.time_ns()
+    for _ in range(2):  # first attempt fails at the last step, the retry resumes
+        try:
+            checkpointed(key)
+            break
+        except RuntimeError:
+            continue
+    with_checkpoints = sum(calls.values())
+
+    calls.clear()
+    fail[0] = True
+
+    def plain(n: int) -> int:
+        value = n
+        for i in range(steps):
+            value = work(i, value)
+        return value
+
+    for _ in range(2):
+        try:
+            plain(key)
+            break
+        except RuntimeError:
+            continue
+    return {"steps": steps, "executions_with_checkpoints": with_checkpoints, "executions_without": sum(calls.values())}
+
+
+def main() -> None:
+    """Print the figures for SQLite and (if given) another database URL."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--database-url", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=500)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    urls = [f"sqlite:///{tmp / 'bench.db'}", *args.database_url]
+    for url in urls:
+        upgrade(get_engine(url))
+        costs = step_costs(url, args.steps)
+        savings = retry_savings(url)
+        name = get_engine(url).dialect.name
+        print(f"[{name}] step executed: p50 {costs['executed_p50_us']:.0f} us, {costs['executed_statements']:.1f} stmts")
+        print(f"[{name}] step replayed: p50 {costs['replayed_p50_us']:.1f} us, {costs['replayed_statements']:.1f} stmts")
+        print(
+            f"[{name}] loading all {args.steps} checkpoints on a retry: {costs['load_all_checkpoints_us']:.0f} us, "
+            f"{costs['load_statements']:.0f} statement(s)"
+        )
+        print(
+            f"[{name}] {savings['steps']}-step pipeline failing once at step {savings['steps']}: "
+            f"{savings['executions_with_checkpoints']} step executions with checkpoints, "
+            f"{savings['executions_without']} without"
+        )
+
+
+if __name__ == "__main__":
+    main()
