@@ -4,5 +4,5 @@ from __future__ import annotations
 
 from celery import Celery
 
-app = Celery("oncelery", include=["tasks.demo"])
+app = Celery("oncelery", include=["tasks.demo", "tasks.articles"])
 app.config_from_object("celeryconfig")
