@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,3 +311,12 @@ def test_step_meta_change_is_refused_or_rerun_with_later_steps(app: Celery, db_u
         ("polish", None),
     ]
     assert current_step() is None
+
+
+def test_runnable_example_resumes(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "resume.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert "step executions: {'summarize': 1, 'keywords': 1, 'score': 2}" in out
+    assert "conflict:" in out
