@@ -44,6 +44,11 @@ else:
         "data_folder_in": str(_queue_dir),
         "data_folder_out": str(_queue_dir),
         "store_processed": False,
+        # Fanout bindings (worker control, events) — kombu's default is ./control in the working directory.
+        "control_folder": str(_spool / "control"),
+        # kombu's virtual transport sleeps this long whenever the worker's prefetch window is full, so
+        # with prefetch 1 it caps throughput at concurrency/interval: the 1.0 s default gave ~2 jobs/s.
+        "polling_interval": 0.1,
     }
 
 # -- results -----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ _STEPS = StepResult.__table__
 _KEY_WIDTH = 48  # `runs list` shortens longer keys; `runs show` prints them whole
 _OWNER_WIDTH = 8
 
+
 class _OnceleryGroup(click.Group):
     """A group that turns Oncelery's and the driver's errors into a one-line message and exit code 1."""
 
@@ -100,9 +101,8 @@ def _cell(value: Any) -> str:
         return str(value.value)
     if isinstance(value, datetime):
         # Both dialects store UTC; PostgreSQL hands it back in the session's time zone.
-        if value.tzinfo is not None:
-            value = value.astimezone(UTC)
-        return value.strftime("%Y-%m-%d %H:%M:%S")
+        moment = value.astimezone(UTC) if value.tzinfo is not None else value
+        return moment.strftime("%Y-%m-%d %H:%M:%S")
     return str(value)
 
 
@@ -110,6 +110,10 @@ def _shorten(text: str | None, width: int) -> str | None:
     if text is None or len(text) <= width:
         return text
     return text[: width - 3] + "..."
+
+
+def _short_owner(owner: str | None) -> str | None:
+    return owner[:_OWNER_WIDTH] if owner else owner
 
 
 # -- db ------------------------------------------------------------------------------------------
@@ -201,8 +205,17 @@ def runs_list(ctx: click.Context, status: str | None, task_name: str | None, lim
     with translated(url), get_engine(url).connect() as conn:
         rows = conn.execute(stmt).all()
     table = [
-        (r.id, r.task_name, _shorten(r.idempotency_key, _KEY_WIDTH), r.status, r.fencing_token, r.attempts)
-        + (r.owner[:_OWNER_WIDTH] if r.owner else None, r.lease_expires_at, r.updated_at)
+        (
+            r.id,
+            r.task_name,
+            _shorten(r.idempotency_key, _KEY_WIDTH),
+            r.status,
+            r.fencing_token,
+            r.attempts,
+            _short_owner(r.owner),
+            r.lease_expires_at,
+            r.updated_at,
+        )
         for r in rows
     ]
     click.echo(format_table(_LIST_COLUMNS, table))

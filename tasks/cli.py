@@ -1,0 +1,263 @@
+"""The `oncelery` console script: the framework's commands, plus `demo` (the main job on sample documents)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import click
+from kombu.utils.url import maybe_sanitize_url
+from sqlalchemy import func, select
+
+from idempotency.cli import build_group, format_table, resolve_database_url, upgrade_database
+from idempotency.db import translated
+from idempotency.settings import ENV_DATABASE_URL, data_dir
+from idempotency.store import RunStore
+from models import Outcome, RunStatus, TaskRun
+from tasks.local_worker import LocalWorker
+
+# Outcomes that end a delivery. in_progress and lease_lost re-send the message, so they do not.
+_SETTLED = (
+    Outcome.EXECUTED,
+    Outcome.REPLAYED,
+    Outcome.RESUMED,
+    Outcome.CONFLICT,
+    Outcome.STALE,
+    Outcome.FAILED,
+    Outcome.DEAD,
+)
+_POLL_SECONDS = 0.1
+_PROGRESS_EVERY = 2.0  # seconds between progress lines when stdout is not a terminal
+
+_SUBJECTS = (
+    "The new model",
+    "Our support team",
+    "The quarterly report",
+    "A small startup",
+    "The city council",
+    "The research group",
+    "This short summary",
+    "The night shift",
+    "Our latest release",
+    "A careful reviewer",
+)
+_VERBS = ("explains", "improves", "questions", "describes", "reduces", "reviews", "compares", "predicts", "tracks")
+_OBJECTS = (
+    "the cost of shipping",
+    "response times across regions",
+    "how people read long articles",
+    "the risks of a late launch",
+    "energy use in older buildings",
+    "the tone of incoming emails",
+    "errors in scanned invoices",
+    "demand for electric bikes",
+    "the quality of translated manuals",
+    "traffic during the holidays",
+)
+_TAILS = (
+    "in plain words",
+    "with clear examples",
+    "after a long delay",
+    "for the first time",
+    "despite a tight budget",
+    "without extra staff",
+    "using public data",
+    "better than last year",
+)
+
+
+def sample_documents(count: int) -> list[tuple[str, str]]:
+    """Return `count` (doc_id, text) pairs of short English prose, the same on every run and machine."""
+    docs = []
+    for i in range(count):
+        rng = random.Random(f"oncelery-demo:{i}")  # str seeds are hashed with sha512: stable everywhere
+        sentences = [
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+            for _ in range(rng.randint(2, 5))
+        ]
+        docs.append((f"demo-{i:05d}", " ".join(sentences)))
+    return docs
+
+
+def plan_deliveries(count: int, duplicates: float) -> list[int]:
+    """Return the document indices to send, in order: each once, plus a second copy of a fraction of them."""
+    rng = random.Random(f"oncelery-demo-plan:{count}:{duplicates}")
+    slots = [(float(i), i) for i in range(count)]
+    for n, i in enumerate(rng.sample(range(count), round(count * duplicates))):
+        # Half follow their first copy at once (a double submit: it finds the run in progress and waits),
+        # half come later (a redelivery: it finds the stored result).
+        slots.append((i + 0.5 if n % 2 == 0 else rng.uniform(i + 0.5, count), i))
+    return [i for _, i in sorted(slots)]
+
+
+@click.command()
+@click.option("--jobs", type=click.IntRange(1, 10_000), default=40, show_default=True, help="Documents to score.")
+@click.option(
+    "--duplicates",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.3,
+    show_default=True,
+    help="Fraction of the documents delivered a second time (same arguments).",
+)
+@click.option(
+    "--work-seconds",
+    type=click.FloatRange(min=0.0),
+    default=0.05,
+    show_default=True,
+    help="Simulated model latency per job.",
+)
+@click.option(
+    "--doc-version",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Version in every document's key; rerunning with the same version replays every document.",
+)
+@click.option(
+    "--start-worker/--no-start-worker",
+    default=None,
+    help="Start a local worker. Default: only on the embedded (filesystem://) broker.",
+)
+@click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True, help="Worker processes.")
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=180.0, show_default=True, help="Seconds to wait.")
+@click.pass_context
+def demo(
+    ctx: click.Context,
+    jobs: int,
+    duplicates: float,
+    work_seconds: float,
+    doc_version: int,
+    start_worker: bool | None,
+    concurrency: int,
+    timeout: float,
+) -> None:
+    """Score sample documents with duplicate deliveries and show that each body ran exactly once."""
+    from tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
+    from tasks.demo import demo_score
+
+    url = resolve_database_url(ctx, app)
+    click.echo(upgrade_database(url))
+    broker = str(app.conf.broker_url)
+    embedded = broker.startswith("filesystem://")
+    if start_worker is None:
+        start_worker = embedded
+
+    docs = sample_documents(jobs)
+    calls = [(doc_id, doc_version, text, work_seconds) for doc_id, text in docs]
+    keys = [demo_score.identity_of(args).key for args in calls]
+    order = plan_deliveries(jobs, duplicates)
+    store = RunStore(url)
+    before = store.outcome_counts(demo_score.name)
+    already = _run_statuses(store, demo_score.name, keys).get(RunStatus.COMPLETED, 0)
+
+    click.echo(f"broker {maybe_sanitize_url(broker)}")
+    worker = None
+    # A SIGTERM to this command unwinds through `finally` like Ctrl-C, so its worker is never orphaned.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if start_worker:
+        # The worker must use the database resolved here (e.g. from --database-url).
+        env = {**os.environ, ENV_DATABASE_URL: url}
+        worker = LocalWorker("tasks.app", data_dir() / "demo-worker.log", concurrency=concurrency, env=env).start()
+        click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
+    else:
+        click.echo("no local worker: waiting for the broker's workers (--start-worker starts one)")
+    try:
+        started = time.monotonic()
+        for i in order:
+            demo_score.delay(*calls[i])
+        first, settled = _wait(store, demo_score.name, keys, before, len(order), started, timeout, worker)
+        finished = time.monotonic()
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted") from None
+    finally:
+        if worker is not None:
+            worker.stop()
+
+    after = store.outcome_counts(demo_score.name)
+    delta = {o.value: after.get(o.value, 0) - before.get(o.value, 0) for o in Outcome}
+    wall = finished - started
+    busy = finished - first if first is not None and finished > first else None
+    rows: list[tuple[str, Any]] = [
+        ("documents", jobs),
+        ("deliveries sent", len(order)),
+        ("executed", delta["executed"]),
+        ("replayed (duplicates absorbed)", delta["replayed"]),
+        ("in_progress waits", delta["in_progress"]),
+        ("failed", delta["failed"]),
+        ("wall time", f"{wall:.2f} s"),
+        ("jobs/s (after the first result)", f"{jobs / busy:.1f}" if busy else "-"),
+    ]
+    if already:
+        rows.insert(1, ("completed before this run", already))
+    click.echo(format_table(("metric", "value"), rows))
+
+    expected = jobs - already
+    if not settled:
+        raise click.ClickException(f"timed out after {timeout:.0f}s; see `oncelery runs list`")
+    if delta["failed"] or delta["executed"] != expected:
+        raise click.ClickException(f"expected {expected} executions and no failures; see `oncelery runs list`")
+    earlier = f" ({already} completed by an earlier run)" if already else ""
+    click.echo(f"exactly once: {expected} bodies ran for {len(order)} deliveries of {jobs} documents{earlier}")
+
+
+def _wait(
+    store: RunStore,
+    task_name: str,
+    keys: Sequence[str],
+    before: dict[str, int],
+    sent: int,
+    started: float,
+    timeout: float,
+    worker: LocalWorker | None,
+) -> tuple[float | None, bool]:
+    """Poll until every run is COMPLETED/FAILED and every delivery settled; return (first result time, ok)."""
+    deadline = started + timeout
+    first: float | None = None
+    last_line = 0.0
+    tty = sys.stdout.isatty()
+    while True:
+        statuses = _run_statuses(store, task_name, keys)
+        counts = store.outcome_counts(task_name)
+        done = sum(statuses.get(s, 0) for s in (RunStatus.COMPLETED, RunStatus.FAILED))
+        settled = sum(counts.get(o.value, 0) - before.get(o.value, 0) for o in _SETTLED)
+        now = time.monotonic()
+        if first is None and settled > 0:
+            first = now
+        finished = done >= len(keys) and settled >= sent
+        if tty or finished or now - last_line >= _PROGRESS_EVERY:
+            line = f"runs done {done}/{len(keys)}, deliveries settled {settled}/{sent}, {now - started:.1f}s"
+            click.echo(("\r" + line) if tty else line, nl=not tty or finished)
+            last_line = now
+        if finished:
+            return first, True
+        if worker is not None and worker.exited() is not None:
+            click.echo()
+            raise click.ClickException(
+                f"the worker exited with code {worker.exited()}; its log ends:\n{worker.log_tail()}"
+            )
+        if now > deadline:
+            click.echo()
+            return first, False
+        time.sleep(_POLL_SECONDS)
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_statuses(store: RunStore, task_name: str, keys: Sequence[str]) -> dict[RunStatus, int]:
+    c = TaskRun.__table__.c
+    stmt = (
+        select(c.status, func.count()).where(c.task_name == task_name, c.idempotency_key.in_(keys)).group_by(c.status)
+    )
+    with translated(store.url), store.engine.connect() as conn:
+        return {status: int(n) for status, n in conn.execute(stmt)}
+
+
+main = build_group()
+main.add_command(demo)
