@@ -1,0 +1,115 @@
+"""A Celery app for the crash tests' `celery worker` subprocesses, configured only from the environment.
+
+The test that starts a worker sets:
+
+    ONCELERY_DATABASE_URL              the claims database (a SQLite file or the PostgreSQL test database)
+    ONCELERY_BROKER_URL                the Redis broker (the test Redis database)
+    ONCELERY_RESULT_BACKEND            the Redis result backend (another Redis database)
+    ONCELERY_CRASH_QUEUE               the queue, unique per test (tests.services.unique_queue())
+    ONCELERY_VISIBILITY_TIMEOUT        seconds before Redis re-delivers an unacked message (default 3600)
+    ONCELERY_UNACKED_RESTORE_INTERVAL  seconds between the worker's re-delivery sweeps (default 1)
+    ONCELERY_CRASH_LEASE               the idempotent task's lease in seconds (default 60)
+
+Delivery settings are celeryconfig.py's: late ack, reject on worker lost, prefetch 1, JSON only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import insert
+
+from idempotency import ConfigurationError, IdempotentTask
+from idempotency.db import get_engine
+from tests.services import effects_table, executions_table
+
+ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"
+ENV_BROKER_URL = "ONCELERY_BROKER_URL"
+ENV_RESULT_BACKEND = "ONCELERY_RESULT_BACKEND"
+ENV_QUEUE = "ONCELERY_CRASH_QUEUE"
+ENV_VISIBILITY_TIMEOUT = "ONCELERY_VISIBILITY_TIMEOUT"
+ENV_RESTORE_INTERVAL = "ONCELERY_UNACKED_RESTORE_INTERVAL"
+ENV_LEASE = "ONCELERY_CRASH_LEASE"
+logger = logging.getLogger(__name__)
+REQUIRED = (ENV_DATABASE_URL, ENV_BROKER_URL, ENV_RESULT_BACKEND, ENV_QUEUE)
+
+
+def transport_options(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Return the Redis transport options: visibility timeout and re-delivery sweep from the environment."""
+    queue = environ[ENV_QUEUE]
+    return {
+        "visibility_timeout": float(environ.get(ENV_VISIBILITY_TIMEOUT) or 3600),
+        "unacked_restore_interval": float(environ.get(ENV_RESTORE_INTERVAL) or 1),
+        # Scan on every sweep, so the interval alone sets how soon an expired message comes back.
+        "unacked_restore_throttle": 1,
+        # Unacked bookkeeping per test: a worker with a short visibility timeout must never restore
+        # (duplicate) in-flight messages of another test or another suite sharing this Redis database.
+        "unacked_key": f"{queue}.unacked",
+        "unacked_index_key": f"{queue}.unacked_index",
+        "unacked_mutex_key": f"{queue}.unacked_mutex",
+    }
+
+
+def create_app(environ: Mapping[str, str]) -> Celery:
+    """Build the crash-test app from `environ`, raising ConfigurationError naming any missing variable."""
+    missing = [name for name in REQUIRED if not environ.get(name)]
+    if missing:
+        raise ConfigurationError(f"tests.apps.crash_app needs the environment variables {', '.join(missing)}")
+    app = Celery("oncelery-crash")
+    app.conf.update(
+        broker_url=environ[ENV_BROKER_URL],
+        result_backend=environ[ENV_RESULT_BACKEND],
+        oncelery_database_url=environ[ENV_DATABASE_URL],
+        broker_transport_options=transport_options(environ),
+        task_default_queue=environ[ENV_QUEUE],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        broker_connection_retry_on_startup=True,
+        timezone="UTC",
+        enable_utc=True,
+    )
+    return app
+
+
+app = create_app(os.environ)
+DATABASE_URL = os.environ[ENV_DATABASE_URL]
+LEASE = float(os.environ.get(ENV_LEASE) or 60)
+
+
+def record_execution(key: str) -> None:
+    """Count one execution of a body in its own committed transaction (it survives the run's rollback)."""
+    with get_engine(DATABASE_URL).begin() as conn:
+        conn.execute(insert(executions_table).values(key=key, pid=os.getpid()))
+    logger.info("executing %s in pid %d", key, os.getpid())
+
+
+@app.task(base=IdempotentTask, bind=True, name="oncelery.crash_effect", idempotency_key="crash:{key}", lease=LEASE)
+def crash_effect(self: IdempotentTask, key: str, seconds: float) -> dict[str, Any]:
+    """Execute once per key: count the execution, work `seconds`, write one effect, return who did it."""
+    record_execution(key)
+    time.sleep(seconds)
+    logger.info("writing the effect of %s", key)
+    with self.effects() as session:
+        session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"key": key, "pid": os.getpid()}
+
+
+@app.task(name="oncelery.crash_plain")
+def crash_plain(key: str, seconds: float) -> dict[str, Any]:
+    """The control: the same body as a plain Celery task, so every delivery executes it."""
+    record_execution(key)
+    time.sleep(seconds)
+    with get_engine(DATABASE_URL).begin() as conn:
+        conn.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"key": key, "pid": os.getpid()}
