@@ -52,10 +52,7 @@ else:
     }
 
 # -- results -----------------------------------------------------------------------------------
-if _backend:
-    result_backend = _backend
-else:
-    result_backend = f"db+sqlite:///{_Path(_settings.data_dir()) / 'results.db'}"
+result_backend = _backend or f"db+sqlite:///{_Path(_settings.data_dir()) / 'results.db'}"
 result_extended = True
 
 # -- delivery semantics: at-least-once, which the claims turn into exactly-once effects -----------

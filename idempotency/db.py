@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from idempotency.errors import ConfigurationError, SchemaMissing, StoreUnavailable
 from idempotency.settings import SQLITE_BUSY_TIMEOUT_MS
 
-_engines: dict[tuple[str, int], Engine] = {}
+_engines: dict[tuple[str, int, bool], Engine] = {}
 _lock = threading.Lock()
 
 
@@ -28,15 +29,20 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def get_engine(url: str) -> Engine:
-    """Return this process's engine for `url` (a new one after fork, so pooled sockets are never shared)."""
-    key = (url, os.getpid())
+def get_engine(url: str, *, read_only: bool = False) -> Engine:
+    """Return this process's engine for `url` (a new one after fork, so pooled sockets are never shared).
+
+    `read_only=True` on SQLite gives an engine whose transactions begin DEFERRED, so reads never queue
+    behind the single writer (WAL lets them run alongside it); elsewhere it is the same engine.
+    """
+    read_only = read_only and make_url(normalize_url(url)).get_backend_name() == "sqlite"
+    key = (url, os.getpid(), read_only)
     engine = _engines.get(key)
     if engine is None:
         with _lock:
             engine = _engines.get(key)
             if engine is None:
-                engine = _create_engine(url)
+                engine = _create_engine(url, read_only)
                 _engines[key] = engine
     return engine
 
@@ -44,17 +50,17 @@ def get_engine(url: str) -> Engine:
 def dispose_engines() -> None:
     """Close every pooled connection of this process (used by tests and after a database restart)."""
     with _lock:
-        for (_, pid), engine in list(_engines.items()):
+        for (_, pid, _ro), engine in list(_engines.items()):
             if pid == os.getpid():
                 engine.dispose()
         _engines.clear()
 
 
-def _create_engine(url: str) -> Engine:
+def _create_engine(url: str, read_only: bool = False) -> Engine:
     url = normalize_url(url)
     backend = make_url(url).get_backend_name()
     if backend == "sqlite":
-        return _sqlite_engine(url)
+        return _sqlite_engine(url, read_only)
     if backend == "postgresql":
         try:
             import psycopg  # noqa: F401
@@ -64,7 +70,7 @@ def _create_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
-def _sqlite_engine(url: str) -> Engine:
+def _sqlite_engine(url: str, read_only: bool = False) -> Engine:
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
 
     @event.listens_for(engine, "connect")
@@ -80,8 +86,8 @@ def _sqlite_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        # IMMEDIATE takes the write lock up front, so lock waits honour busy_timeout.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # IMMEDIATE takes the write lock up front, so lock waits honour busy_timeout; readers need none.
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
 
@@ -116,7 +122,8 @@ def _dialect_name(engine_or_dialect: Any) -> str:
     return str(dialect.name)
 
 
-_MISSING_TABLE_MARKERS = ("no such table", "undefinedtable", "does not exist")
+_MISSING_TABLE_RE = re.compile(r"no such table|relation \"[^\"]+\" does not exist")
+_MISSING_DATABASE_RE = re.compile(r"database \"[^\"]+\" does not exist")
 _UNAVAILABLE_MARKERS = (
     "connection refused",
     "could not connect",
@@ -135,7 +142,13 @@ def translate_error(exc: BaseException, url: str) -> BaseException:
         return exc
     msg = str(exc.orig if exc.orig is not None else exc).lower()
     safe_url = make_url(url).render_as_string(hide_password=True)
-    if isinstance(exc, (OperationalError, ProgrammingError)) and any(m in msg for m in _MISSING_TABLE_MARKERS):
+    if _MISSING_DATABASE_RE.search(msg):
+        return StoreUnavailable(
+            f"The claims database in {safe_url} does not exist: create it (e.g. `createdb`), "
+            f"then run `oncelery db upgrade`",
+            url=safe_url,
+        )
+    if isinstance(exc, (OperationalError, ProgrammingError)) and _MISSING_TABLE_RE.search(msg):
         return SchemaMissing(
             f"Oncelery's tables are missing in {safe_url}: run `oncelery db upgrade` "
             f"(with ONCELERY_DATABASE_URL set to this database) to create them",

@@ -53,6 +53,8 @@ class Heartbeat:
                 logger.warning("heartbeat for %s failed: %s", self.claim.key, exc)
                 continue
             if not ok:
+                if self._stop.is_set():
+                    return  # the run completed (or failed) while this renewal ran: not a takeover
                 logger.warning("lease lost for %s token=%d", self.claim.key, self.claim.token)
                 self.lost = True
                 return

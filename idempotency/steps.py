@@ -77,7 +77,7 @@ def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
     """Return the run's stored steps in position order."""
     c = _STEPS.c
     stmt = select(c.position, c.step_name, c.result, c.meta).where(c.run_id == run_id).order_by(c.position)
-    with store.engine.connect() as conn:
+    with store.read_engine.connect() as conn:
         return [Checkpoint(p, n, r, m) for p, n, r, m in conn.execute(stmt)]
 
 

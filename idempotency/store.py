@@ -120,6 +120,11 @@ class RunStore:
         return get_engine(self.url)
 
     @property
+    def read_engine(self) -> Engine:
+        """This process's engine for reads (never takes SQLite's writer lock)."""
+        return get_engine(self.url, read_only=True)
+
+    @property
     def runs(self) -> Table:
         """The task_runs table."""
         return _RUNS
@@ -335,7 +340,7 @@ class RunStore:
         c = _RUNS.c
         live = and_(c.lease_expires_at.is_not(None), c.lease_expires_at >= db_now(self.engine))
         stmt = select(_RUNS, live.label("lease_live")).where(c.task_name == task_name, c.idempotency_key == key)
-        with translated(self.url), self.engine.connect() as conn:
+        with translated(self.url), self.read_engine.connect() as conn:
             row = conn.execute(stmt).first()
         if row is None:
             return None
@@ -373,7 +378,7 @@ class RunStore:
         stmt = select(c.outcome, func.sum(c.count)).group_by(c.outcome)
         if task_name is not None:
             stmt = stmt.where(c.task_name == task_name)
-        with translated(self.url), self.engine.connect() as conn:
+        with translated(self.url), self.read_engine.connect() as conn:
             return {o.value: int(n) for o, n in conn.execute(stmt)}
 
 
