@@ -442,3 +442,28 @@ def test_redis_flush_mid_job_keeps_one_effect(tmp_path: Path, db_url: str, redis
         assert run is not None and run.status is RunStatus.COMPLETED and run.token == 1 and run.result == value
         counts = c.outcomes()
         assert counts.get("executed") == 1 and counts.get("replayed") == 1
+
+
+# -- 6. SIGKILL during step 2 of 3: resume, don't redo ------------------------------------------------------
+
+
+def test_sigkill_during_step_two_resumes_from_checkpoint(tmp_path: Path, db_url: str, redis_url: str) -> None:
+    key = f"steps-{uuid.uuid4().hex[:8]}"
+    with cluster(tmp_path, db_url, redis_url, lease=3) as c:
+        a = c.start("a")
+        c.wait_ready(a)
+        result = c.sender.send_task("oncelery.crash_steps", args=[key, 3.0])
+        child = c.wait_executing(f"{key}:s2")  # step 1 checkpointed, step 2 running
+        os.kill(child, signal.SIGKILL)  # reject_on_worker_lost requeues; a new pool child takes over
+        value = result.get(timeout=JOB_TIMEOUT)
+
+        assert value["steps"] == ["s1-done", "s2-done", "s3-done"] and value["pid"] != child
+        assert c.executions(f"{key}:s1") == 1  # replayed from its checkpoint, not executed again
+        assert c.executions(f"{key}:s2") == 2  # the killed step's body, then its re-execution
+        assert c.executions(f"{key}:s3") == 1
+        assert c.effects(key) == 1
+        run = c.store.get("oncelery.crash_steps", f"steps:{key}")
+        assert run is not None and run.status is RunStatus.COMPLETED and run.token == 2
+        counts = c.store.outcome_counts("oncelery.crash_steps")
+        # The redelivery may arrive before the dead holder's lease runs out: it then waits (in_progress).
+        assert counts["resumed"] == 1 and "executed" not in counts and "failed" not in counts

@@ -113,3 +113,18 @@ def crash_plain(key: str, seconds: float) -> dict[str, Any]:
     with get_engine(DATABASE_URL).begin() as conn:
         conn.execute(insert(effects_table).values(key=key, pid=os.getpid()))
     return {"key": key, "pid": os.getpid()}
+
+
+def _counted_step(key: str, step: str, seconds: float) -> str:
+    record_execution(f"{key}:{step}")
+    time.sleep(seconds)
+    return f"{step}-done"
+
+
+@app.task(base=IdempotentTask, bind=True, name="oncelery.crash_steps", idempotency_key="steps:{key}", lease=LEASE)
+def crash_steps(self: IdempotentTask, key: str, seconds: float) -> dict[str, Any]:
+    """Three checkpointed steps (step 2 slow), each counted per execution, then one effect."""
+    done = [self.step(step, _counted_step, key, step, seconds if step == "s2" else 0.0) for step in ("s1", "s2", "s3")]
+    with self.effects() as session:
+        session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"key": key, "steps": done, "pid": os.getpid()}
