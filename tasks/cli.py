@@ -1,10 +1,8 @@
-"""The `oncelery` console script: the framework's commands, plus `demo` (the main job on sample documents)."""
+"""The `oncelery` console script: the framework's commands, plus `demo` and `process` (the main job)."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -12,14 +10,13 @@ from typing import Any
 
 import click
 from kombu.utils.url import maybe_sanitize_url
-from sqlalchemy import func, select
 
 from idempotency.cli import build_group, format_table, resolve_database_url, upgrade_database
-from idempotency.db import translated
-from idempotency.settings import ENV_DATABASE_URL, data_dir
 from idempotency.store import RunStore
-from models import Outcome, RunStatus, TaskRun
+from models import Outcome, RunStatus
 from tasks.local_worker import LocalWorker
+from tasks.process import process
+from tasks.producer import is_embedded, plan_deliveries, run_statuses, sigterm_as_interrupt, start_local_worker
 
 # Outcomes that end a delivery. in_progress and lease_lost re-send the message, so they do not.
 _SETTLED = (
@@ -84,17 +81,6 @@ def sample_documents(count: int) -> list[tuple[str, str]]:
     return docs
 
 
-def plan_deliveries(count: int, duplicates: float) -> list[int]:
-    """Return the document indices to send, in order: each once, plus a second copy of a fraction of them."""
-    rng = random.Random(f"oncelery-demo-plan:{count}:{duplicates}")
-    slots = [(float(i), i) for i in range(count)]
-    for n, i in enumerate(rng.sample(range(count), round(count * duplicates))):
-        # Half follow their first copy at once (a double submit: it finds the run in progress and waits),
-        # half come later (a redelivery: it finds the stored result).
-        slots.append((i + 0.5 if n % 2 == 0 else rng.uniform(i + 0.5, count), i))
-    return [i for _, i in sorted(slots)]
-
-
 @click.command()
 @click.option("--jobs", type=click.IntRange(1, 10_000), default=40, show_default=True, help="Documents to score.")
 @click.option(
@@ -143,9 +129,8 @@ def demo(
     url = resolve_database_url(ctx, app)
     click.echo(upgrade_database(url))
     broker = str(app.conf.broker_url)
-    embedded = broker.startswith("filesystem://")
     if start_worker is None:
-        start_worker = embedded
+        start_worker = is_embedded(broker)
 
     docs = sample_documents(jobs)
     calls = [(doc_id, doc_version, text, work_seconds) for doc_id, text in docs]
@@ -153,30 +138,28 @@ def demo(
     order = plan_deliveries(jobs, duplicates)
     store = RunStore(url)
     before = store.outcome_counts(demo_score.name)
-    already = _run_statuses(store, demo_score.name, keys).get(RunStatus.COMPLETED, 0)
+    already = run_statuses(store, demo_score.name, keys).get(RunStatus.COMPLETED, 0)
 
     click.echo(f"broker {maybe_sanitize_url(broker)}")
     worker = None
     # A SIGTERM to this command unwinds through `finally` like Ctrl-C, so its worker is never orphaned.
-    signal.signal(signal.SIGTERM, _interrupt)
-    if start_worker:
-        # The worker must use the database resolved here (e.g. from --database-url).
-        env = {**os.environ, ENV_DATABASE_URL: url}
-        worker = LocalWorker("tasks.app", data_dir() / "demo-worker.log", concurrency=concurrency, env=env).start()
-        click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
-    else:
-        click.echo("no local worker: waiting for the broker's workers (--start-worker starts one)")
-    try:
-        started = time.monotonic()
-        for i in order:
-            demo_score.delay(*calls[i])
-        first, settled = _wait(store, demo_score.name, keys, before, len(order), started, timeout, worker)
-        finished = time.monotonic()
-    except KeyboardInterrupt:
-        raise click.ClickException("interrupted") from None
-    finally:
-        if worker is not None:
-            worker.stop()
+    with sigterm_as_interrupt():
+        try:
+            if start_worker:
+                worker = start_local_worker(url, "demo-worker.log", concurrency)
+                click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
+            else:
+                click.echo("no local worker: waiting for the broker's workers (--start-worker starts one)")
+            started = time.monotonic()
+            for i in order:
+                demo_score.delay(*calls[i])
+            first, settled = _wait(store, demo_score.name, keys, before, len(order), started, timeout, worker)
+            finished = time.monotonic()
+        except KeyboardInterrupt:
+            raise click.ClickException("interrupted") from None
+        finally:
+            if worker is not None:
+                worker.stop()
 
     after = store.outcome_counts(demo_score.name)
     delta = {o.value: after.get(o.value, 0) - before.get(o.value, 0) for o in Outcome}
@@ -221,7 +204,7 @@ def _wait(
     last_line = 0.0
     tty = sys.stdout.isatty()
     while True:
-        statuses = _run_statuses(store, task_name, keys)
+        statuses = run_statuses(store, task_name, keys)
         counts = store.outcome_counts(task_name)
         done = sum(statuses.get(s, 0) for s in (RunStatus.COMPLETED, RunStatus.FAILED))
         settled = sum(counts.get(o.value, 0) - before.get(o.value, 0) for o in _SETTLED)
@@ -246,18 +229,6 @@ def _wait(
         time.sleep(_POLL_SECONDS)
 
 
-def _interrupt(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _run_statuses(store: RunStore, task_name: str, keys: Sequence[str]) -> dict[RunStatus, int]:
-    c = TaskRun.__table__.c
-    stmt = (
-        select(c.status, func.count()).where(c.task_name == task_name, c.idempotency_key.in_(keys)).group_by(c.status)
-    )
-    with translated(store.url), store.engine.connect() as conn:
-        return {status: int(n) for status, n in conn.execute(stmt)}
-
-
 main = build_group()
 main.add_command(demo)
+main.add_command(process)

@@ -1,0 +1,232 @@
+"""`oncelery process FILE.jsonl`: score every article exactly once on the configured broker and database.
+
+The command is the producer of at-least-once delivery. It sends each article with `score_article.delay()`
+(optionally duplicates, and SIGKILLs of its own worker, to show the guarantees hold), then does the
+producer's half: an article whose run has not COMPLETED once the queue has drained and nothing has moved
+for a while, and that no live holder has claimed, is sent again. The claim absorbs any copy that was not
+needed; a job lost with a killed worker is never lost for the user.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import click
+from kombu.utils.url import maybe_sanitize_url
+from rich.console import Console
+
+from idempotency.cli import resolve_database_url, upgrade_database
+from idempotency.errors import InvalidKey
+from idempotency.keys import Identity, differing_fields
+from idempotency.store import RunStore
+from tasks.article_file import Article, load_articles
+from tasks.local_worker import LocalWorker
+from tasks.process_report import Summary, render, scored, summarize, take_snapshot, write_json
+from tasks.process_watch import Watch
+from tasks.producer import (
+    ENV_LEASE,
+    WORKER_APP,
+    is_embedded,
+    plan_deliveries,
+    sigterm_as_interrupt,
+    start_local_worker,
+)
+
+LOG_NAME = "process-worker.log"
+NON_TTY_WIDTH = 110
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N articles of the file.")
+@click.option(
+    "--duplicates",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.0,
+    show_default=True,
+    help="Fraction of the articles delivered a second time (same arguments); half right behind the first copy.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0.0, 2.0),
+    default=0.0,
+    show_default=True,
+    help="Sampling temperature of every model call (part of each article's payload).",
+)
+@click.option(
+    "--kill-worker-every",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="SIGKILL the worker this command started (main process and pool) every N scored articles, then restart it.",
+)
+@click.option(
+    "--start-worker/--no-start-worker",
+    default=None,
+    help="Start a local worker. Default: only on the embedded (filesystem://) broker.",
+)
+@click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True, help="Worker processes.")
+@click.option(
+    "--lease",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="Article lease (seconds) in the worker this command starts: a killed holder's job is taken over "
+    "after this long. Default: the task's own (60).",
+)
+@click.option("--queue", default=None, help="Queue to send to (and for the started worker to consume).")
+@click.option(
+    "--quiet-seconds",
+    type=click.FloatRange(min=0.5),
+    default=3.0,
+    show_default=True,
+    help="Re-send unfinished articles after this long without progress once the queue has drained.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1.0),
+    default=600.0,
+    show_default=True,
+    help="Give up (exit 1) if articles are still unfinished after this many seconds.",
+)
+@click.option(
+    "--summary-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the summary as JSON to this file.",
+)
+@click.pass_context
+def process(
+    ctx: click.Context,
+    path: Path,
+    limit: int | None,
+    duplicates: float,
+    temperature: float,
+    kill_worker_every: int | None,
+    start_worker: bool | None,
+    concurrency: int,
+    lease: float | None,
+    queue: str | None,
+    quiet_seconds: float,
+    timeout: float,
+    summary_json: Path | None,
+) -> None:
+    """Score every article of a JSON Lines file (id, version, text) exactly once: summary, keywords, quality."""
+    articles = load_articles(path)[:limit]  # the whole file is checked first: a bad line sends nothing
+    from tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
+    from tasks.articles import STEPS, score_article
+
+    broker = str(app.conf.broker_url)
+    if start_worker is None:
+        start_worker = is_embedded(broker)
+    if (kill_worker_every or lease) and not start_worker:
+        raise click.UsageError(
+            "--kill-worker-every and --lease act on a worker this command starts: add --start-worker"
+        )
+    if queue:
+        app.conf.task_default_queue = queue  # before the first send: Celery reads it when routing
+    calls = [(a.id, a.version, a.text, temperature) for a in articles]
+    idents = [_identity(score_article, a, args) for a, args in zip(articles, calls, strict=True)]
+    keys = [ident.key for ident in idents]
+    url = resolve_database_url(ctx, app)
+    click.echo(upgrade_database(url))
+    store = RunStore(url)
+    _refuse_conflicts(store, score_article.name, articles, idents)
+    order = plan_deliveries(len(articles), duplicates, seed="oncelery-process-plan")
+    before = take_snapshot(store, score_article.name, keys)
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = max(console.width, NON_TTY_WIDTH)  # a CI log is not 80 columns wide
+    click.echo(f"broker {maybe_sanitize_url(broker)}, queue {app.conf.task_default_queue}")
+
+    worker: LocalWorker | None = None
+    watch: Watch | None = None
+    with sigterm_as_interrupt():
+        try:
+            if start_worker:
+                lease_env = {ENV_LEASE: str(lease)} if lease else {}
+                worker = start_local_worker(url, LOG_NAME, concurrency, queue, WORKER_APP, lease_env)
+                click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
+            else:
+                click.echo("no local worker: the broker's workers will run the jobs (--start-worker starts one)")
+            watch = Watch(app, score_article, store, keys, calls, before.outcomes, worker, console, kill_worker_every)
+            fresh = watch.pending_keys()
+            watch.start()
+            for i in order:
+                score_article.delay(*calls[i])
+            watch.sent_first, watch.sent_duplicates = len(articles), len(order) - len(articles)
+            finished = watch.run_until_done(timeout, quiet_seconds)
+            if finished is not None:
+                answered = watch.settle(timeout, finished)
+                finished = finished if fresh else answered  # a re-run scores nothing: time its answers
+        except KeyboardInterrupt:
+            raise click.ClickException("interrupted") from None
+        finally:
+            if worker is not None:
+                worker.stop()
+            if watch is not None:
+                watch.close()
+
+    rows, missing = scored(url, [(a.id, a.version) for a in articles])
+    summary = summarize(
+        store,
+        score_article.name,
+        keys,
+        fresh,
+        before,
+        len(STEPS),
+        articles=len(articles),
+        completed_before=len(articles) - len(fresh),
+        sent_first=watch.sent_first,
+        sent_duplicates=watch.sent_duplicates,
+        sent_again=watch.sent_again,
+        worker_kills=watch.kills,
+        jobs_interrupted=watch.interrupted,
+        wall_seconds=(finished or time.monotonic()) - watch.started,
+        steady_seconds=(finished - watch.first_result) if finished and watch.first_result else None,
+        score_rows=rows,
+        missing=missing,
+    )
+    render(console, summary)
+    if summary_json is not None:
+        write_json(summary_json, summary)
+    _verdict(summary, finished is not None, timeout, str(app.conf.task_default_queue))
+
+
+def _identity(task: Any, article: Article, args: tuple[Any, ...]) -> Identity:
+    try:
+        return cast(Identity, task.identity_of(args))
+    except InvalidKey as exc:
+        raise click.ClickException(f"line {article.line}: article id {article.id!r} makes a bad key: {exc}") from exc
+
+
+def _refuse_conflicts(store: RunStore, task_name: str, articles: list[Article], idents: list[Identity]) -> None:
+    """Stop before sending if an article's key was used with other arguments (G5 would refuse every delivery)."""
+    for article, ident in zip(articles, idents, strict=True):
+        run = store.get(task_name, ident.key)
+        if run is None or run.fingerprint == ident.fingerprint:
+            continue
+        fields = differing_fields(run.field_digests, ident.field_digests)
+        raise click.ClickException(
+            f"line {article.line}: article {article.id!r} version {article.version} was already processed with "
+            f"different {', '.join(fields) or 'arguments'}; its first result stands — bump the article's version "
+            f"(or use the same --temperature) to process it again"
+        )
+
+
+def _verdict(s: Summary, finished: bool, timeout: float, queue: str) -> None:
+    if not finished:
+        raise click.ClickException(
+            f"timed out after {timeout:.0f}s with {len(s.missing)} articles unscored; is a worker consuming queue "
+            f"{queue!r}? See `oncelery runs list` and the worker's log"
+        )
+    if s.missing or s.score_rows != s.articles:
+        shown = ", ".join(f"{a} v{v}" for a, v in s.missing[:10])
+        raise click.ClickException(
+            f"{s.score_rows} ArticleScore rows for {s.articles} articles; missing: {shown or '-'}"
+        )
+    click.echo(
+        f"exactly once: {s.score_rows} scores for {s.articles} articles from {s.deliveries_sent} deliveries; "
+        f"{s.llm_calls} model calls ({s.wasted_calls} wasted), {s.llm_calls_saved} saved"
+    )

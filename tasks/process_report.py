@@ -1,0 +1,234 @@
+"""What `oncelery process` measured, read from the database: outcomes, the LLM cost ledger, checkpoints, scores.
+
+Everything is a difference between a snapshot taken before the first message is sent and one taken at the
+end, over this file's articles only, so re-running on the same database reports this run, not history.
+
+Calls saved, precisely: a worker without the claim runs every delivery it receives from its first step.
+So each delivery answered from a stored result (replayed) would have made one call per step, and each step
+a resumed run replayed from its checkpoint would have been called again. `calls saved = steps per article x
+replayed deliveries + replayed checkpoints`, and `calls without Oncelery = calls made + calls saved`.
+Wasted calls are ledger rows beyond one per step of an article: a call that returned but whose step never
+checkpointed (its worker was killed in between), so a later attempt had to call the model again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import Table as SqlTable
+from sqlalchemy import func, select
+
+from idempotency.db import get_engine, translated
+from idempotency.store import RunStore
+from models import ArticleScore, LLMCall, Outcome, StepResult, TaskRun
+
+_CALLS = cast(SqlTable, LLMCall.__table__)
+_RUNS = cast(SqlTable, TaskRun.__table__)
+_STEPS = cast(SqlTable, StepResult.__table__)
+_SCORES = cast(SqlTable, ArticleScore.__table__)
+
+
+@dataclass(frozen=True)
+class LedgerTotals:
+    """One article's rows in the LLM cost ledger: calls and tokens."""
+
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The task's delivery outcome counts and each article key's ledger totals at one moment."""
+
+    outcomes: dict[str, int]
+    ledger: dict[str, LedgerTotals]
+
+
+def take_snapshot(store: RunStore, task_name: str, keys: Iterable[str]) -> Snapshot:
+    """Return the outcome counts of `task_name` and the ledger totals of each of `keys`."""
+    wanted = set(keys)
+    c = _CALLS.c
+    stmt = (
+        select(
+            c.idempotency_key,
+            func.count(),
+            func.coalesce(func.sum(c.input_tokens), 0),
+            func.coalesce(func.sum(c.output_tokens), 0),
+        )
+        .where(c.task_name == task_name)
+        .group_by(c.idempotency_key)
+    )
+    with translated(store.url), store.read_engine.connect() as conn:
+        ledger = {k: LedgerTotals(int(n), int(i), int(o)) for k, n, i, o in conn.execute(stmt) if k in wanted}
+    return Snapshot(store.outcome_counts(task_name), ledger)
+
+
+def replayed_checkpoints(store: RunStore, task_name: str, keys: Iterable[str]) -> int:
+    """Return how many steps of `keys`' runs were checkpointed by an earlier attempt than the one that finished."""
+    wanted = set(keys)
+    s, r = _STEPS.c, _RUNS.c
+    stmt = (
+        select(r.idempotency_key, func.count())
+        .select_from(_STEPS.join(_RUNS, s.run_id == r.id))
+        .where(r.task_name == task_name, s.token < r.fencing_token)
+        .group_by(r.idempotency_key)
+    )
+    with translated(store.url), store.read_engine.connect() as conn:
+        return sum(int(n) for key, n in conn.execute(stmt) if key in wanted)
+
+
+def scored(url: str, articles: Iterable[tuple[str, int]]) -> tuple[int, list[tuple[str, int]]]:
+    """Return (ArticleScore rows of these (id, version) pairs, the pairs that have none)."""
+    wanted = set(articles)
+    c = _SCORES.c
+    with translated(url), get_engine(url, read_only=True).connect() as conn:
+        rows = [(a, int(v)) for a, v in conn.execute(select(c.article_id, c.version)) if (a, int(v)) in wanted]
+    found = set(rows)
+    return len(rows), sorted(wanted - found)
+
+
+@dataclass
+class Summary:
+    """The end-of-run table of `oncelery process` (also written as JSON with --summary-json)."""
+
+    articles: int
+    completed_before: int
+    sent_first: int
+    sent_duplicates: int
+    sent_again: int
+    executed: int
+    replayed: int
+    resumed: int
+    in_progress_waits: int
+    failed: int
+    lease_lost: int
+    worker_kills: int
+    jobs_interrupted: int
+    llm_calls: int
+    llm_calls_saved: int
+    wasted_calls: int
+    input_tokens: int
+    output_tokens: int
+    wall_seconds: float
+    steady_seconds: float | None
+    score_rows: int
+    missing: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def deliveries_sent(self) -> int:
+        """Every message this command sent: first copies, duplicates and re-sends."""
+        return self.sent_first + self.sent_duplicates + self.sent_again
+
+    @property
+    def articles_per_second(self) -> float:
+        """Articles over the wall time (from the first message sent to the last article scored)."""
+        return self.articles / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return every field and derived figure as JSON-ready values."""
+        data = asdict(self)
+        data["missing"] = [list(pair) for pair in self.missing]
+        data["deliveries_sent"] = self.deliveries_sent
+        data["articles_per_second"] = round(self.articles_per_second, 3)
+        data["llm_calls_without_oncelery"] = self.llm_calls + self.llm_calls_saved
+        return data
+
+
+def summarize(
+    store: RunStore,
+    task_name: str,
+    keys: Sequence[str],
+    fresh_keys: Sequence[str],
+    before: Snapshot,
+    steps_per_article: int,
+    **figures: Any,
+) -> Summary:
+    """Build the Summary of a run from the `before` snapshot, the database now, and the producer's `figures`.
+
+    `fresh_keys` are the articles that were not COMPLETED when the run started (their checkpoints count).
+    """
+    after = take_snapshot(store, task_name, keys)
+    delta = {o.value: after.outcomes.get(o.value, 0) - before.outcomes.get(o.value, 0) for o in Outcome}
+    empty = LedgerTotals()
+
+    def beyond(ledger: dict[str, LedgerTotals]) -> int:
+        return sum(max(0, ledger.get(k, empty).calls - steps_per_article) for k in keys)
+
+    def total(ledger: dict[str, LedgerTotals], name: str) -> int:
+        return sum(getattr(t, name) for t in ledger.values())
+
+    checkpoints = replayed_checkpoints(store, task_name, fresh_keys)
+    calls = total(after.ledger, "calls") - total(before.ledger, "calls")
+    return Summary(
+        executed=delta["executed"],
+        replayed=delta["replayed"],
+        resumed=delta["resumed"],
+        in_progress_waits=delta["in_progress"],
+        failed=delta["failed"] + delta["dead"] + delta["conflict"],
+        lease_lost=delta["lease_lost"],
+        llm_calls=calls,
+        llm_calls_saved=steps_per_article * delta["replayed"] + checkpoints,
+        wasted_calls=beyond(after.ledger) - beyond(before.ledger),
+        input_tokens=total(after.ledger, "input_tokens") - total(before.ledger, "input_tokens"),
+        output_tokens=total(after.ledger, "output_tokens") - total(before.ledger, "output_tokens"),
+        **figures,
+    )
+
+
+def render(console: Console, s: Summary) -> None:
+    """Print the summary table (plain box lines and no colour when the output is not a terminal)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("", style="dim")
+    for label, value, note in _rows(s):
+        table.add_row(label, value, note)
+    console.print(table)
+
+
+def _rows(s: Summary) -> list[tuple[str, str, str]]:
+    rows = [("articles", f"{s.articles}", "")]
+    if s.completed_before:
+        rows.append(("  completed before this run", f"{s.completed_before}", "replayed from stored results"))
+    rows += [
+        (
+            "deliveries sent",
+            f"{s.deliveries_sent}",
+            f"{s.sent_first} + {s.sent_duplicates} duplicates + {s.sent_again} re-sent",
+        ),
+        ("executed", f"{s.executed}", "claimed and run from the first step"),
+        ("replayed (duplicates absorbed)", f"{s.replayed}", "stored result, no model call"),
+        ("resumed runs", f"{s.resumed}", "taken over, finished steps replayed"),
+        ("in-progress waits", f"{s.in_progress_waits}", "held by another worker; re-checked"),
+    ]
+    if s.failed or s.lease_lost:
+        rows.append(("failed / lease lost", f"{s.failed} / {s.lease_lost}", "see `oncelery runs list`"))
+    rows += [
+        ("worker kills", f"{s.worker_kills}", f"{s.jobs_interrupted} jobs interrupted mid-pipeline"),
+        ("LLM calls made (ledger rows)", f"{s.llm_calls}", ""),
+        ("LLM calls saved", f"{s.llm_calls_saved}", f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"),
+        ("wasted calls", f"{s.wasted_calls}", "returned, step never checkpointed"),
+        ("tokens in / out", f"{s.input_tokens:,} / {s.output_tokens:,}", ""),
+        ("wall time", f"{s.wall_seconds:.1f} s", "first message sent to last article scored"),
+        ("articles/s", f"{s.articles_per_second:.1f}", _steady(s)),
+    ]
+    return rows
+
+
+def _steady(s: Summary) -> str:
+    if not s.steady_seconds:
+        return ""
+    return f"{s.articles / s.steady_seconds:.1f} after the first result"
+
+
+def write_json(path: Path, s: Summary) -> None:
+    """Write the summary as JSON to `path`."""
+    path.write_text(json.dumps(s.as_dict(), indent=2) + "\n", encoding="utf-8")

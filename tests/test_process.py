@@ -1,0 +1,270 @@
+"""`oncelery process` as a real subprocess: exact counts with duplicates, with worker SIGKILLs, on each store.
+
+The command starts its own `celery worker` (a session of its own); every test finds those workers' PIDs
+in the command's output and SIGKILLs any that are still alive, however the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from sqlalchemy import create_engine, func, select, text
+
+from models import ArticleScore, LLMCall, RunStatus, TaskRun
+from tests.services import unique_queue
+from tests.test_articles import SAMPLES, expected, load_articles
+
+ONCELERY = str(Path(sys.executable).parent / "oncelery")
+TASK = "oncelery.score_article"
+STEPS = 3
+RUN_TIMEOUT = 150.0  # seconds for one command; the runs below take 10-40 s on a 2-core machine
+
+
+@dataclass
+class Done:
+    """A finished command: exit code, output, and its summary (--summary-json)."""
+
+    code: int
+    out: str
+    err: str
+    summary: dict[str, Any]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any ONCELERY_*/CELERY_* setting (the embedded defaults apply), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONCELERY_", "CELERY_"))}
+    env.update(extra)
+    return env
+
+
+def worker_pids(out: str) -> list[int]:
+    """Return the PIDs of every worker the command reported starting (the first and each restart)."""
+    return [int(pid) for pid in re.findall(r"started a worker: pid (\d+)", out)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def kill_workers(out: str) -> None:
+    """SIGKILL the process group of every reported worker that is still alive (each leads its own session)."""
+    for pid in worker_pids(out):
+        try:
+            ours = alive(pid) and b"celery" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if ours:
+            os.killpg(pid, signal.SIGKILL)
+
+
+def process(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = RUN_TIMEOUT) -> Done:
+    """Run `oncelery process <samples> *args` to completion; on timeout stop it and its workers, and fail."""
+    summary_path = cwd / "summary.json"
+    argv = [ONCELERY, "process", str(SAMPLES), *args, "--summary-json", str(summary_path)]
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=dict(env) if env is not None else clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGTERM)  # the command stops its worker on SIGTERM
+        try:
+            out, err = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=10)
+        kill_workers(out)
+        pytest.fail(f"oncelery process timed out after {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+    kill_workers(out)  # normally none is left: checked by each test through `leftover_workers`
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return Done(proc.returncode, out, err, summary)
+
+
+def leftover_workers(done: Done) -> list[int]:
+    return [pid for pid in worker_pids(done.out) if alive(pid)]
+
+
+def database_state(url: str) -> dict[str, Any]:
+    """Return the counts and stored results the proofs check, read straight from the database."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            runs = conn.execute(select(TaskRun.idempotency_key, TaskRun.status, TaskRun.result)).all()
+            calls = conn.execute(select(func.count()).select_from(LLMCall)).scalar_one()
+            ok_calls = conn.execute(select(func.count()).where(LLMCall.ok.is_(True))).scalar_one()
+            per_step = conn.execute(
+                select(LLMCall.idempotency_key, LLMCall.step).where(LLMCall.ok.is_(True)).distinct()
+            ).all()
+            scores = conn.execute(
+                select(
+                    ArticleScore.article_id,
+                    ArticleScore.version,
+                    ArticleScore.summary,
+                    ArticleScore.keywords,
+                    ArticleScore.quality,
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    return {
+        "runs": {key: (status, result) for key, status, result in runs},
+        "calls": int(calls),
+        "ok_calls": int(ok_calls),
+        "steps_called": len(per_step),
+        "scores": scores,
+    }
+
+
+def check_exactly_once(state: dict[str, Any], articles: list[dict[str, Any]]) -> None:
+    """Every article: one COMPLETED run whose result is the undisturbed model's, one ArticleScore row."""
+    assert len(state["runs"]) == len(articles)
+    for article in articles:
+        want = expected(article)
+        status, result = state["runs"][f"article:{article['id']}:v{article['version']}"]
+        assert status is RunStatus.COMPLETED, article["id"]
+        assert result == want, article["id"]
+    assert len(state["scores"]) == len(articles)  # nothing lost, nothing doubled
+    by_article = {(a, v): (s, k, q) for a, v, s, k, q in state["scores"]}
+    assert len(by_article) == len(articles)
+    for article in articles:
+        want = expected(article)
+        assert by_article[(article["id"], article["version"])] == (want["summary"], want["keywords"], want["quality"])
+    assert state["steps_called"] == STEPS * len(articles)  # every step of every article was called
+
+
+# -- the embedded default: no server at all ------------------------------------------------------------
+
+
+def test_hundred_articles_with_duplicates_on_the_embedded_default(tmp_path: Path) -> None:
+    done = process("--limit", "100", "--duplicates", "0.3", cwd=tmp_path)
+    assert done.code == 0, f"{done.out}\n{done.err}"
+    assert leftover_workers(done) == [], "the command left its worker running"
+
+    state = database_state(f"sqlite:///{tmp_path / 'oncelery.db'}")
+    assert state["calls"] == state["ok_calls"] == 300  # 100 x 3 exactly: no duplicate ever called the model
+    check_exactly_once(state, load_articles(100))
+
+    s = done.summary
+    assert s["deliveries_sent"] == 130 and s["sent_duplicates"] == 30
+    assert s["executed"] == 100 and s["replayed"] == 30 and s["resumed"] == 0
+    assert s["in_progress_waits"] >= 1  # copies right behind their first really met it running
+    assert s["llm_calls"] == 300 and s["wasted_calls"] == 0
+    assert s["llm_calls_saved"] == 90 and s["llm_calls_without_oncelery"] == 390
+    assert s["score_rows"] == 100 and s["missing"] == [] and s["worker_kills"] == 0
+    assert "exactly once: 100 scores for 100 articles" in done.out
+    assert list((tmp_path / ".oncelery" / "broker" / "queue").glob("*.msg")) == []  # every delivery answered
+
+
+@pytest.mark.crash
+@pytest.mark.timeout(240)
+def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None:
+    # --lease 10: a job held by a killed worker is taken over after 10 s instead of the task's 60 s.
+    done = process(
+        "--limit",
+        "100",
+        "--duplicates",
+        "0.3",
+        "--kill-worker-every",
+        "30",
+        "--lease",
+        "10",
+        cwd=tmp_path,
+        timeout=200,
+    )
+    assert done.code == 0, f"{done.out}\n{done.err}"
+    assert leftover_workers(done) == [], "the command left a worker running"
+    kills = done.summary["worker_kills"]
+    assert kills >= 2 and len(re.findall(r"^kill \d+: SIGKILLed", done.out, re.M)) == kills, done.out
+    assert done.summary["jobs_interrupted"] >= 1
+    assert len(worker_pids(done.out)) == kills + 1  # restarted after every kill
+
+    state = database_state(f"sqlite:///{tmp_path / 'oncelery.db'}")
+    check_exactly_once(state, load_articles(100))  # 100 scores, each equal to the no-fault result
+    # At most the call in flight at each kill is repeated; finished steps are never called again.
+    assert 300 <= state["calls"] <= 300 + kills
+    assert done.summary["llm_calls"] == state["calls"]
+    assert done.summary["wasted_calls"] == state["calls"] - 300
+
+
+def test_a_malformed_line_names_its_number_and_sends_nothing(tmp_path: Path) -> None:
+    lines = SAMPLES.read_text(encoding="utf-8").splitlines()[:5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*lines[:2], '{"id": "x", "version": 1, "text": "unterminated', *lines[2:]]) + "\n")
+    proc = subprocess.run(
+        [ONCELERY, "process", str(bad)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0
+    assert "bad.jsonl line 3: not valid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "oncelery.db").exists()  # nothing migrated, no worker, nothing enqueued
+    assert list(tmp_path.rglob("*.msg")) == []
+
+
+# -- Redis + PostgreSQL ----------------------------------------------------------------------------------
+
+
+def results_url(broker_url: str) -> str:
+    """The Redis database after the broker's, for results."""
+    parts = urlsplit(broker_url)
+    return urlunsplit(parts._replace(path=f"/{int(parts.path.lstrip('/') or 0) + 1}"))
+
+
+def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, pg_session_url: str) -> None:
+    engine = create_engine(pg_session_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text("TRUNCATE article_scores, llm_calls, step_results, delivery_outcomes, task_runs RESTART IDENTITY")
+            )
+    finally:
+        engine.dispose()
+    queue = unique_queue()
+    env = clean_env(
+        ONCELERY_BROKER_URL=redis_url,
+        ONCELERY_RESULT_BACKEND=results_url(redis_url),
+        ONCELERY_DATABASE_URL=pg_session_url,
+    )
+    try:
+        done = process(
+            "--limit", "30", "--duplicates", "0.3", "--start-worker", "--queue", queue, cwd=tmp_path, env=env
+        )
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        try:
+            leftovers = list(client.scan_iter(match=f"*{queue}*"))
+            if leftovers:
+                client.delete(*leftovers)
+        finally:
+            client.close()
+    assert done.code == 0, f"{done.out}\n{done.err}"
+    assert leftover_workers(done) == []
+    assert f"queue {queue}" in done.out
+
+    state = database_state(pg_session_url)
+    assert state["calls"] == state["ok_calls"] == 90
+    check_exactly_once(state, load_articles(30))
+    s = done.summary
+    assert s["executed"] == 30 and s["replayed"] == 9 and s["deliveries_sent"] == 39
+    assert s["llm_calls"] == 90 and s["llm_calls_saved"] == 27 and s["wasted_calls"] == 0
