@@ -1,9 +1,18 @@
-"""A holder's lease renewal thread: keeps a claim alive while the body runs, notices a takeover."""
+"""Lease renewal: one daemon thread per process renews every live claim every lease/3 seconds.
+
+One shared thread instead of a thread per job: starting and joining a thread per job cost more CPU than
+the job's two database statements. A thread (not the body's own code) renews, so a frozen process
+(SIGSTOP, GC pause) also stops renewing, which is what lets another worker take over.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import threading
+import time
 
 from idempotency.errors import LeaseLost
 from idempotency.settings import HEARTBEATS_PER_LEASE
@@ -20,19 +29,16 @@ class Heartbeat:
         self.claim = claim
         self.interval = claim.lease / HEARTBEATS_PER_LEASE
         self.lost = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"oncelery-heartbeat-{claim.run_id}", daemon=True)
+        self.stopped = False
 
     def start(self) -> Heartbeat:
-        """Start renewing in a daemon thread (a thread, so a frozen process also stops renewing)."""
-        self._thread.start()
+        """Register with this process's renewal thread (started on first use, again after a fork)."""
+        _service().add(self)
         return self
 
     def stop(self) -> None:
-        """Stop renewing and wait for an in-flight renewal to finish."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        """Stop renewing; a renewal in flight for this claim can no longer mark it lost."""
+        self.stopped = True
 
     def check(self) -> None:
         """Raise LeaseLost if a renewal found the claim taken over."""
@@ -44,17 +50,66 @@ class Heartbeat:
                 token=self.claim.token,
             )
 
+    def renew(self) -> bool:
+        """Renew once; return whether to keep renewing."""
+        if self.stopped:
+            return False
+        try:
+            ok = self.store.heartbeat(self.claim)
+        except Exception as exc:
+            # A database blip is not a takeover: keep trying; the fenced completion decides.
+            logger.warning("heartbeat for %s failed: %s", self.claim.key, exc)
+            return not self.stopped
+        if ok or self.stopped:
+            return not self.stopped  # a renewal racing the run's own completion is not a takeover
+        logger.warning("lease lost for %s token=%d", self.claim.key, self.claim.token)
+        self.lost = True
+        return False
+
+
+class _Service:
+    """The renewal thread of one process: a heap of (due time, heartbeat)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Heartbeat]] = []
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="oncelery-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, hb: Heartbeat) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + hb.interval, next(self._seq), hb))
+            self._cond.notify()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                ok = self.store.heartbeat(self.claim)
-            except Exception as exc:
-                # A database blip is not a takeover: keep trying; the fenced completion decides.
-                logger.warning("heartbeat for %s failed: %s", self.claim.key, exc)
-                continue
-            if not ok:
-                if self._stop.is_set():
-                    return  # the run completed (or failed) while this renewal ran: not a takeover
-                logger.warning("lease lost for %s token=%d", self.claim.key, self.claim.token)
-                self.lost = True
-                return
+        while True:
+            with self._cond:
+                while self._heap and self._heap[0][2].stopped:
+                    heapq.heappop(self._heap)  # finished runs leave without a database trip
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                due, _, hb = self._heap[0]
+                delay = due - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                heapq.heappop(self._heap)
+            if hb.renew():
+                self.add(hb)
+
+
+_services: dict[int, _Service] = {}
+_lock = threading.Lock()
+
+
+def _service() -> _Service:
+    pid = os.getpid()
+    service = _services.get(pid)
+    if service is None:
+        with _lock:
+            service = _services.get(pid)
+            if service is None:
+                service = _services[pid] = _Service()
+    return service

@@ -14,10 +14,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, delete, insert, select, update
+from sqlalchemy import Connection, Table, delete, insert, select
 from sqlalchemy.exc import IntegrityError
 
-from idempotency.db import db_now_plus, rowcount
+from idempotency.db import rowcount
 from idempotency.errors import LeaseLost, StepMismatch
 from idempotency.store import Claim, RunStore, encode_result
 from models import StepResult
@@ -96,9 +96,7 @@ def save_checkpoint_txn(
     The fenced UPDATE both proves the claim and row-locks the run (PostgreSQL; SQLite's writer lock
     serialises it), so a takeover waits for this checkpoint to commit instead of racing it.
     """
-    renewed = conn.execute(
-        update(store.runs).where(store.fenced(claim)).values(lease_expires_at=db_now_plus(store.engine, claim.lease))
-    )
+    renewed = conn.execute(store.sql.heartbeat, {**store.fence_params(claim), **store.lease_params(claim.lease)})
     if rowcount(renewed) != 1:
         raise LeaseLost(
             f"{claim.task_name}[{claim.key}]: step {name!r} not saved — token {claim.token} was taken over",

@@ -21,28 +21,27 @@ row and a counter is handed out again.
 from __future__ import annotations
 
 import json
+import random
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Connection, Table, and_, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Table, and_, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from idempotency.db import db_now, db_now_plus, get_engine, rowcount, translated
+from idempotency.db import db_now, get_engine, rowcount, translated
 from idempotency.errors import LeaseLost, ResultNotJSON, StoreError
 from idempotency.keys import Identity
-from models import DeliveryOutcome, Outcome, RunStatus, TaskRun
+from idempotency.statements import OUTCOME_SHARDS, OUTCOMES, RUNS, Statements, lease_param, statements
+from models import Outcome, RunStatus
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
-_RUNS = cast(Table, TaskRun.__table__)
-_OUTCOMES = cast(Table, DeliveryOutcome.__table__)
 
 
 class Decision(Enum):
@@ -109,10 +108,18 @@ def encode_result(value: Any, what: str) -> Any:
 
 
 class RunStore:
-    """Claims, leases, fencing and completion of runs in one SQL database (PostgreSQL or SQLite)."""
+    """Claims, leases, fencing and completion of runs in one SQL database (PostgreSQL or SQLite).
+
+    Round trips per executed job on PostgreSQL: the claim is one autocommit statement on a connection
+    with `synchronous_commit = off` (a claim need not be durable: a lost claim only makes its holder's
+    fenced completion fail, and the random owner id keeps tokens unique), and the completion plus its
+    outcome counter is one durable autocommit statement (or joins the effects transaction).
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self._dialect: str | None = None
+        self._autocommit: tuple[int, Engine] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -125,9 +132,26 @@ class RunStore:
         return get_engine(self.url, read_only=True)
 
     @property
+    def claim_engine(self) -> Engine:
+        """Engine for single-statement claim and lease writes (autocommit, asynchronous on PostgreSQL)."""
+        return get_engine(self.url, fast_claims=True)
+
+    @property
+    def dialect(self) -> str:
+        """The database's dialect name: "postgresql" or "sqlite"."""
+        if self._dialect is None:
+            self._dialect = str(self.engine.dialect.name)
+        return self._dialect
+
+    @property
+    def sql(self) -> Statements:
+        """The prebuilt statements of this store's dialect."""
+        return statements(self.dialect)
+
+    @property
     def runs(self) -> Table:
         """The task_runs table."""
-        return _RUNS
+        return RUNS
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -140,11 +164,26 @@ class RunStore:
         with translated(self.url), self.engine.begin() as conn:
             yield conn
 
-    def _insert(self) -> Any:
-        # Dialect insert for ON CONFLICT; both dialects spell it the same way in SQLAlchemy.
-        if self.engine.dialect.name == "postgresql":
-            return postgresql.insert(_RUNS)
-        return sqlite.insert(_RUNS)
+    def _one(self, stmt: Any, params: dict[str, Any]) -> tuple[Any, int]:
+        """Run one claim/lease statement on its own; return (first returned row or None, rows matched).
+
+        Autocommit on PostgreSQL (no BEGIN/COMMIT round trips); a short IMMEDIATE transaction on SQLite.
+        """
+        engine = self.claim_engine
+        with translated(self.url):
+            if self.dialect == "postgresql":
+                with engine.connect() as conn:
+                    return _first_and_count(conn.execute(stmt, params))
+            with engine.begin() as conn:
+                return _first_and_count(conn.execute(stmt, params))
+
+    def fence_params(self, claim: Claim) -> dict[str, Any]:
+        """The parameters of the fence every holder write carries (run id, token, owner)."""
+        return {"p_run_id": claim.run_id, "p_token": claim.token, "p_owner": claim.owner}
+
+    def lease_params(self, seconds: float) -> dict[str, Any]:
+        """The parameter that sets a lease of `seconds` from the database clock's now."""
+        return {"p_lease": lease_param(self.dialect, seconds)}
 
     # -- claim -------------------------------------------------------------------------------------
 
@@ -160,14 +199,29 @@ class RunStore:
         """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it."""
         for _ in range(_MAX_CLAIM_ROUNDS):
             owner = uuid.uuid4().hex
+            params = {
+                "p_task": task_name,
+                "p_key": ident.key,
+                "p_fingerprint": ident.fingerprint,
+                "p_digests": ident.field_digests,
+                "p_owner": owner,
+                "p_entity": concurrency_key,
+                "p_task_id": celery_task_id,
+                "p_message": message,
+                **self.lease_params(lease),
+            }
             try:
-                claim = self._insert_claim(task_name, ident, lease, owner, concurrency_key, celery_task_id, message)
-                if claim is None:
-                    claim = self._takeover(task_name, ident, lease, owner, concurrency_key, celery_task_id, message)
+                row, _ = self._one(self.sql.insert_claim, params)
+                if row is not None:
+                    return ClaimResult(
+                        Decision.CLAIMED, claim=Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False)
+                    )
+                row, _ = self._one(self.sql.takeover, params)
             except IntegrityError:
                 # The partial unique index refused a second RUNNING run for this entity.
                 return ClaimResult(Decision.ENTITY_BUSY)
-            if claim is not None:
+            if row is not None:
+                claim = Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, True)
                 return ClaimResult(Decision.CLAIMED, claim=claim)
             run = self.get(task_name, ident.key)
             if run is None:
@@ -181,90 +235,11 @@ class RunStore:
             # FAILED or expired after our takeover statement looked: take it on the next round.
         raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
 
-    def _insert_claim(
-        self,
-        task_name: str,
-        ident: Identity,
-        lease: float,
-        owner: str,
-        concurrency_key: str | None,
-        celery_task_id: str | None,
-        message: Any,
-    ) -> Claim | None:
-        stmt = (
-            self._insert()
-            .values(
-                task_name=task_name,
-                idempotency_key=ident.key,
-                fingerprint=ident.fingerprint,
-                field_digests=ident.field_digests,
-                status=RunStatus.RUNNING,
-                fencing_token=1,
-                owner=owner,
-                lease_expires_at=db_now_plus(self.engine, lease),
-                attempts=1,
-                concurrency_key=concurrency_key,
-                celery_task_id=celery_task_id,
-                message=message,
-            )
-            .on_conflict_do_nothing(index_elements=["task_name", "idempotency_key"])
-            .returning(_RUNS.c.id)
-        )
-        with self._txn() as conn:
-            row = conn.execute(stmt).first()
-        if row is None:
-            return None
-        return Claim(row.id, task_name, ident.key, 1, owner, lease, 1, takeover=False)
-
-    def _takeover(
-        self,
-        task_name: str,
-        ident: Identity,
-        lease: float,
-        owner: str,
-        concurrency_key: str | None,
-        celery_task_id: str | None,
-        message: Any,
-    ) -> Claim | None:
-        now = db_now(self.engine)
-        c = _RUNS.c
-        stmt = (
-            update(_RUNS)
-            .where(
-                c.task_name == task_name,
-                c.idempotency_key == ident.key,
-                # A different payload never takes a run over: that is a conflict, decided by the caller.
-                c.fingerprint == ident.fingerprint,
-                or_(
-                    c.status == RunStatus.FAILED,
-                    and_(c.status == RunStatus.RUNNING, c.lease_expires_at < now),
-                ),
-            )
-            .values(
-                status=RunStatus.RUNNING,
-                fencing_token=c.fencing_token + 1,
-                owner=owner,
-                lease_expires_at=db_now_plus(self.engine, lease),
-                attempts=c.attempts + 1,
-                updated_at=now,
-                error=None,
-                concurrency_key=concurrency_key,
-                celery_task_id=celery_task_id,
-                message=message,
-            )
-            .returning(c.id, c.fencing_token, c.attempts)
-        )
-        with self._txn() as conn:
-            row = conn.execute(stmt).first()
-        if row is None:
-            return None
-        return Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, takeover=True)
-
     # -- holder's writes (all fenced) ----------------------------------------------------------------
 
     def fenced(self, claim: Claim) -> Any:
         """The WHERE clause every write of a holder carries: its run, token and owner, still RUNNING."""
-        c = _RUNS.c
+        c = RUNS.c
         return and_(
             c.id == claim.run_id,
             c.fencing_token == claim.token,
@@ -274,41 +249,38 @@ class RunStore:
 
     def heartbeat(self, claim: Claim) -> bool:
         """Extend the lease by `claim.lease` from now (database clock) iff the claim is still ours."""
-        stmt = update(_RUNS).where(self.fenced(claim)).values(lease_expires_at=db_now_plus(self.engine, claim.lease))
-        with self._txn() as conn:
-            return rowcount(conn.execute(stmt)) == 1
+        params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
+        return self._one(self.sql.heartbeat, params)[1] == 1
 
     def check_txn(self, conn: Connection | Session, claim: Claim) -> None:
         """Raise LeaseLost unless `claim` still holds its run (inside the caller's transaction)."""
-        row = conn.execute(select(_RUNS.c.id).where(self.fenced(claim))).first()
-        if row is None:
+        if conn.execute(self.sql.check, self.fence_params(claim)).first() is None:
             raise _lease_lost(claim)
 
     def complete_txn(
         self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED
     ) -> None:
         """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write)."""
-        now = db_now(self.engine)
-        stmt = (
-            update(_RUNS)
-            .where(self.fenced(claim))
-            .values(
-                status=RunStatus.COMPLETED,
-                result=result,
-                finished_at=now,
-                updated_at=now,
-                lease_expires_at=None,
-            )
-        )
-        if rowcount(conn.execute(stmt)) != 1:
+        params = {**self.fence_params(claim), "p_result": result, **self._outcome_params(claim.task_name, outcome)}
+        sql = self.sql
+        if sql.complete_and_count is not None:
+            if conn.execute(sql.complete_and_count, params).first() is None:
+                raise _lease_lost(claim)
+            return
+        if rowcount(conn.execute(sql.complete, params)) != 1:
             raise _lease_lost(claim)
-        self.record_outcome_txn(conn, claim.task_name, outcome)
+        conn.execute(sql.count_outcome, params)
 
     def complete(
         self, claim: Claim, result: Any, session: Session | None = None, outcome: Outcome = Outcome.EXECUTED
     ) -> None:
         """Commit the run's completion (and `session`'s pending effects) atomically, fenced by the token."""
         if session is None:
+            if self.dialect == "postgresql":
+                # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
+                with translated(self.url), self.autocommit_engine.connect() as conn:
+                    self.complete_txn(conn, claim, result, outcome)
+                return
             with self._txn() as conn:
                 self.complete_txn(conn, claim, result, outcome)
             return
@@ -320,16 +292,19 @@ class RunStore:
                 session.rollback()
                 raise
 
+    @property
+    def autocommit_engine(self) -> Engine:
+        """The store's engine in autocommit mode (durable single statements); shares its pool."""
+        engine = self.engine
+        if self._autocommit is None or self._autocommit[0] != id(engine):
+            self._autocommit = (id(engine), engine.execution_options(isolation_level="AUTOCOMMIT"))
+        return self._autocommit[1]
+
     def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED) -> bool:
         """Record the run FAILED with `error` iff the claim is still ours; return whether it was."""
-        now = db_now(self.engine)
-        stmt = (
-            update(_RUNS)
-            .where(self.fenced(claim))
-            .values(status=RunStatus.FAILED, error=error[:10_000], updated_at=now, lease_expires_at=None)
-        )
+        params = {**self.fence_params(claim), "p_error": error[:10_000]}
         with self._txn() as conn:
-            ok = rowcount(conn.execute(stmt)) == 1
+            ok = rowcount(conn.execute(self.sql.fail, params)) == 1
             self.record_outcome_txn(conn, claim.task_name, outcome if ok else Outcome.LEASE_LOST)
         return ok
 
@@ -337,9 +312,9 @@ class RunStore:
 
     def get(self, task_name: str, key: str) -> RunView | None:
         """Return the run for (task, key), with whether its lease is live by the database clock."""
-        c = _RUNS.c
-        live = and_(c.lease_expires_at.is_not(None), c.lease_expires_at >= db_now(self.engine))
-        stmt = select(_RUNS, live.label("lease_live")).where(c.task_name == task_name, c.idempotency_key == key)
+        c = RUNS.c
+        live = and_(c.lease_expires_at.is_not(None), c.lease_expires_at >= db_now(self.dialect))
+        stmt = select(RUNS, live.label("lease_live")).where(c.task_name == task_name, c.idempotency_key == key)
         with translated(self.url), self.read_engine.connect() as conn:
             row = conn.execute(stmt).first()
         if row is None:
@@ -359,13 +334,13 @@ class RunStore:
             lease_live=bool(row.lease_live),
         )
 
+    @staticmethod
+    def _outcome_params(task_name: str, outcome: Outcome) -> dict[str, Any]:
+        return {"p_task": task_name, "p_outcome": outcome, "p_shard": random.randrange(OUTCOME_SHARDS)}
+
     def record_outcome_txn(self, conn: Connection | Session, task_name: str, outcome: Outcome) -> None:
         """Count one delivery outcome inside the caller's transaction (exact across processes)."""
-        ins = postgresql.insert(_OUTCOMES) if self.engine.dialect.name == "postgresql" else sqlite.insert(_OUTCOMES)
-        stmt = ins.values(task_name=task_name, outcome=outcome, count=1).on_conflict_do_update(
-            index_elements=["task_name", "outcome"], set_={"count": _OUTCOMES.c.count + 1}
-        )
-        conn.execute(stmt)
+        conn.execute(self.sql.count_outcome, self._outcome_params(task_name, outcome))
 
     def record_outcome(self, task_name: str, outcome: Outcome) -> None:
         """Count one delivery outcome in its own transaction."""
@@ -374,12 +349,17 @@ class RunStore:
 
     def outcome_counts(self, task_name: str | None = None) -> dict[str, int]:
         """Return {outcome: count} summed over all tasks, or for one task."""
-        c = _OUTCOMES.c
+        c = OUTCOMES.c
         stmt = select(c.outcome, func.sum(c.count)).group_by(c.outcome)
         if task_name is not None:
             stmt = stmt.where(c.task_name == task_name)
         with translated(self.url), self.read_engine.connect() as conn:
             return {o.value: int(n) for o, n in conn.execute(stmt)}
+
+
+def _first_and_count(result: Any) -> tuple[Any, int]:
+    row = result.first() if result.returns_rows else None
+    return row, rowcount(result)
 
 
 def _lease_lost(claim: Claim) -> LeaseLost:

@@ -134,4 +134,6 @@ class DeliveryOutcome(Base):
 
     task_name: Mapped[str] = mapped_column(String(255), primary_key=True)
     outcome: Mapped[Outcome] = mapped_column(_enum(Outcome, "outcome"), primary_key=True)
+    # Several rows per (task, outcome), summed on read: concurrent workers rarely queue on one counter row.
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
     count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)

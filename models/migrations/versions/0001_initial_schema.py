@@ -41,8 +41,9 @@ def upgrade() -> None:
             ),
             nullable=False,
         ),
+        sa.Column("shard", sa.Integer(), nullable=False),
         sa.Column("count", sa.Integer(), nullable=False),
-        sa.PrimaryKeyConstraint("task_name", "outcome", name=op.f("pk_delivery_outcomes")),
+        sa.PrimaryKeyConstraint("task_name", "outcome", "shard", name=op.f("pk_delivery_outcomes")),
     )
     op.create_table(
         "task_runs",
