@@ -1,0 +1,379 @@
+"""The Celery app of the throughput benchmark (`celery -A bench.bench_app worker`), configured from env vars.
+
+Environment (set by `bench/throughput.py` for the worker it starts):
+
+    BENCH_BROKER_URL    Redis broker (default redis://127.0.0.1:6379/13)
+    BENCH_DATABASE_URL  Oncelery claims database (default postgresql://postgres@127.0.0.1:5432/oncelery_bench)
+    BENCH_STATS_URL     Redis for the benchmark's own counters (default: the broker URL)
+
+`bench_plain` and `bench_idem` are no-ops with the same signature; the only difference is
+`base=IdempotentTask`. `bench_floor` is a yardstick, not Oncelery: the least a database claim can cost
+(raw psycopg on one autocommit connection per process, no SQLAlchemy, no heartbeat): one
+`INSERT .. ON CONFLICT DO NOTHING RETURNING` claim and one fenced completion `UPDATE` + outcome upsert
+(a counter row per process, so the two children never wait on one row lock) in a single CTE statement,
+i.e. two round trips and two commits (the claim's without a WAL flush wait under the floor-async-claim
+what-if). It uses tables of its own (FLOOR_DDL), so Oncelery's schema can change under it. Every
+finished delivery (executed or answered from the stored result) is counted by a `task_postrun` handler
+that sends one Redis MULTI/EXEC per job for both tasks alike:
+
+    INCR  bench:<queue>:done              exact count of finished deliveries
+    SET   bench:<queue>:last <unix time>  written by the transaction that finished the last job
+    SETNX bench:<queue>:first <unix time>
+    HINCRBY bench:<queue>:db <counter> n  statements, commits, rollbacks, checkouts, pings, round_trips
+
+The database counters come from SQLAlchemy and pool events registered on every engine of the worker
+child; round_trips follows how psycopg 3 talks to the server (see `_on_statement`).
+
+BENCH_WHAT_IF (comma-separated) monkeypatches Oncelery's internals *in the benchmark worker only*, to
+measure what a proposed change would buy before anyone writes it. They weaken guarantees and are tied to
+the internals of commit 74b8352 (async-claim refuses to run where those moved):
+
+    no-heartbeat   no lease-renewal thread per job (a job must finish within its lease)
+    no-pre-ping    pool_pre_ping=False: no `;` round trip per connection checkout
+    async-claim    the claim INSERT's transaction commits with synchronous_commit=off (no WAL flush wait);
+                   the completion stays synchronous
+    all-async      every transaction synchronous_commit=off (an upper bound: completion is not durable)
+    floor-async-claim  bench_floor's claim INSERT runs on a synchronous_commit=off connection
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import Pool
+
+from idempotency import IdempotentTask
+
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/13"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
+
+PLAIN_TASK = "oncelery.bench_plain"
+IDEM_TASK = "oncelery.bench_idem"
+FLOOR_TASK = "oncelery.bench_floor"
+WHAT_IF = {w.strip() for w in os.environ.get("BENCH_WHAT_IF", "").split(",") if w.strip()}
+
+
+def broker_url() -> str:
+    return os.environ.get("BENCH_BROKER_URL") or DEFAULT_BROKER_URL
+
+
+def database_url() -> str:
+    return os.environ.get("BENCH_DATABASE_URL") or DEFAULT_DATABASE_URL
+
+
+def stats_url() -> str:
+    return os.environ.get("BENCH_STATS_URL") or broker_url()
+
+
+app = Celery("oncelery_bench")
+app.conf.update(
+    broker_url=broker_url(),
+    # Measure the queue, not a result backend.
+    result_backend=None,
+    task_ignore_result=True,
+    task_store_errors_even_if_ignored=False,
+    # The delivery semantics Oncelery is deployed with (celeryconfig.py defaults).
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_serializer="json",
+    accept_content=["json"],
+    result_serializer="json",
+    # No events: Flower is not part of the measurement.
+    worker_send_task_events=False,
+    task_send_sent_event=False,
+    task_track_started=False,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"visibility_timeout": 3600},
+    oncelery_database_url=database_url(),
+    timezone="UTC",
+    enable_utc=True,
+)
+
+
+@app.task(name=PLAIN_TASK, ignore_result=True)
+def bench_plain(run: str, i: int) -> None:
+    """A plain Celery no-op."""
+    return None
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    name=IDEM_TASK,
+    ignore_result=True,
+    idempotency_key="bench:{run}:{i}",
+)
+def bench_idem(self: IdempotentTask, run: str, i: int) -> None:
+    """The same no-op, run at most once per key by Oncelery."""
+    return None
+
+
+FLOOR_DDL = [
+    """CREATE TABLE IF NOT EXISTS bench_floor_runs (
+        id bigserial PRIMARY KEY,
+        task_name varchar(255) NOT NULL,
+        idempotency_key varchar(255) NOT NULL,
+        fingerprint varchar(64) NOT NULL,
+        status varchar(16) NOT NULL,
+        fencing_token integer NOT NULL,
+        owner varchar(64),
+        lease_expires_at timestamptz,
+        result json,
+        created_at timestamptz NOT NULL,
+        updated_at timestamptz NOT NULL,
+        finished_at timestamptz,
+        UNIQUE (task_name, idempotency_key)
+    )""",
+    """CREATE TABLE IF NOT EXISTS bench_floor_outcomes (
+        task_name varchar(255) NOT NULL,
+        outcome varchar(16) NOT NULL,
+        shard integer NOT NULL,
+        count integer NOT NULL,
+        PRIMARY KEY (task_name, outcome, shard)
+    )""",
+]
+_FLOOR_CLAIM = """
+INSERT INTO bench_floor_runs (task_name, idempotency_key, fingerprint, status, fencing_token, owner,
+                              lease_expires_at, created_at, updated_at)
+VALUES (%(task)s, %(key)s, %(fp)s, 'RUNNING', 1, %(owner)s, clock_timestamp() + interval '60 seconds',
+        clock_timestamp(), clock_timestamp())
+ON CONFLICT (task_name, idempotency_key) DO NOTHING
+RETURNING id
+"""
+_FLOOR_COMPLETE = """
+WITH done AS (
+    UPDATE bench_floor_runs SET status = 'COMPLETED', result = 'null', finished_at = clock_timestamp(),
+                         updated_at = clock_timestamp(), lease_expires_at = NULL
+    WHERE id = %(id)s AND fencing_token = 1 AND owner = %(owner)s AND status = 'RUNNING'
+    RETURNING id
+)
+INSERT INTO bench_floor_outcomes (task_name, outcome, shard, count)
+SELECT %(task)s, 'executed', %(shard)s, 1 FROM done
+ON CONFLICT (task_name, outcome, shard) DO UPDATE SET count = bench_floor_outcomes.count + 1
+RETURNING count
+"""
+_FLOOR_ANSWER = """
+WITH run AS (SELECT status, result FROM bench_floor_runs WHERE task_name = %(task)s AND idempotency_key = %(key)s)
+INSERT INTO bench_floor_outcomes (task_name, outcome, shard, count)
+SELECT %(task)s, 'replayed', %(shard)s, 1 FROM run WHERE status = 'COMPLETED'
+ON CONFLICT (task_name, outcome, shard) DO UPDATE SET count = bench_floor_outcomes.count + 1
+RETURNING (SELECT result FROM run)
+"""
+_floor_conns: dict[int, Any] = {}
+
+
+def _floor_conn(async_commit: bool) -> Any:
+    import psycopg
+
+    key = os.getpid() * 2 + int(async_commit)
+    conn = _floor_conns.get(key)
+    if conn is None:
+        dsn = database_url().replace("postgresql+psycopg://", "postgresql://", 1)
+        conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=0)
+        if async_commit:
+            conn.execute("SET synchronous_commit = off")
+        _floor_conns[key] = conn
+    return conn
+
+
+@app.task(name=FLOOR_TASK, ignore_result=True)
+def bench_floor(run: str, i: int) -> Any:
+    """Yardstick: the cheapest claim + fenced completion (two statements) around the same no-op."""
+    import uuid
+
+    params = {
+        "task": FLOOR_TASK,
+        "key": f"bench:{run}:{i}",
+        "fp": "0" * 64,
+        "owner": uuid.uuid4().hex,
+        "shard": os.getpid(),
+    }
+    claim_conn = _floor_conn("floor-async-claim" in WHAT_IF)
+    row = claim_conn.execute(_FLOOR_CLAIM, params).fetchone()
+    _db_counts["statements"] += 1
+    _db_counts["round_trips"] += 1
+    if row is None:  # a duplicate: answer from the stored result, counting the replay, in one statement
+        answer = _floor_conn(False).execute(_FLOOR_ANSWER, params).fetchone()
+        _db_counts["statements"] += 1
+        _db_counts["round_trips"] += 1
+        return answer[0] if answer else None
+    result = None  # the body
+    done = _floor_conn(False).execute(_FLOOR_COMPLETE, {**params, "id": row[0]}).fetchone()
+    _db_counts["statements"] += 1
+    _db_counts["round_trips"] += 1
+    if done is None:
+        raise RuntimeError("lease lost")
+    return result
+
+
+# -- what-if experiments (benchmark worker only) -------------------------------------------------
+
+_KNOWN_WHAT_IF = {"no-heartbeat", "no-pre-ping", "async-claim", "all-async", "floor-async-claim"}
+if WHAT_IF - _KNOWN_WHAT_IF:
+    raise SystemExit(f"unknown BENCH_WHAT_IF {sorted(WHAT_IF - _KNOWN_WHAT_IF)}; known: {sorted(_KNOWN_WHAT_IF)}")
+
+
+def _apply_what_if() -> None:
+    import threading
+    from contextlib import contextmanager
+
+    import idempotency.db as db
+    import idempotency.task as task_module
+    from idempotency.store import RunStore
+
+    if "no-heartbeat" in WHAT_IF:
+
+        class _NoHeartbeat:
+            def __init__(self, store: Any, claim: Any) -> None:
+                pass
+
+            def start(self) -> _NoHeartbeat:
+                return self
+
+            def stop(self) -> None:
+                pass
+
+            def check(self) -> None:
+                pass
+
+        task_module.Heartbeat = _NoHeartbeat  # type: ignore[misc,assignment]
+
+    if WHAT_IF & {"no-pre-ping", "all-async"}:
+        real_create_engine = db.create_engine
+
+        def create_engine(url: Any, **kw: Any) -> Any:
+            if "no-pre-ping" in WHAT_IF:
+                kw["pool_pre_ping"] = False
+            if "all-async" in WHAT_IF and str(url).startswith("postgresql"):
+                kw.setdefault("connect_args", {})["options"] = "-c synchronous_commit=off"
+            return real_create_engine(url, **kw)
+
+        db.create_engine = create_engine  # type: ignore[assignment]
+
+    if "async-claim" in WHAT_IF:
+        if not hasattr(RunStore, "_insert_claim") or not hasattr(RunStore, "_txn"):
+            raise SystemExit("what-if async-claim patches RunStore._insert_claim/_txn, which moved: update it")
+        flag = threading.local()
+        real_insert_claim, real_txn = RunStore._insert_claim, RunStore._txn
+
+        def _insert_claim(self: RunStore, *a: Any, **kw: Any) -> Any:
+            flag.on = True
+            try:
+                return real_insert_claim(self, *a, **kw)
+            finally:
+                flag.on = False
+
+        @contextmanager
+        def _txn(self: RunStore) -> Any:
+            with real_txn(self) as conn:
+                if getattr(flag, "on", False):
+                    conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+                yield conn
+
+        RunStore._insert_claim = _insert_claim  # type: ignore[method-assign]
+        RunStore._txn = _txn  # type: ignore[method-assign,assignment]
+
+
+if WHAT_IF:
+    _apply_what_if()
+
+
+# -- per-child counters ----------------------------------------------------------------------------
+
+_db_counts: dict[str, int] = {
+    "statements": 0,
+    "commits": 0,
+    "rollbacks": 0,
+    "checkouts": 0,
+    "pings": 0,
+    "round_trips": 0,
+}
+_redis: dict[int, redis.Redis] = {}
+
+
+def _stats_client() -> redis.Redis:
+    pid = os.getpid()
+    client = _redis.get(pid)
+    if client is None:
+        client = redis.Redis.from_url(stats_url())
+        _redis.clear()
+        _redis[pid] = client
+    return client
+
+
+def _in_transaction(dbapi_conn: Any) -> bool | None:
+    """Whether a psycopg connection is inside a server transaction (None: not psycopg)."""
+    info = getattr(dbapi_conn, "info", None)
+    status = getattr(info, "transaction_status", None)
+    if status is None:
+        return None
+    return int(status) != 0  # psycopg.pq.TransactionStatus.IDLE
+
+
+def _dbapi(conn: Any) -> Any:
+    fairy = getattr(conn, "connection", None)
+    return getattr(fairy, "dbapi_connection", fairy)
+
+
+# Class-level listeners: they apply to every engine the store creates in this process (one per pid).
+# Wire round trips are counted the way psycopg 3 talks (checked against log_statement=all): a statement on
+# a non-autocommit connection outside a transaction is preceded by its own `BEGIN`; COMMIT/ROLLBACK
+# go to the server only inside a transaction; pool_pre_ping sends `;` at every checkout.
+@event.listens_for(Engine, "before_cursor_execute")
+def _on_statement(conn: Any, *_args: Any) -> None:
+    _db_counts["statements"] += 1
+    _db_counts["round_trips"] += 1
+    dbapi = _dbapi(conn)
+    if not getattr(dbapi, "autocommit", True) and _in_transaction(dbapi) is False:
+        _db_counts["round_trips"] += 1  # BEGIN
+
+
+def _on_end(name: str) -> Any:
+    def listener(conn: Any, *_args: Any) -> None:
+        _db_counts[name] += 1
+        if _in_transaction(_dbapi(conn)):
+            _db_counts["round_trips"] += 1
+
+    return listener
+
+
+event.listen(Engine, "commit", _on_end("commits"))
+event.listen(Engine, "rollback", _on_end("rollbacks"))
+
+
+@event.listens_for(Pool, "checkout")
+def _on_checkout(_dbapi_conn: Any, _record: Any, fairy: Any) -> None:
+    _db_counts["checkouts"] += 1
+    if getattr(getattr(fairy, "_pool", None), "_pre_ping", False):
+        _db_counts["pings"] += 1
+        _db_counts["round_trips"] += 1
+
+
+@signals.task_postrun.connect
+def _job_done(task: Any = None, **_kwargs: Any) -> None:
+    queue = (getattr(task.request, "delivery_info", None) or {}).get("routing_key") or "unknown"
+    prefix = f"bench:{queue}"
+    now = time.time()
+    pipe = _stats_client().pipeline(transaction=True)
+    pipe.incr(f"{prefix}:done")
+    pipe.set(f"{prefix}:last", repr(now))
+    pipe.setnx(f"{prefix}:first", repr(now))
+    for name, n in _db_counts.items():
+        if n:
+            pipe.hincrby(f"{prefix}:db", name, n)
+            _db_counts[name] = 0
+    pipe.execute()
+
+
+@signals.worker_ready.connect
+def _worker_ready(sender: Any = None, **_kwargs: Any) -> None:
+    queue = os.environ.get("BENCH_QUEUE")
+    if queue:
+        _stats_client().set(f"bench:{queue}:ready", repr(time.time()))
