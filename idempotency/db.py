@@ -46,8 +46,14 @@ def get_engine(url: str, *, read_only: bool = False, fast_claims: bool = False) 
                 backend = make_url(normalize_url(url)).get_backend_name()
                 mode = "read" if read_only and backend == "sqlite" else ""
                 mode = "fast" if fast_claims and backend == "postgresql" else mode
-                engine = _engines.get((url, os.getpid(), False, False)) if not mode else None
-                engine = engine or _create_engine(url, mode)
+                if mode:
+                    engine = _create_engine(url, mode)
+                else:
+                    engine = _engines.get((url, os.getpid(), False, False)) or _create_engine(url)
+                    _engines[(url, os.getpid(), False, False)] = engine
+                    if read_only:
+                        # PostgreSQL reads need no transaction: autocommit saves the BEGIN/ROLLBACK trips.
+                        engine = engine.execution_options(isolation_level="AUTOCOMMIT")
                 _engines[key] = engine
     return engine
 

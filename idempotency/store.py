@@ -216,6 +216,17 @@ class RunStore:
                     return ClaimResult(
                         Decision.CLAIMED, claim=Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False)
                     )
+                # The key exists. Read it first: a duplicate of a finished or live run (the common case)
+                # is then decided by this one read, and only a FAILED or expired run needs a takeover.
+                run = self.get(task_name, ident.key)
+                if run is None:
+                    continue  # purged between our statements: try the insert again
+                if run.fingerprint != ident.fingerprint:
+                    return ClaimResult(Decision.CONFLICT, run=run)
+                if run.status is RunStatus.COMPLETED:
+                    return ClaimResult(Decision.COMPLETED, run=run)
+                if run.status is RunStatus.RUNNING and run.lease_live:
+                    return ClaimResult(Decision.IN_PROGRESS, run=run)
                 row, _ = self._one(self.sql.takeover, params)
             except IntegrityError:
                 # The partial unique index refused a second RUNNING run for this entity.
@@ -223,16 +234,7 @@ class RunStore:
             if row is not None:
                 claim = Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, True)
                 return ClaimResult(Decision.CLAIMED, claim=claim)
-            run = self.get(task_name, ident.key)
-            if run is None:
-                continue  # purged between our statements: try the insert again
-            if run.fingerprint != ident.fingerprint:
-                return ClaimResult(Decision.CONFLICT, run=run)
-            if run.status is RunStatus.COMPLETED:
-                return ClaimResult(Decision.COMPLETED, run=run)
-            if run.status is RunStatus.RUNNING and run.lease_live:
-                return ClaimResult(Decision.IN_PROGRESS, run=run)
-            # FAILED or expired after our takeover statement looked: take it on the next round.
+            # Another claimant took it between our read and our takeover: look again.
         raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
 
     # -- holder's writes (all fenced) ----------------------------------------------------------------
@@ -343,7 +345,11 @@ class RunStore:
         conn.execute(self.sql.count_outcome, self._outcome_params(task_name, outcome))
 
     def record_outcome(self, task_name: str, outcome: Outcome) -> None:
-        """Count one delivery outcome in its own transaction."""
+        """Count one delivery outcome in its own (durable) transaction."""
+        if self.dialect == "postgresql":
+            with translated(self.url), self.autocommit_engine.connect() as conn:
+                self.record_outcome_txn(conn, task_name, outcome)
+            return
         with self._txn() as conn:
             self.record_outcome_txn(conn, task_name, outcome)
 
