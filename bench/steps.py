@@ -28,9 +28,13 @@ from models.migrate import upgrade
 class StatementCounter:
     """Counts SQL statements sent on an engine (database round trips)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, *engines: Any) -> None:
         self.count = 0
-        event.listen(engine, "before_cursor_execute", self._on_execute)
+        pools: set[int] = set()
+        for engine in engines:  # the store reads, claims and writes on engines that may share a pool
+            if id(engine.pool) not in pools:
+                pools.add(id(engine.pool))
+                event.listen(engine, "before_cursor_execute", self._on_execute)
 
     def _on_execute(self, *_: Any) -> None:
         self.count += 1
@@ -39,7 +43,7 @@ class StatementCounter:
 def step_costs(url: str, n: int) -> dict[str, float]:
     """Time n executed steps and n replayed steps of one run; count statements of each."""
     store = RunStore(url)
-    counter = StatementCounter(store.engine)
+    counter = StatementCounter(store.engine, store.read_engine, store.claim_engine)
     claim = store.claim("bench.steps", Identity(f"bench-{time.time_ns()}", "f", {}), lease=600).claim
     assert claim is not None
     runner = StepRunner(store, claim, [])
@@ -135,8 +139,12 @@ def main() -> None:
         costs = step_costs(url, args.steps)
         savings = retry_savings(url)
         name = get_engine(url).dialect.name
-        print(f"[{name}] step executed: p50 {costs['executed_p50_us']:.0f} us, {costs['executed_statements']:.1f} stmts")
-        print(f"[{name}] step replayed: p50 {costs['replayed_p50_us']:.1f} us, {costs['replayed_statements']:.1f} stmts")
+        print(
+            f"[{name}] step executed: p50 {costs['executed_p50_us']:.0f} us, {costs['executed_statements']:.1f} stmts"
+        )
+        print(
+            f"[{name}] step replayed: p50 {costs['replayed_p50_us']:.1f} us, {costs['replayed_statements']:.1f} stmts"
+        )
         print(
             f"[{name}] loading all {args.steps} checkpoints on a retry: {costs['load_all_checkpoints_us']:.0f} us, "
             f"{costs['load_statements']:.0f} statement(s)"
