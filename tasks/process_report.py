@@ -129,7 +129,7 @@ class Summary:
 
     @property
     def articles_per_second(self) -> float:
-        """Articles over the wall time (from the first message sent to the last article scored)."""
+        """Articles over the wall time."""
         return self.articles / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -217,10 +217,16 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
         ("LLM calls saved", f"{s.llm_calls_saved}", f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"),
         ("wasted calls", f"{s.wasted_calls}", "returned, step never checkpointed"),
         ("tokens in / out", f"{s.input_tokens:,} / {s.output_tokens:,}", ""),
-        ("wall time", f"{s.wall_seconds:.1f} s", "first message sent to last article scored"),
+        ("wall time", f"{s.wall_seconds:.1f} s", _wall_note(s)),
         ("articles/s", f"{s.articles_per_second:.1f}", _steady(s)),
     ]
     return rows
+
+
+def _wall_note(s: Summary) -> str:
+    if s.completed_before == s.articles:
+        return "first message sent to last delivery answered"
+    return "first message sent to last article scored"
 
 
 def _steady(s: Summary) -> str:
