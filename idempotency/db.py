@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, create_engine, event, func, text
+from sqlalchemy import CursorResult, create_engine, event, func
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.sql.elements import ColumnElement
@@ -130,16 +130,6 @@ def db_now(engine_or_dialect: Any) -> ColumnElement[Any]:
     raise ConfigurationError(f"Unsupported database dialect {name!r}: use PostgreSQL or SQLite")
 
 
-def db_now_plus(engine_or_dialect: Any, seconds: float) -> ColumnElement[Any]:
-    """Return database-clock now + `seconds` as a SQL expression (a lease's expiry)."""
-    name = _dialect_name(engine_or_dialect)
-    if name == "sqlite":
-        return func.strftime(_SQLITE_TIME_FORMAT, "now", f"{seconds:+.3f} seconds")
-    if name == "postgresql":
-        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
-    raise ConfigurationError(f"Unsupported database dialect {name!r}: use PostgreSQL or SQLite")
-
-
 def _dialect_name(engine_or_dialect: Any) -> str:
     if isinstance(engine_or_dialect, str):
         return engine_or_dialect
@@ -199,9 +189,3 @@ def translated(url: str) -> Iterator[None]:
 def rowcount(result: Any) -> int:
     """Return the rows a DML statement matched (Session's stubs type its results as plain Result)."""
     return int(cast(CursorResult[Any], result).rowcount)
-
-
-def ping(engine: Engine) -> None:
-    """Run a trivial query, raising StoreUnavailable if the database cannot be reached."""
-    with translated(str(engine.url)), engine.connect() as conn:
-        conn.execute(text("SELECT 1"))

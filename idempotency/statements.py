@@ -98,7 +98,6 @@ class Statements:
             .returning(c.id, c.fencing_token, c.attempts)
         )
         self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
-        self.check = select(c.id).where(_fenced())
         self.complete = (
             update(RUNS)
             .where(_fenced())

@@ -239,25 +239,10 @@ class RunStore:
 
     # -- holder's writes (all fenced) ----------------------------------------------------------------
 
-    def fenced(self, claim: Claim) -> Any:
-        """The WHERE clause every write of a holder carries: its run, token and owner, still RUNNING."""
-        c = RUNS.c
-        return and_(
-            c.id == claim.run_id,
-            c.fencing_token == claim.token,
-            c.owner == claim.owner,
-            c.status == RunStatus.RUNNING,
-        )
-
     def heartbeat(self, claim: Claim) -> bool:
         """Extend the lease by `claim.lease` from now (database clock) iff the claim is still ours."""
         params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
         return self._one(self.sql.heartbeat, params)[1] == 1
-
-    def check_txn(self, conn: Connection | Session, claim: Claim) -> None:
-        """Raise LeaseLost unless `claim` still holds its run (inside the caller's transaction)."""
-        if conn.execute(self.sql.check, self.fence_params(claim)).first() is None:
-            raise _lease_lost(claim)
 
     def complete_txn(
         self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED

@@ -389,6 +389,3 @@ def _rollback(ctx: RunContext) -> None:
         ctx.session.rollback()
         ctx.session.close()
         ctx.session = None
-
-
-KeyFunction = Callable[..., str]

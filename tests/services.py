@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -134,3 +135,28 @@ def redis_cli(*args: str) -> str:
         timeout=30,
     )
     return out.stdout.strip()
+
+
+def run_to_completion(
+    argv: list[str],
+    cwd: Any,
+    env: dict[str, str],
+    timeout: float,
+    on_timeout: Callable[[str], None],
+) -> tuple[int, str, str]:
+    """Run `argv` in its own session; on timeout SIGTERM it, then SIGKILL its group, call `on_timeout`, fail."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGTERM)  # our commands stop their own workers on SIGTERM
+        try:
+            out, err = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started for it
+            out, err = proc.communicate(timeout=10)
+        on_timeout(out)
+        pytest.fail(f"{argv[1:]} timed out after {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+    return proc.returncode, out, err

@@ -20,6 +20,7 @@ from idempotency.keys import Identity
 from idempotency.store import RunStore
 from models import RunStatus, TaskRun
 from tests import services
+from tests.services import run_to_completion
 
 ONCELERY = str(Path(sys.executable).parent / "oncelery")
 CLI_TIMEOUT = 60.0
@@ -44,27 +45,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run(argv: list[str], cwd: Path, env: Mapping[str, str] | None = None, timeout: float = CLI_TIMEOUT) -> Done:
     """Run `argv` to completion; on timeout SIGTERM it (the demo then stops its worker), then SIGKILL, and fail."""
-    proc = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=dict(env) if env is not None else clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started for it
-            out, err = proc.communicate(timeout=10)
-        _kill_demo_worker(out)
-        pytest.fail(f"{argv[1:]} timed out after {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
-    return Done(proc.returncode, out, err)
+    env = dict(env) if env is not None else clean_env()
+    return Done(*run_to_completion(argv, cwd, env, timeout, _kill_demo_worker))
 
 
 def oncelery(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = CLI_TIMEOUT) -> Done:

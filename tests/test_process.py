@@ -23,7 +23,7 @@ import redis
 from sqlalchemy import create_engine, func, select, text
 
 from models import ArticleScore, LLMCall, RunStatus, TaskRun
-from tests.services import unique_queue
+from tests.services import run_to_completion, unique_queue
 from tests.test_articles import SAMPLES, expected, load_articles
 
 ONCELERY = str(Path(sys.executable).parent / "oncelery")
@@ -77,29 +77,11 @@ def process(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout
     """Run `oncelery process <samples> *args` to completion; on timeout stop it and its workers, and fail."""
     summary_path = cwd / "summary.json"
     argv = [ONCELERY, "process", str(SAMPLES), *args, "--summary-json", str(summary_path)]
-    proc = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=dict(env) if env is not None else clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGTERM)  # the command stops its worker on SIGTERM
-        try:
-            out, err = proc.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate(timeout=10)
-        kill_workers(out)
-        pytest.fail(f"oncelery process timed out after {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+    env = dict(env) if env is not None else clean_env()
+    code, out, err = run_to_completion(argv, cwd, env, timeout, kill_workers)
     kill_workers(out)  # normally none is left: checked by each test through `leftover_workers`
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return Done(proc.returncode, out, err, summary)
+    return Done(code, out, err, summary)
 
 
 def leftover_workers(done: Done) -> list[int]:
