@@ -10,7 +10,7 @@ from __future__ import annotations
 import os as _os
 from pathlib import Path as _Path
 
-from idempotency import settings as _settings
+from oncelery import settings as _settings
 
 
 def _float(name: str, default: float) -> float:

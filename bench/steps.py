@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from oncelery import IdempotentTask
+from oncelery.db import get_engine
+from oncelery.keys import Identity
+from oncelery.models.migrate import upgrade
+from oncelery.steps import StepRunner, load_checkpoints
+from oncelery.store import RunStore
 from sqlalchemy import event
-
-from idempotency import IdempotentTask
-from idempotency.db import get_engine
-from idempotency.keys import Identity
-from idempotency.steps import StepRunner, load_checkpoints
-from idempotency.store import RunStore
-from models.migrate import upgrade
 
 
 class StatementCounter:

@@ -13,10 +13,9 @@ from collections import Counter
 from pathlib import Path
 
 from celery import Celery
-
-from idempotency import IdempotencyConflict, IdempotentTask
-from idempotency.db import get_engine
-from models.migrate import upgrade
+from oncelery import IdempotencyConflict, IdempotentTask
+from oncelery.db import get_engine
+from oncelery.models.migrate import upgrade
 
 DB_FILE = Path("oncelery-example.db").resolve()
 DB = f"sqlite:///{DB_FILE}"

@@ -1,6 +1,6 @@
 """Oncelery's framework: exactly-once effects for Celery tasks (claims, leases, fencing, results)."""
 
-from idempotency.errors import (
+from oncelery.errors import (
     ClaimError,
     ConfigurationError,
     IdempotencyConflict,
@@ -15,9 +15,9 @@ from idempotency.errors import (
     StoreError,
     StoreUnavailable,
 )
-from idempotency.pipeline import pipeline
-from idempotency.steps import StepInfo, current_step, step_seed
-from idempotency.task import IdempotentTask
+from oncelery.pipeline import pipeline
+from oncelery.steps import StepInfo, current_step, step_seed
+from oncelery.task import IdempotentTask
 
 __all__ = [
     "ClaimError",

@@ -14,16 +14,15 @@ from typing import Any
 import click
 from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
+from oncelery.db import get_engine, translated
+from oncelery.errors import OnceleryError
+from oncelery.models import Outcome, RunStatus, StepResult, TaskRun
+from oncelery.models.migrate import alembic_config, upgrade
+from oncelery.settings import OnceleryConfig
+from oncelery.store import RunStore
 from sqlalchemy import Engine, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
-
-from idempotency.db import get_engine, translated
-from idempotency.errors import OnceleryError
-from idempotency.settings import OnceleryConfig
-from idempotency.store import RunStore
-from models import Outcome, RunStatus, StepResult, TaskRun
-from models.migrate import alembic_config, upgrade
 
 _URL_META = "oncelery.database_url"
 _RUNS = TaskRun.__table__

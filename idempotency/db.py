@@ -9,13 +9,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
+from oncelery.errors import ConfigurationError, SchemaMissing, StoreUnavailable
+from oncelery.settings import SQLITE_BUSY_TIMEOUT_MS
 from sqlalchemy import CursorResult, create_engine, event, func
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.sql.elements import ColumnElement
-
-from idempotency.errors import ConfigurationError, SchemaMissing, StoreUnavailable
-from idempotency.settings import SQLITE_BUSY_TIMEOUT_MS
 
 _engines: dict[tuple[str, int, bool, bool], Engine] = {}
 _lock = threading.Lock()

@@ -14,9 +14,9 @@ import os
 import threading
 import time
 
-from idempotency.errors import LeaseLost
-from idempotency.settings import HEARTBEATS_PER_LEASE
-from idempotency.store import Claim, RunStore
+from oncelery.errors import LeaseLost
+from oncelery.settings import HEARTBEATS_PER_LEASE
+from oncelery.store import Claim, RunStore
 
 logger = logging.getLogger(__name__)
 

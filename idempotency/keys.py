@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from idempotency.errors import ConfigurationError, InvalidKey, PayloadNotJSON
-from idempotency.settings import MAX_KEY_LENGTH
+from oncelery.errors import ConfigurationError, InvalidKey, PayloadNotJSON
+from oncelery.settings import MAX_KEY_LENGTH
 
 KeySpec = str | Callable[..., str] | None
 FingerprintSpec = Sequence[str] | None

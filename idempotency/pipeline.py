@@ -6,9 +6,8 @@ from typing import Any
 
 from celery import chain
 from celery.canvas import Signature
-
-from idempotency.keys import validate_key
-from idempotency.settings import HEADER_KEY, HEADER_PIPELINE
+from oncelery.keys import validate_key
+from oncelery.settings import HEADER_KEY, HEADER_PIPELINE
 
 
 def link_key(pipeline_key: str, position: int, task_name: str) -> str:

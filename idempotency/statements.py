@@ -9,12 +9,11 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, cast
 
+from oncelery.db import db_now
+from oncelery.models import DeliveryOutcome, RunStatus, TaskRun
 from sqlalchemy import JSON, Float, Integer, String, Table, and_, bindparam, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
-
-from idempotency.db import db_now
-from models import DeliveryOutcome, RunStatus, TaskRun
 
 RUNS = cast(Table, TaskRun.__table__)
 OUTCOMES = cast(Table, DeliveryOutcome.__table__)

@@ -14,13 +14,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
+from oncelery.db import rowcount
+from oncelery.errors import LeaseLost, StepMismatch
+from oncelery.models import StepResult
+from oncelery.store import Claim, RunStore, encode_result
 from sqlalchemy import Connection, Table, delete, insert, select
 from sqlalchemy.exc import IntegrityError
-
-from idempotency.db import rowcount
-from idempotency.errors import LeaseLost, StepMismatch
-from idempotency.store import Claim, RunStore, encode_result
-from models import StepResult
 
 _STEPS = cast(Table, StepResult.__table__)
 SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)

@@ -29,16 +29,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from oncelery.db import db_now, get_engine, rowcount, translated
+from oncelery.errors import LeaseLost, ResultNotJSON, StoreError
+from oncelery.keys import Identity
+from oncelery.models import Outcome, RunStatus
+from oncelery.statements import OUTCOME_SHARDS, OUTCOMES, RUNS, Statements, lease_param, statements
 from sqlalchemy import Connection, Table, and_, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
-
-from idempotency.db import db_now, get_engine, rowcount, translated
-from idempotency.errors import LeaseLost, ResultNotJSON, StoreError
-from idempotency.keys import Identity
-from idempotency.statements import OUTCOME_SHARDS, OUTCOMES, RUNS, Statements, lease_param, statements
-from models import Outcome, RunStatus
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8

@@ -18,9 +18,7 @@ from typing import Any
 from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Retry
-from sqlalchemy.orm import Session
-
-from idempotency.errors import (
+from oncelery.errors import (
     ConfigurationError,
     IdempotencyConflict,
     InProgress,
@@ -28,9 +26,10 @@ from idempotency.errors import (
     StoreError,
     StoreUnavailable,
 )
-from idempotency.heartbeat import Heartbeat
-from idempotency.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, differing_fields, validate_key
-from idempotency.settings import (
+from oncelery.heartbeat import Heartbeat
+from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, differing_fields, validate_key
+from oncelery.models import Outcome
+from oncelery.settings import (
     DEFAULT_LEASE_SECONDS,
     DIRECT_WAIT_TIMEOUT,
     HEADER_KEY,
@@ -40,9 +39,9 @@ from idempotency.settings import (
     WAIT_BACKOFF_CAP,
     OnceleryConfig,
 )
-from idempotency.steps import StepRunner, load_checkpoints, step_seed
-from idempotency.store import Claim, ClaimResult, Decision, RunStore, encode_result
-from models import Outcome
+from oncelery.steps import StepRunner, load_checkpoints, step_seed
+from oncelery.store import Claim, ClaimResult, Decision, RunStore, encode_result
+from sqlalchemy.orm import Session
 
 logger = logging.getLogger(__name__)
 

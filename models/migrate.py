@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 def alembic_config(engine: Engine) -> Config:
     """Return an Alembic config whose scripts are this package's migrations, bound to `engine`."""
     cfg = Config()
-    cfg.set_main_option("script_location", "models:migrations")
+    cfg.set_main_option("script_location", "oncelery.models:migrations")
     # ConfigParser interpolates "%": an encoded password (p%40ss) must be escaped.
     cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     return cfg

@@ -6,6 +6,7 @@ import enum
 from datetime import datetime
 from typing import Any
 
+from oncelery.models.base import Base, BigId, Json
 from sqlalchemy import (
     CheckConstraint,
     DateTime,
@@ -20,8 +21,6 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
-
-from models.base import Base, BigId, Json
 
 
 class RunStatus(enum.Enum):

@@ -4,5 +4,5 @@ from __future__ import annotations
 
 from celery import Celery
 
-app = Celery("oncelery", include=["tasks.demo", "tasks.articles"])
-app.config_from_object("celeryconfig")
+app = Celery("oncelery", include=["oncelery.tasks.demo", "oncelery.tasks.articles"])
+app.config_from_object("oncelery.celeryconfig")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from idempotency import IdempotentTask
-from models import ArticleScore
-from tasks.app import app
-from tasks.ledger import call_llm
-from tasks.llm import LLMClient, LLMUnavailable, default_client, parse_keywords, parse_quality
+from oncelery import IdempotentTask
+from oncelery.models import ArticleScore
+from oncelery.tasks.app import app
+from oncelery.tasks.ledger import call_llm
+from oncelery.tasks.llm import LLMClient, LLMUnavailable, default_client, parse_keywords, parse_quality
 
 STEPS = ("summarize", "keywords", "quality")
 _clients: dict[int, LLMClient] = {}

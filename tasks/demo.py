@@ -7,8 +7,8 @@ import re
 import time
 from typing import Any
 
-from idempotency import IdempotentTask
-from tasks.app import app
+from oncelery import IdempotentTask
+from oncelery.tasks.app import app
 
 _WORD = re.compile(r"[A-Za-z']+")
 

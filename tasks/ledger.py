@@ -12,13 +12,12 @@ import os
 import time
 from typing import Any, cast
 
+from oncelery import current_step
+from oncelery.db import get_engine, translated
+from oncelery.models import LLMCall
+from oncelery.settings import ENV_DATABASE_URL
+from oncelery.tasks.llm.base import LLMClient, LLMResult
 from sqlalchemy import Table, case, func, insert, select
-
-from idempotency import current_step
-from idempotency.db import get_engine, translated
-from idempotency.settings import ENV_DATABASE_URL
-from models import LLMCall
-from tasks.llm.base import LLMClient, LLMResult
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from tasks.app import app
-from tasks.producer import ENV_LEASE
+from oncelery.tasks.app import app
+from oncelery.tasks.commands.producer import ENV_LEASE
 
 ARTICLE_TASK = "oncelery.score_article"
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from oncelery.db import dispose_engines, get_engine
+from oncelery.models.migrate import upgrade
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from idempotency.db import dispose_engines, get_engine
-from models.migrate import upgrade
 from tests import services
 
 ORDERED_TABLES = [

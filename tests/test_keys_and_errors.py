@@ -6,8 +6,7 @@ import pickle
 
 import pytest
 from celery import Celery
-
-from idempotency import (
+from oncelery import (
     ConfigurationError,
     IdempotencyConflict,
     IdempotentTask,
@@ -17,7 +16,7 @@ from idempotency import (
     PayloadNotJSON,
     SchemaMissing,
 )
-from idempotency.keys import KeyBuilder, canonical_json, differing_fields
+from oncelery.keys import KeyBuilder, canonical_json, differing_fields
 
 
 def score(article_id: str, version: int, text: str, lang: str = "en") -> None:

@@ -13,15 +13,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import select
-
-from idempotency import ConfigurationError, IdempotentTask, step_seed
-from idempotency.db import get_engine
-from idempotency.steps import load_checkpoints
-from idempotency.store import RunStore
-from models import LLMCall
-from tasks.ledger import call_llm, ledger_summary
-from tasks.llm import (
+from oncelery import ConfigurationError, IdempotentTask, step_seed
+from oncelery.db import get_engine
+from oncelery.models import LLMCall
+from oncelery.steps import load_checkpoints
+from oncelery.store import RunStore
+from oncelery.tasks.ledger import call_llm, ledger_summary
+from oncelery.tasks.llm import (
     LLMHTTPError,
     LLMMalformedReply,
     LLMResult,
@@ -30,6 +28,7 @@ from tasks.llm import (
     OpenAICompatibleClient,
     UnsupportedTask,
 )
+from sqlalchemy import select
 
 TEXT = "Lighthouses guided ships for centuries. Keepers tended the lamps every night."
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from tasks.llm import LLMClient, LLMMalformedReply, LocalModel, UnsupportedTask, parse_keywords, parse_quality
-from tasks.llm.quality import quality_score
-from tasks.llm.text import STOPWORDS, content_words, sentences
+from oncelery.tasks.llm import LLMClient, LLMMalformedReply, LocalModel, UnsupportedTask, parse_keywords, parse_quality
+from oncelery.tasks.llm.quality import quality_score
+from oncelery.tasks.llm.text import STOPWORDS, content_words, sentences
 
 PROSE = """\
 Lighthouses were once the most important safety system on the coast. Before satellite navigation, a ship \

@@ -8,13 +8,12 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from celery import Celery
-
-from idempotency import IdempotentTask, SchemaMissing
-from idempotency.db import get_engine
-from idempotency.keys import Identity
-from idempotency.store import RunStore
-from models import Base
-from models.migrate import downgrade, upgrade
+from oncelery import IdempotentTask, SchemaMissing
+from oncelery.db import get_engine
+from oncelery.keys import Identity
+from oncelery.models import Base
+from oncelery.models.migrate import downgrade, upgrade
+from oncelery.store import RunStore
 
 
 def test_migrations_match_models(db_url: str) -> None:

@@ -8,14 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from oncelery import LeaseLost
+from oncelery.keys import Identity
+from oncelery.models import RunStatus, TaskRun
+from oncelery.store import Claim, Decision, RunStore
 from sqlalchemy import insert, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from idempotency import LeaseLost
-from idempotency.keys import Identity
-from idempotency.store import Claim, Decision, RunStore
-from models import RunStatus, TaskRun
 from tests.services import count_rows, effects_table, wait_for
 
 TASK = "oncelery.contract"
@@ -182,7 +182,7 @@ def test_status_check_constraint_rejects_unknown_status(db_url: str) -> None:
 
 
 def test_outcome_counts_are_exact_under_concurrency(db_url: str) -> None:
-    from models import Outcome
+    from oncelery.models import Outcome
 
     store = RunStore(db_url)
     race(20, lambda: store.record_outcome(TASK, Outcome.REPLAYED))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from alembic import context
+from oncelery.models.base import Base
 from sqlalchemy import create_engine
-
-from models.base import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from tasks.llm.base import TASKS, LLMClient, LLMResult, parse_keywords, parse_quality
-from tasks.llm.errors import LLMError, LLMHTTPError, LLMMalformedReply, LLMUnavailable, UnsupportedTask
-from tasks.llm.local import LocalModel
-from tasks.llm.openai_compat import ENV_BASE_URL, OpenAICompatibleClient
+from oncelery.tasks.llm.base import TASKS, LLMClient, LLMResult, parse_keywords, parse_quality
+from oncelery.tasks.llm.errors import LLMError, LLMHTTPError, LLMMalformedReply, LLMUnavailable, UnsupportedTask
+from oncelery.tasks.llm.local import LocalModel
+from oncelery.tasks.llm.openai_compat import ENV_BASE_URL, OpenAICompatibleClient
 
 
 def default_client() -> LLMClient:

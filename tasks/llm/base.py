@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, runtime_checkable
 
-from tasks.llm.errors import LLMMalformedReply, UnsupportedTask
+from oncelery.tasks.llm.errors import LLMMalformedReply, UnsupportedTask
 
 TASKS: Final = ("summarize", "keywords", "quality")
 # Bump when an instruction below changes: the prompt hash (and so a step's checkpoint meta) changes with it.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from idempotency.errors import OnceleryError
+from oncelery.errors import OnceleryError
 
 
 class LLMError(OnceleryError):

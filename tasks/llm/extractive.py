@@ -8,7 +8,7 @@ import re
 from collections import Counter
 from typing import Final
 
-from tasks.llm.text import (
+from oncelery.tasks.llm.text import (
     STOPWORDS,
     content_words,
     fold_plurals,

@@ -7,10 +7,10 @@ import random
 import time
 from typing import Final
 
-from idempotency.errors import ConfigurationError
-from tasks.llm.base import PROMPT_VERSION, LLMResult, check_task, hash_payload
-from tasks.llm.extractive import keywords, summarize
-from tasks.llm.quality import quality_score
+from oncelery.errors import ConfigurationError
+from oncelery.tasks.llm.base import PROMPT_VERSION, LLMResult, check_task, hash_payload
+from oncelery.tasks.llm.extractive import keywords, summarize
+from oncelery.tasks.llm.quality import quality_score
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,9 @@ from types import TracebackType
 from typing import Any, Final
 
 import httpx
-
-from idempotency.errors import ConfigurationError
-from tasks.llm.base import INSTRUCTIONS, PROMPT_VERSION, LLMResult, check_task, hash_payload
-from tasks.llm.errors import LLMHTTPError, LLMMalformedReply, LLMUnavailable
+from oncelery.errors import ConfigurationError
+from oncelery.tasks.llm.base import INSTRUCTIONS, PROMPT_VERSION, LLMResult, check_task, hash_payload
+from oncelery.tasks.llm.errors import LLMHTTPError, LLMMalformedReply, LLMUnavailable
 
 logger = logging.getLogger(__name__)
 

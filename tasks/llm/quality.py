@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Final
 
-from tasks.llm.text import STOPWORDS, paragraphs, sentences, syllables, words
+from oncelery.tasks.llm.text import STOPWORDS, paragraphs, sentences, syllables, words
 
 MATTR_WINDOW: Final = 50  # words; a moving-window type-token ratio does not fall with text length
 WORDS_PER_PARAGRAPH: Final = 200  # a longer text in one block is a wall of text

@@ -10,17 +10,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from oncelery.db import translated
+from oncelery.models import RunStatus, TaskRun
+from oncelery.settings import ENV_DATABASE_URL, data_dir
+from oncelery.store import RunStore
+from oncelery.tasks.commands.local_worker import LocalWorker
 from sqlalchemy import func, select
-
-from idempotency.db import translated
-from idempotency.settings import ENV_DATABASE_URL, data_dir
-from idempotency.store import RunStore
-from models import RunStatus, TaskRun
-from tasks.local_worker import LocalWorker
 
 EMBEDDED_BROKER = "filesystem://"
 # The app the `process` command's worker runs, and the variable through which it passes --lease to it.
-WORKER_APP = "tasks.worker_app"
+WORKER_APP = "oncelery.tasks.worker_app"
 ENV_LEASE = "ONCELERY_PROCESS_LEASE"
 
 
@@ -58,7 +57,7 @@ def start_local_worker(
     log_name: str,
     concurrency: int,
     queue: str | None = None,
-    app: str = "tasks.app",
+    app: str = "oncelery.tasks.app",
     extra_env: Mapping[str, str] | None = None,
 ) -> LocalWorker:
     """Start `celery -A <app> worker` on `database_url` (the one this command resolved and migrated)."""

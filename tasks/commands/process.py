@@ -15,17 +15,13 @@ from typing import Any, cast
 
 import click
 from kombu.utils.url import maybe_sanitize_url
-from rich.console import Console
-
-from idempotency.cli import resolve_database_url, upgrade_database
-from idempotency.errors import InvalidKey
-from idempotency.keys import Identity, differing_fields
-from idempotency.store import RunStore
-from tasks.article_file import Article, load_articles
-from tasks.local_worker import LocalWorker
-from tasks.process_report import Summary, render, scored, summarize, take_snapshot, write_json
-from tasks.process_watch import Watch
-from tasks.producer import (
+from oncelery.cli import resolve_database_url, upgrade_database
+from oncelery.errors import InvalidKey
+from oncelery.keys import Identity, differing_fields
+from oncelery.store import RunStore
+from oncelery.tasks.commands.article_file import Article, load_articles
+from oncelery.tasks.commands.local_worker import LocalWorker
+from oncelery.tasks.commands.producer import (
     ENV_LEASE,
     WORKER_APP,
     is_embedded,
@@ -33,6 +29,9 @@ from tasks.producer import (
     sigterm_as_interrupt,
     start_local_worker,
 )
+from oncelery.tasks.commands.report import Summary, render, scored, summarize, take_snapshot, write_json
+from oncelery.tasks.commands.watch import Watch
+from rich.console import Console
 
 LOG_NAME = "process-worker.log"
 NON_TTY_WIDTH = 110
@@ -114,8 +113,8 @@ def process(
 ) -> None:
     """Score every article of a JSON Lines file (id, version, text) exactly once: summary, keywords, quality."""
     articles = load_articles(path)[:limit]  # the whole file is checked first: a bad line sends nothing
-    from tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
-    from tasks.articles import STEPS, score_article
+    from oncelery.tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
+    from oncelery.tasks.articles import STEPS, score_article
 
     broker = str(app.conf.broker_url)
     if start_worker is None:

@@ -1,4 +1,4 @@
-"""The `oncelery` console script: the framework's commands, plus `demo` and `process` (the main job)."""
+"""`oncelery demo`: score generated documents with duplicate deliveries and show each body ran once."""
 
 from __future__ import annotations
 
@@ -10,13 +10,17 @@ from typing import Any
 
 import click
 from kombu.utils.url import maybe_sanitize_url
-
-from idempotency.cli import build_group, format_table, resolve_database_url, upgrade_database
-from idempotency.store import RunStore
-from models import Outcome, RunStatus
-from tasks.local_worker import LocalWorker
-from tasks.process import process
-from tasks.producer import is_embedded, plan_deliveries, run_statuses, sigterm_as_interrupt, start_local_worker
+from oncelery.cli import format_table, resolve_database_url, upgrade_database
+from oncelery.models import Outcome, RunStatus
+from oncelery.store import RunStore
+from oncelery.tasks.commands.local_worker import LocalWorker
+from oncelery.tasks.commands.producer import (
+    is_embedded,
+    plan_deliveries,
+    run_statuses,
+    sigterm_as_interrupt,
+    start_local_worker,
+)
 
 # Outcomes that end a delivery. in_progress and lease_lost re-send the message, so they do not.
 _SETTLED = (
@@ -123,8 +127,8 @@ def demo(
     timeout: float,
 ) -> None:
     """Score sample documents with duplicate deliveries and show that each body ran exactly once."""
-    from tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
-    from tasks.demo import demo_score
+    from oncelery.tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
+    from oncelery.tasks.demo import demo_score
 
     url = resolve_database_url(ctx, app)
     click.echo(upgrade_database(url))
@@ -227,8 +231,3 @@ def _wait(
             click.echo()
             return first, False
         time.sleep(_POLL_SECONDS)
-
-
-main = build_group()
-main.add_command(demo)
-main.add_command(process)

@@ -19,15 +19,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from oncelery.db import get_engine, translated
+from oncelery.models import ArticleScore, LLMCall, Outcome, StepResult, TaskRun
+from oncelery.store import RunStore
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import Table as SqlTable
 from sqlalchemy import func, select
-
-from idempotency.db import get_engine, translated
-from idempotency.store import RunStore
-from models import ArticleScore, LLMCall, Outcome, StepResult, TaskRun
 
 _CALLS = cast(SqlTable, LLMCall.__table__)
 _RUNS = cast(SqlTable, TaskRun.__table__)

@@ -17,16 +17,15 @@ from typing import Any
 
 import click
 from celery import Celery
+from oncelery.db import db_now, translated
+from oncelery.models import Outcome, RunStatus, TaskRun
+from oncelery.settings import WAIT_BACKOFF_CAP
+from oncelery.store import RunStore
+from oncelery.tasks.commands.local_worker import LocalWorker
+from oncelery.tasks.commands.producer import run_statuses
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from sqlalchemy import select
-
-from idempotency.db import db_now, translated
-from idempotency.settings import WAIT_BACKOFF_CAP
-from idempotency.store import RunStore
-from models import Outcome, RunStatus, TaskRun
-from tasks.local_worker import LocalWorker
-from tasks.producer import run_statuses
 
 logger = logging.getLogger(__name__)
 

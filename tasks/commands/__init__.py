@@ -1,0 +1,13 @@
+"""The `oncelery` console script: the framework's commands, plus `demo` and `process` (the main job)."""
+
+from __future__ import annotations
+
+from oncelery.cli import build_group
+from oncelery.tasks.commands.demo import demo
+from oncelery.tasks.commands.process import process
+
+main = build_group()
+main.add_command(demo)
+main.add_command(process)
+
+__all__ = ["main"]
