@@ -1,8 +1,11 @@
-"""Celery configuration for Oncelery: every setting from an environment variable, embedded defaults.
+"""Celery configuration of Oncelery's demo app (installed as `oncelery.celeryconfig`): every setting from
+an environment variable.
 
-With no environment at all this runs with no server: a SQLite claims database in the working
-directory, kombu's filesystem transport as the broker, and a SQLite result backend. Production sets
-ONCELERY_BROKER_URL=redis://... and ONCELERY_DATABASE_URL=postgresql://... (see README).
+With no broker or result backend configured it needs no server: kombu's filesystem transport as the broker
+and a SQLite result backend under ./.oncelery. The claims database is set only from ONCELERY_DATABASE_URL:
+the demo app (`oncelery.tasks.app`) falls back to its embedded SQLite file itself, and any other app that
+loads this module must configure one. Production sets ONCELERY_BROKER_URL=redis://... and
+ONCELERY_DATABASE_URL=postgresql://... (see README).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ def _float(name: str, default: float) -> float:
 _broker = _os.environ.get(_settings.ENV_BROKER_URL, "").strip()
 _backend = _os.environ.get(_settings.ENV_RESULT_BACKEND, "").strip()
 
-# -- the claims database (read by IdempotentTask from the app's conf) ------------------------------
-oncelery_database_url = _os.environ.get(_settings.ENV_DATABASE_URL) or _settings.default_database_url()
+# -- the claims database (read by IdempotentTask from the app's conf; no default here) --------------
+if _os.environ.get(_settings.ENV_DATABASE_URL):
+    oncelery_database_url = _os.environ[_settings.ENV_DATABASE_URL]
 
 # -- broker ------------------------------------------------------------------------------------
 if _broker:
@@ -55,17 +59,9 @@ else:
 result_backend = _backend or f"db+sqlite:///{_Path(_settings.data_dir()) / 'results.db'}"
 result_extended = True
 
-# -- delivery semantics: at-least-once, which the claims turn into exactly-once effects -----------
-task_acks_late = True
-task_reject_on_worker_lost = True
-worker_prefetch_multiplier = 1
-task_acks_on_failure_or_timeout = True
-
-# -- JSON only, never pickle ----------------------------------------------------------------------
-task_serializer = "json"
-result_serializer = "json"
-accept_content = ["json"]
-result_accept_content = ["json"]
+# -- delivery semantics (at-least-once, which the claims turn into exactly-once effects) and JSON only:
+# written once, in oncelery.settings.CELERY_DELIVERY_DEFAULTS.
+globals().update(_settings.CELERY_DELIVERY_DEFAULTS)
 
 # -- Flower: task events on ------------------------------------------------------------------------
 worker_send_task_events = True

@@ -44,10 +44,11 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from oncelery import IdempotentTask
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import Pool
+
+from oncelery import IdempotentTask
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/13"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
@@ -223,9 +224,9 @@ def _apply_what_if() -> None:
     import threading
     from contextlib import contextmanager
 
-    import oncelery.db as db
+    import oncelery.store as db
     import oncelery.task as task_module
-    from oncelery.store import RunStore
+    from oncelery.claims import RunStore
 
     if "no-heartbeat" in WHAT_IF:
 

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from sqlalchemy import event
+
 from oncelery import IdempotentTask
-from oncelery.db import get_engine
+from oncelery.claims import RunStore
 from oncelery.keys import Identity
 from oncelery.models.migrate import upgrade
 from oncelery.steps import StepRunner, load_checkpoints
-from oncelery.store import RunStore
-from sqlalchemy import event
+from oncelery.store import get_engine
 
 
 class StatementCounter:

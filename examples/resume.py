@@ -13,9 +13,10 @@ from collections import Counter
 from pathlib import Path
 
 from celery import Celery
+
 from oncelery import IdempotencyConflict, IdempotentTask
-from oncelery.db import get_engine
 from oncelery.models.migrate import upgrade
+from oncelery.store import get_engine
 
 DB_FILE = Path("oncelery-example.db").resolve()
 DB = f"sqlite:///{DB_FILE}"

@@ -1,5 +1,10 @@
-"""Oncelery's framework: exactly-once effects for Celery tasks (claims, leases, fencing, results)."""
+"""Oncelery: exactly-once effects for Celery tasks (claims, leases, fencing, step checkpoints).
 
+This module is the public surface: everything a user (and Oncelery's own jobs in `oncelery.tasks`) imports.
+Every other module of the package is an implementation detail.
+"""
+
+from oncelery import startup as _startup  # noqa: F401  (registers the worker's startup check)
 from oncelery.errors import (
     ClaimError,
     ConfigurationError,
@@ -15,27 +20,59 @@ from oncelery.errors import (
     StoreError,
     StoreUnavailable,
 )
+from oncelery.keys import Identity, differing_fields
+from oncelery.models import Outcome, RunStatus
 from oncelery.pipeline import pipeline
+from oncelery.runs import Runs, RunView, StepView
+from oncelery.schema import check_schema, schema_revision, upgrade_schema
+from oncelery.settings import (
+    CELERY_DELIVERY_DEFAULTS,
+    ENV_DATABASE_URL,
+    WAIT_BACKOFF_CAP,
+    configured_database_url,
+    data_dir,
+    embedded_database_url,
+    require_database_url,
+)
 from oncelery.steps import StepInfo, current_step, step_seed
+from oncelery.store import Database
 from oncelery.task import IdempotentTask
 
 __all__ = [
+    "CELERY_DELIVERY_DEFAULTS",
+    "ENV_DATABASE_URL",
+    "WAIT_BACKOFF_CAP",
     "ClaimError",
     "ConfigurationError",
+    "Database",
     "IdempotencyConflict",
     "IdempotentTask",
+    "Identity",
     "InProgress",
     "InvalidKey",
     "LeaseLost",
     "OnceleryError",
+    "Outcome",
     "PayloadNotJSON",
     "ResultNotJSON",
+    "RunStatus",
+    "RunView",
+    "Runs",
     "SchemaMissing",
     "StepInfo",
     "StepMismatch",
+    "StepView",
     "StoreError",
     "StoreUnavailable",
+    "check_schema",
+    "configured_database_url",
     "current_step",
+    "data_dir",
+    "differing_fields",
+    "embedded_database_url",
     "pipeline",
+    "require_database_url",
+    "schema_revision",
     "step_seed",
+    "upgrade_schema",
 ]

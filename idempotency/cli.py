@@ -9,24 +9,20 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import click
-from alembic.runtime.environment import EnvironmentContext
-from alembic.script import ScriptDirectory
-from oncelery.db import get_engine, translated
-from oncelery.errors import OnceleryError
-from oncelery.models import Outcome, RunStatus, StepResult, TaskRun
-from oncelery.models.migrate import alembic_config, upgrade
-from oncelery.settings import OnceleryConfig
-from oncelery.store import RunStore
-from sqlalchemy import Engine, select
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from oncelery.errors import ConfigurationError, OnceleryError
+from oncelery.models import Outcome, RunStatus
+from oncelery.runs import Runs, RunView, StepView
+from oncelery.schema import upgrade_schema
+from oncelery.settings import configured_database_url, embedded_database_url
+from oncelery.store import safe_url
+
 _URL_META = "oncelery.database_url"
-_RUNS = TaskRun.__table__
-_STEPS = StepResult.__table__
 _KEY_WIDTH = 48  # `runs list` shortens longer keys; `runs show` prints them whole
 _OWNER_WIDTH = 8
 
@@ -58,7 +54,7 @@ def build_group() -> click.Group:
         metavar="URL",
         default=None,
         help="Claims database (SQLAlchemy URL). Default: the Celery app's oncelery_database_url, "
-        "else $ONCELERY_DATABASE_URL, else ./oncelery.db.",
+        "else $ONCELERY_DATABASE_URL, else (reads only) the demo's ./oncelery.db if it exists.",
     )
     @click.pass_context
     def group(ctx: click.Context, database_url: str | None) -> None:
@@ -71,18 +67,26 @@ def build_group() -> click.Group:
     return group
 
 
-def resolve_database_url(ctx: click.Context, fallback_app: Any = None) -> str:
-    """Return the database to use: --database-url, else the Celery app's config, else env or default."""
+def resolve_database_url(ctx: click.Context, fallback_app: Any = None, *, embedded: bool = False) -> str:
+    """Return the database to use: --database-url, else the Celery app's config, else the environment.
+
+    With none of them: the embedded demo database if `embedded` (the demo commands) or if its file exists
+    (reads after a demo run); otherwise a ConfigurationError saying what to set. Nothing is created here.
+    """
     explicit: str | None = ctx.meta.get(_URL_META)
     if explicit:
         return explicit
     app = getattr(ctx.obj, "app", None) or fallback_app  # ctx.obj is Celery's CLIContext under `celery`
-    return OnceleryConfig.from_app_conf(app.conf if app is not None else None).database_url
-
-
-def safe_url(url: str) -> str:
-    """Return `url` with its password masked, for messages."""
-    return make_url(url).render_as_string(hide_password=True)
+    url = configured_database_url(app.conf if app is not None else None)
+    if url is not None:
+        return url
+    demo = embedded_database_url()
+    if embedded or Path(demo.removeprefix("sqlite:///")).exists():
+        return demo
+    raise ConfigurationError(
+        "No claims database configured: pass --database-url, set ONCELERY_DATABASE_URL, or set "
+        "app.conf.oncelery_database_url in the app given with `celery -A`"
+    )
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -126,40 +130,8 @@ def db() -> None:
 @db.command("upgrade")
 @click.pass_context
 def db_upgrade(ctx: click.Context) -> None:
-    """Create or migrate the schema of the configured database to the newest revision."""
-    url = resolve_database_url(ctx)
-    click.echo(upgrade_database(url))
-
-
-def upgrade_database(url: str) -> str:
-    """Migrate `url` to head (idempotent) and return a line saying from which revision to which."""
-    engine = get_engine(url)
-    try:
-        before = current_revision(engine)
-        upgrade(engine)
-        after = current_revision(engine)
-    except DBAPIError as exc:
-        # Not translated to SchemaMissing: "run `oncelery db upgrade`" is no advice to `db upgrade` itself.
-        raise click.ClickException(f"Cannot upgrade {safe_url(url)}: {_driver_message(exc)}") from exc
-    if before == after:
-        return f"{safe_url(url)}: schema already at revision {after} (head)"
-    return f"{safe_url(url)}: schema upgraded from revision {before or '<none>'} to {after} (head)"
-
-
-def current_revision(engine: Engine) -> str | None:
-    """Return the Alembic revision Oncelery's schema on `engine` is at (None before the first upgrade)."""
-    cfg = alembic_config(engine)
-    script = ScriptDirectory.from_config(cfg)
-    heads: list[str] = []
-
-    def collect(_rev: Any, context: Any) -> list[Any]:
-        heads.extend(context.get_current_heads())
-        return []  # no migration steps: only read the version table that env.py names
-
-    with engine.connect() as conn, EnvironmentContext(cfg, script, fn=collect):
-        cfg.attributes["connection"] = conn
-        script.run_env()
-    return ",".join(heads) or None
+    """Create or migrate Oncelery's own tables in the configured database (never an application's)."""
+    click.echo(upgrade_schema(resolve_database_url(ctx)))
 
 
 # -- runs ----------------------------------------------------------------------------------------
@@ -180,45 +152,25 @@ _LIST_COLUMNS = ("id", "task", "key", "status", "token", "attempts", "owner", "l
 @click.pass_context
 def runs_list(ctx: click.Context, status: str | None, task_name: str | None, limit: int) -> None:
     """List the most recently updated runs (times in UTC)."""
-    url = resolve_database_url(ctx)
-    c = _RUNS.c
-    stmt = (
-        select(
-            c.id,
-            c.task_name,
-            c.idempotency_key,
-            c.status,
-            c.fencing_token,
-            c.attempts,
-            c.owner,
-            c.lease_expires_at,
-            c.updated_at,
-        )
-        .order_by(c.updated_at.desc(), c.id.desc())
-        .limit(limit)
+    found = Runs(resolve_database_url(ctx)).list(
+        task_name=task_name, status=RunStatus(status.upper()) if status else None, limit=limit
     )
-    if status is not None:
-        stmt = stmt.where(c.status == RunStatus(status.upper()))
-    if task_name is not None:
-        stmt = stmt.where(c.task_name == task_name)
-    with translated(url), get_engine(url).connect() as conn:
-        rows = conn.execute(stmt).all()
     table = [
         (
-            r.id,
+            r.run_id,
             r.task_name,
-            _shorten(r.idempotency_key, _KEY_WIDTH),
+            _shorten(r.key, _KEY_WIDTH),
             r.status,
-            r.fencing_token,
+            r.token,
             r.attempts,
             _short_owner(r.owner),
             r.lease_expires_at,
             r.updated_at,
         )
-        for r in rows
+        for r in found
     ]
     click.echo(format_table(_LIST_COLUMNS, table))
-    click.echo(f"({len(rows)} run{'s' if len(rows) != 1 else ''})")
+    click.echo(f"({len(found)} run{'s' if len(found) != 1 else ''})")
 
 
 @runs.command("show")
@@ -228,58 +180,47 @@ def runs_list(ctx: click.Context, status: str | None, task_name: str | None, lim
 def runs_show(ctx: click.Context, key: str, task_name: str | None) -> None:
     """Show every field of the run(s) with KEY, its result, error and checkpointed steps."""
     url = resolve_database_url(ctx)
-    c = _RUNS.c
-    stmt = select(_RUNS).where(c.idempotency_key == key).order_by(c.task_name)
-    if task_name is not None:
-        stmt = stmt.where(c.task_name == task_name)
-    with translated(url), get_engine(url).connect() as conn:
-        found = conn.execute(stmt).all()
-        steps = {
-            row.id: conn.execute(
-                select(_STEPS.c.position, _STEPS.c.step_name, _STEPS.c.token, _STEPS.c.created_at)
-                .where(_STEPS.c.run_id == row.id)
-                .order_by(_STEPS.c.position)
-            ).all()
-            for row in found
-        }
+    reader = Runs(url)
+    found = reader.find(key, task_name)
     if not found:
         where = f" for task {task_name}" if task_name else ""
         raise click.ClickException(f"No run with key {key!r}{where} in {safe_url(url)}")
-    for i, row in enumerate(found):
+    for i, run in enumerate(found):
         if i:
             click.echo()
-        _echo_run(row._mapping, steps[row.id])
+        _echo_run(run, reader.steps(run.run_id))
 
 
-def _echo_run(row: Any, steps: Sequence[Any]) -> None:
+def _echo_run(run: RunView, steps: Sequence[StepView]) -> None:
     fields = [
-        ("id", row["id"]),
-        ("task", row["task_name"]),
-        ("key", row["idempotency_key"]),
-        ("status", row["status"]),
-        ("fingerprint", row["fingerprint"]),
-        ("fencing_token", row["fencing_token"]),
-        ("owner", row["owner"]),
-        ("attempts", row["attempts"]),
-        ("lease_expires_at", row["lease_expires_at"]),
-        ("concurrency_key", row["concurrency_key"]),
-        ("celery_task_id", row["celery_task_id"]),
-        ("created_at", row["created_at"]),
-        ("updated_at", row["updated_at"]),
-        ("finished_at", row["finished_at"]),
+        ("id", run.run_id),
+        ("task", run.task_name),
+        ("key", run.key),
+        ("status", run.status),
+        ("fingerprint", run.fingerprint),
+        ("fencing_token", run.token),
+        ("owner", run.owner),
+        ("attempts", run.attempts),
+        ("lease_expires_at", run.lease_expires_at),
+        ("concurrency_key", run.concurrency_key),
+        ("celery_task_id", run.celery_task_id),
+        ("created_at", run.created_at),
+        ("updated_at", run.updated_at),
+        ("finished_at", run.finished_at),
     ]
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         click.echo(f"{name.ljust(width)}  {_cell(value)}")
     click.echo("result:")
-    click.echo(_indent(json.dumps(row["result"], indent=2, sort_keys=True, ensure_ascii=False)))
+    click.echo(_indent(json.dumps(run.result, indent=2, sort_keys=True, ensure_ascii=False)))
     click.echo("error:")
-    click.echo(_indent(row["error"] or "-"))
+    click.echo(_indent(run.error or "-"))
     click.echo("message:")
-    click.echo(_indent(json.dumps(row["message"], sort_keys=True, ensure_ascii=False)))
+    click.echo(_indent(json.dumps(run.message, sort_keys=True, ensure_ascii=False)))
     click.echo(f"steps ({len(steps)}):")
     if steps:
-        click.echo(_indent(format_table(("position", "step", "token", "created_at"), steps)))
+        rows = [(st.position, st.name, st.token, st.created_at) for st in steps]
+        click.echo(_indent(format_table(("position", "step", "token", "created_at"), rows)))
 
 
 def _indent(text: str) -> str:
@@ -294,8 +235,7 @@ def _indent(text: str) -> str:
 @click.pass_context
 def outcomes(ctx: click.Context, task_name: str | None) -> None:
     """Print exact delivery outcome counts (every delivery records one, across all workers)."""
-    url = resolve_database_url(ctx)
-    counts = RunStore(url).outcome_counts(task_name)
+    counts = Runs(resolve_database_url(ctx)).outcome_counts(task_name)
     rows = [(o.value, counts.get(o.value, 0)) for o in Outcome]
     rows.append(("total", sum(counts.values())))
     click.echo(format_table(("outcome", "count"), rows))

@@ -56,6 +56,17 @@ class InProgress(ClaimError):
 class LeaseLost(ClaimError):
     """Raised when a holder's fencing token is stale: another worker took the run over; nothing commits."""
 
+    @classmethod
+    def for_holder(cls, task_name: str, key: str, token: int, what: str = "its writes were rolled back") -> LeaseLost:
+        """The one message of a lost lease: who lost it, which token, and what was not written."""
+        return cls(
+            f"{task_name}[{key}]: fencing token {token} is stale — another worker took the run over after this "
+            f"holder's lease expired; {what}",
+            task_name=task_name,
+            key=key,
+            token=token,
+        )
+
 
 class ResultNotJSON(OnceleryError):
     """Raised when a task's result or a step's result cannot be stored as JSON; nothing is committed."""
@@ -70,7 +81,15 @@ class StoreError(OnceleryError):
 
 
 class SchemaMissing(StoreError):
-    """Raised when Oncelery's tables do not exist in the configured database."""
+    """Raised when Oncelery's tables do not exist in the configured database (or are behind the code)."""
+
+    @classmethod
+    def for_url(cls, url: str, detail: str = "Oncelery's tables are missing") -> SchemaMissing:
+        """The message that names the fix: run `oncelery db upgrade` against this database."""
+        return cls(
+            f"{detail} in {url}: run `oncelery db upgrade` (with ONCELERY_DATABASE_URL set to this database)",
+            url=url,
+        )
 
 
 class StoreUnavailable(StoreError):

@@ -6,6 +6,7 @@ from typing import Any
 
 from celery import chain
 from celery.canvas import Signature
+
 from oncelery.keys import validate_key
 from oncelery.settings import HEADER_KEY, HEADER_PIPELINE
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from oncelery.errors import ConfigurationError
 
 # Environment variables (the README's configuration table lists every one).
 ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"
@@ -37,6 +38,22 @@ DIRECT_WAIT_TIMEOUT = 300.0
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
+# Celery's delivery settings Oncelery is deployed with, written once: celeryconfig.py, the tests and the
+# benchmarks read them from here. Late acks + reject on worker lost give at-least-once delivery, which the
+# claim turns into exactly-once effects; prefetch 1 keeps a crashed worker from holding extra messages;
+# JSON only, never pickle.
+CELERY_DELIVERY_DEFAULTS: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "task_acks_on_failure_or_timeout": True,
+    "task_serializer": "json",
+    "result_serializer": "json",
+    "accept_content": ["json"],
+    "result_accept_content": ["json"],
+}
+
+
 def data_dir() -> Path:
     """Return the folder for embedded-default files (SQLite database, broker spool), creating it."""
     path = Path(os.environ.get(ENV_DATA_DIR, DEFAULT_DATA_DIR)).resolve()
@@ -44,22 +61,23 @@ def data_dir() -> Path:
     return path
 
 
-def default_database_url() -> str:
-    """Return the embedded default database: a SQLite file in the working directory."""
+def embedded_database_url() -> str:
+    """The embedded default database of the demo commands and examples: a SQLite file in the working folder."""
     return f"sqlite:///{Path(DEFAULT_DATABASE_FILE).resolve()}"
 
 
-@dataclass(frozen=True)
-class OnceleryConfig:
-    """Typed settings resolved for one Celery app: app config first, then environment, then defaults."""
+def configured_database_url(conf: Any = None) -> str | None:
+    """Return the app's `oncelery_database_url`, else $ONCELERY_DATABASE_URL, else None (never a default)."""
+    url = conf.get(CONF_DATABASE_URL) if conf is not None else None
+    return str(url or os.environ.get(ENV_DATABASE_URL) or "") or None
 
-    database_url: str
 
-    @classmethod
-    def from_app_conf(cls, conf: Any) -> OnceleryConfig:
-        """Resolve settings from a Celery app's `conf`, falling back to the environment and defaults."""
-        url = None
-        if conf is not None:
-            url = conf.get(CONF_DATABASE_URL)
-        url = url or os.environ.get(ENV_DATABASE_URL) or default_database_url()
-        return cls(database_url=str(url))
+def require_database_url(conf: Any = None, who: str = "This worker") -> str:
+    """Return the configured claims database, or raise ConfigurationError saying what to set."""
+    url = configured_database_url(conf)
+    if url is None:
+        raise ConfigurationError(
+            f"{who} has no claims database: set {ENV_DATABASE_URL} (e.g. postgresql://user@host/db) or "
+            f"app.conf.{CONF_DATABASE_URL}; every worker must share one database, so there is no default"
+        )
+    return url

@@ -9,33 +9,21 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, cast
 
-from oncelery.db import db_now
-from oncelery.models import DeliveryOutcome, RunStatus, TaskRun
-from sqlalchemy import JSON, Float, Integer, String, Table, and_, bindparam, literal, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import JSON, Integer, String, Table, and_, bindparam, literal, or_, select, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import ColumnElement
+
+from oncelery.dialects import dialect as get_dialect
+from oncelery.leases import lease_expired
+from oncelery.models import DeliveryOutcome, RunStatus, TaskRun
 
 RUNS = cast(Table, TaskRun.__table__)
 OUTCOMES = cast(Table, DeliveryOutcome.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
-_SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%f"
-
-
-def lease_param(dialect: str, seconds: float) -> Any:
-    """Return the value of the `p_lease` parameter for a lease of `seconds` on `dialect`."""
-    return f"{seconds:+.3f} seconds" if dialect == "sqlite" else float(seconds)
-
-
-def _lease_until(dialect: str) -> ColumnElement[Any]:
-    # The database clock plus the bound lease (see lease_param): a lease never uses a worker's clock.
-    from sqlalchemy import func
-
-    if dialect == "sqlite":
-        return func.strftime(_SQLITE_TIME_FORMAT, "now", bindparam("p_lease", type_=String))
-    return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam("p_lease", type_=Float))
 
 
 def _fenced() -> ColumnElement[bool]:
+    # The fence every holder write carries: this run, this token, this claim's random owner, still RUNNING.
     c = RUNS.c
     return and_(
         c.id == bindparam("p_run_id"),
@@ -50,9 +38,10 @@ class Statements:
 
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect
-        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        now = db_now(dialect)
-        until = _lease_until(dialect)
+        dia = get_dialect(dialect)
+        insert = dia.insert
+        now = dia.now()
+        until = dia.lease_until()
         c = RUNS.c
         self.insert_claim = (
             insert(RUNS)
@@ -80,7 +69,7 @@ class Statements:
                 c.idempotency_key == bindparam("p_key"),
                 # A different payload never takes a run over: that is a conflict, decided by the caller.
                 c.fingerprint == bindparam("p_fingerprint"),
-                or_(c.status == RunStatus.FAILED, and_(c.status == RunStatus.RUNNING, c.lease_expires_at < now)),
+                or_(c.status == RunStatus.FAILED, and_(c.status == RunStatus.RUNNING, lease_expired(now))),
             )
             .values(
                 status=RunStatus.RUNNING,
@@ -119,7 +108,7 @@ class Statements:
             .values(task_name=bindparam("p_task"), outcome=bindparam("p_outcome"), shard=bindparam("p_shard"), count=1)
             .on_conflict_do_update(index_elements=["task_name", "outcome", "shard"], set_={"count": o.count + 1})
         )
-        self.complete_and_count = self._complete_and_count() if dialect == "postgresql" else None
+        self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
 
     def _complete_and_count(self) -> Any:
         # PostgreSQL: the fenced completion and the outcome counter in ONE statement (one round trip):

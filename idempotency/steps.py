@@ -14,12 +14,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
-from oncelery.db import rowcount
-from oncelery.errors import LeaseLost, StepMismatch
-from oncelery.models import StepResult
-from oncelery.store import Claim, RunStore, encode_result
 from sqlalchemy import Connection, Table, delete, insert, select
 from sqlalchemy.exc import IntegrityError
+
+from oncelery.claims import Claim, RunStore, encode_result, lease_lost
+from oncelery.errors import StepMismatch
+from oncelery.models import StepResult
+from oncelery.store import rowcount
 
 _STEPS = cast(Table, StepResult.__table__)
 SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)
@@ -76,7 +77,7 @@ def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
     """Return the run's stored steps in position order."""
     c = _STEPS.c
     stmt = select(c.position, c.step_name, c.result, c.meta).where(c.run_id == run_id).order_by(c.position)
-    with store.read_engine.connect() as conn:
+    with store.db.read() as conn:
         return [Checkpoint(p, n, r, m) for p, n, r, m in conn.execute(stmt)]
 
 
@@ -97,12 +98,7 @@ def save_checkpoint_txn(
     """
     renewed = conn.execute(store.sql.heartbeat, {**store.fence_params(claim), **store.lease_params(claim.lease)})
     if rowcount(renewed) != 1:
-        raise LeaseLost(
-            f"{claim.task_name}[{claim.key}]: step {name!r} not saved — token {claim.token} was taken over",
-            task_name=claim.task_name,
-            key=claim.key,
-            token=claim.token,
-        )
+        raise lease_lost(claim, f"step {name!r} was not saved")
     if supersede:
         # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.
         conn.execute(delete(_STEPS).where(_STEPS.c.run_id == claim.run_id, _STEPS.c.position >= position))
@@ -199,12 +195,7 @@ class StepRunner:
             self.superseded = False
         except IntegrityError as exc:
             # Another holder saved this position: ours is stale by definition.
-            raise LeaseLost(
-                f"{self.claim.task_name}[{self.claim.key}]: step {position} already saved by another holder",
-                task_name=self.claim.task_name,
-                key=self.claim.key,
-                token=self.claim.token,
-            ) from exc
+            raise lease_lost(self.claim, f"step {position} was already saved by another holder") from exc
         self.executed.append(name)
         return result
 

@@ -1,362 +1,224 @@
-"""The claim protocol on a SQL database: each transition is one atomic, token-guarded statement.
-
-Lease timeline (all times are the database clock's, never a worker's):
-
-    claim: INSERT (token=1) or takeover UPDATE (token=t+1), owner=o, lease_expires_at = now + L
-    |<------------- L ------------->|
-    holder renews every L/3:  UPDATE ... SET lease_expires_at = now + L WHERE id AND token=t AND owner=o
-    completion:               UPDATE ... SET status=COMPLETED WHERE id AND token=t AND owner=o AND RUNNING
-
-    If the holder stops renewing (SIGKILL, SIGSTOP, GC pause, partition):
-    |<------------- L ------------->| expired: the next delivery takes over in ONE statement:
-        UPDATE ... SET token=t+1, owner=o2 WHERE key AND fingerprint AND
-                  (status=FAILED OR (status=RUNNING AND lease_expires_at < now))
-    The old holder (a zombie) wakes: every write it makes says `token=t AND owner=o` -> 0 rows ->
-    LeaseLost, and its transaction (result, effects, step) rolls back.
-
-`owner` is a random id per claim: with the token it stays unique even if a database crash loses a claim
-row and a counter is handed out again.
+"""The handle on a claims database: this process's engines, its transactions, and the ONE place that
+turns driver errors into Oncelery's typed errors (`SchemaMissing`, `StoreUnavailable`).
 """
 
 from __future__ import annotations
 
-import json
-import random
-import uuid
+import os
+import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
-from oncelery.db import db_now, get_engine, rowcount, translated
-from oncelery.errors import LeaseLost, ResultNotJSON, StoreError
-from oncelery.keys import Identity
-from oncelery.models import Outcome, RunStatus
-from oncelery.statements import OUTCOME_SHARDS, OUTCOMES, RUNS, Statements, lease_param, statements
-from sqlalchemy import Connection, Table, and_, func, select
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, CursorResult
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
-# A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
-_MAX_CLAIM_ROUNDS = 8
+from oncelery.dialects import MODE_AUTOCOMMIT, MODE_DEFAULT, MODE_FAST, MODE_READ, Dialect, dialect_of
+from oncelery.errors import SchemaMissing, StoreUnavailable
+
+_engines: dict[tuple[str, int, str], Engine] = {}
+_lock = threading.RLock()
 
 
-class Decision(Enum):
-    """What a claim attempt found."""
-
-    CLAIMED = "claimed"  # this caller holds the run and must execute it
-    COMPLETED = "completed"  # finished before: answer with the stored result
-    IN_PROGRESS = "in_progress"  # a live holder runs this key
-    ENTITY_BUSY = "entity_busy"  # another key of the same concurrency_key is RUNNING
-    CONFLICT = "conflict"  # same key, different payload fingerprint
+def normalize_url(url: str) -> str:
+    """Map `postgresql://` and `postgres://` to the psycopg 3 driver Oncelery ships with."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
 
 
-@dataclass(frozen=True)
-class Claim:
-    """A held claim: the run row, its fencing token and owner id, and the lease length."""
-
-    run_id: int
-    task_name: str
-    key: str
-    token: int
-    owner: str
-    lease: float
-    attempts: int
-    takeover: bool
+def safe_url(url: str) -> str:
+    """Return `url` with its password masked, for messages and logs."""
+    return make_url(url).render_as_string(hide_password=True)
 
 
-@dataclass(frozen=True)
-class RunView:
-    """A read-only snapshot of a task_runs row."""
-
-    run_id: int
-    task_name: str
-    key: str
-    status: RunStatus
-    fingerprint: str
-    field_digests: dict[str, str]
-    token: int
-    owner: str | None
-    attempts: int
-    result: Any
-    error: str | None
-    lease_live: bool
+def get_engine(url: str, mode: str = MODE_DEFAULT) -> Engine:
+    """Return this process's engine for `url` in `mode` (a new one after fork: sockets are never shared)."""
+    key = (url, os.getpid(), mode)
+    engine = _engines.get(key)  # the hot path: no URL parsing
+    if engine is None:
+        with _lock:
+            engine = _engines.get(key)
+            if engine is None:
+                engine = _engines[key] = _new_engine(url, mode)
+    return engine
 
 
-@dataclass(frozen=True)
-class ClaimResult:
-    """The outcome of `RunStore.claim`: a decision plus the claim (if CLAIMED) or the row seen."""
-
-    decision: Decision
-    claim: Claim | None = None
-    run: RunView | None = None
-
-
-def encode_result(value: Any, what: str) -> Any:
-    """Return `value` round-tripped through strict JSON, raising ResultNotJSON with the fix if it can't."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise ResultNotJSON(
-            f"{what} is not JSON-serializable ({exc}); return JSON types (dict, list, str, int, float, "
-            f"bool, None) — convert objects with .model_dump()/dataclasses.asdict() first",
-            what=what,
-        ) from exc
+def _new_engine(url: str, mode: str) -> Engine:
+    dia = dialect_of(normalize_url(url))
+    if mode in dia.own_engine_modes:
+        return dia.create_engine(normalize_url(url), mode)
+    base = get_engine(url)  # the lock is reentrant
+    if dia.autocommit_statements and mode in (MODE_READ, MODE_AUTOCOMMIT):
+        # Reads and durable single statements need no transaction: autocommit saves BEGIN/COMMIT trips.
+        return base.execution_options(isolation_level="AUTOCOMMIT")
+    return base
 
 
-class RunStore:
-    """Claims, leases, fencing and completion of runs in one SQL database (PostgreSQL or SQLite).
+def dispose_engines() -> None:
+    """Close every pooled connection of this process (tests, and after a database restart)."""
+    with _lock:
+        for (_, pid, _mode), engine in list(_engines.items()):
+            if pid == os.getpid():
+                engine.dispose()
+        _engines.clear()
 
-    Round trips per executed job on PostgreSQL: the claim is one autocommit statement on a connection
-    with `synchronous_commit = off` (a claim need not be durable: a lost claim only makes its holder's
-    fenced completion fail, and the random owner id keeps tokens unique), and the completion plus its
-    outcome counter is one durable autocommit statement (or joins the effects transaction).
-    """
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._dialect: str | None = None
-        self._autocommit: tuple[int, Engine] | None = None
+# -- the one translation of driver errors ------------------------------------------------------------
 
-    @property
-    def engine(self) -> Engine:
-        """This process's engine for the store's database."""
-        return get_engine(self.url)
+_MISSING_TABLE_RE = re.compile(r"no such table|relation \"[^\"]+\" does not exist")
+_MISSING_DATABASE_RE = re.compile(r"database \"[^\"]+\" does not exist")
+# Transient: the same statement can succeed later (reconnect, lock released, transaction retried).
+_TRANSIENT_MARKERS = (
+    "connection refused",
+    "could not connect",
+    "server closed the connection",
+    "connection is closed",
+    "connection is lost",
+    "terminating connection",
+    "unable to open database file",
+    "connection failed",
+    "the database system is",
+    "database is locked",
+    "database is busy",
+    "database table is locked",
+    "deadlock detected",
+    "could not serialize access",
+    "canceling statement due to lock timeout",
+    "consuming input failed",
+    "ssl syscall error",
+)
+# SQLSTATE classes and codes that mean "try again": connection exceptions (08), operator intervention
+# (57: admin shutdown, crash shutdown, cannot connect now), serialization failure and deadlock (40001,
+# 40P01), lock not available (55P03).
+_TRANSIENT_SQLSTATE_CLASSES = ("08", "57")
+_TRANSIENT_SQLSTATES = ("40001", "40P01", "55P03")
 
-    @property
-    def read_engine(self) -> Engine:
-        """This process's engine for reads (never takes SQLite's writer lock)."""
-        return get_engine(self.url, read_only=True)
 
-    @property
-    def claim_engine(self) -> Engine:
-        """Engine for single-statement claim and lease writes (autocommit, asynchronous on PostgreSQL)."""
-        return get_engine(self.url, fast_claims=True)
+def is_transient(exc: DBAPIError) -> bool:
+    """Return whether a driver error is one a later attempt can get past (disconnect, lock, deadlock)."""
+    if exc.connection_invalidated:
+        return True
+    sqlstate = str(getattr(exc.orig, "sqlstate", "") or "")
+    if sqlstate[:2] in _TRANSIENT_SQLSTATE_CLASSES or sqlstate in _TRANSIENT_SQLSTATES:
+        return True
+    msg = _driver_text(exc).lower()
+    return any(m in msg for m in _TRANSIENT_MARKERS)
 
-    @property
-    def dialect(self) -> str:
-        """The database's dialect name: "postgresql" or "sqlite"."""
-        if self._dialect is None:
-            self._dialect = str(self.engine.dialect.name)
-        return self._dialect
 
-    @property
-    def sql(self) -> Statements:
-        """The prebuilt statements of this store's dialect."""
-        return statements(self.dialect)
+def _driver_text(exc: DBAPIError) -> str:
+    return str(exc.orig if exc.orig is not None else exc)
 
-    @property
-    def runs(self) -> Table:
-        """The task_runs table."""
-        return RUNS
 
-    @contextmanager
-    def transaction(self) -> Iterator[Connection]:
-        """A transaction on the store's database; driver errors become typed store errors."""
-        with self._txn() as conn:
-            yield conn
-
-    @contextmanager
-    def _txn(self) -> Iterator[Connection]:
-        with translated(self.url), self.engine.begin() as conn:
-            yield conn
-
-    def _one(self, stmt: Any, params: dict[str, Any]) -> tuple[Any, int]:
-        """Run one claim/lease statement on its own; return (first returned row or None, rows matched).
-
-        Autocommit on PostgreSQL (no BEGIN/COMMIT round trips); a short IMMEDIATE transaction on SQLite.
-        """
-        engine = self.claim_engine
-        with translated(self.url):
-            if self.dialect == "postgresql":
-                with engine.connect() as conn:
-                    return _first_and_count(conn.execute(stmt, params))
-            with engine.begin() as conn:
-                return _first_and_count(conn.execute(stmt, params))
-
-    def fence_params(self, claim: Claim) -> dict[str, Any]:
-        """The parameters of the fence every holder write carries (run id, token, owner)."""
-        return {"p_run_id": claim.run_id, "p_token": claim.token, "p_owner": claim.owner}
-
-    def lease_params(self, seconds: float) -> dict[str, Any]:
-        """The parameter that sets a lease of `seconds` from the database clock's now."""
-        return {"p_lease": lease_param(self.dialect, seconds)}
-
-    # -- claim -------------------------------------------------------------------------------------
-
-    def claim(
-        self,
-        task_name: str,
-        ident: Identity,
-        lease: float,
-        concurrency_key: str | None = None,
-        celery_task_id: str | None = None,
-        message: Any = None,
-    ) -> ClaimResult:
-        """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it."""
-        for _ in range(_MAX_CLAIM_ROUNDS):
-            owner = uuid.uuid4().hex
-            params = {
-                "p_task": task_name,
-                "p_key": ident.key,
-                "p_fingerprint": ident.fingerprint,
-                "p_digests": ident.field_digests,
-                "p_owner": owner,
-                "p_entity": concurrency_key,
-                "p_task_id": celery_task_id,
-                "p_message": message,
-                **self.lease_params(lease),
-            }
-            try:
-                row, _ = self._one(self.sql.insert_claim, params)
-                if row is not None:
-                    return ClaimResult(
-                        Decision.CLAIMED, claim=Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False)
-                    )
-                # The key exists. Read it first: a duplicate of a finished or live run (the common case)
-                # is then decided by this one read, and only a FAILED or expired run needs a takeover.
-                run = self.get(task_name, ident.key)
-                if run is None:
-                    continue  # purged between our statements: try the insert again
-                if run.fingerprint != ident.fingerprint:
-                    return ClaimResult(Decision.CONFLICT, run=run)
-                if run.status is RunStatus.COMPLETED:
-                    return ClaimResult(Decision.COMPLETED, run=run)
-                if run.status is RunStatus.RUNNING and run.lease_live:
-                    return ClaimResult(Decision.IN_PROGRESS, run=run)
-                row, _ = self._one(self.sql.takeover, params)
-            except IntegrityError:
-                # The partial unique index refused a second RUNNING run for this entity.
-                return ClaimResult(Decision.ENTITY_BUSY)
-            if row is not None:
-                claim = Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, True)
-                return ClaimResult(Decision.CLAIMED, claim=claim)
-            # Another claimant took it between our read and our takeover: look again.
-        raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
-
-    # -- holder's writes (all fenced) ----------------------------------------------------------------
-
-    def heartbeat(self, claim: Claim) -> bool:
-        """Extend the lease by `claim.lease` from now (database clock) iff the claim is still ours."""
-        params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
-        return self._one(self.sql.heartbeat, params)[1] == 1
-
-    def complete_txn(
-        self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED
-    ) -> None:
-        """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write)."""
-        params = {**self.fence_params(claim), "p_result": result, **self._outcome_params(claim.task_name, outcome)}
-        sql = self.sql
-        if sql.complete_and_count is not None:
-            if conn.execute(sql.complete_and_count, params).first() is None:
-                raise _lease_lost(claim)
-            return
-        if rowcount(conn.execute(sql.complete, params)) != 1:
-            raise _lease_lost(claim)
-        conn.execute(sql.count_outcome, params)
-
-    def complete(
-        self, claim: Claim, result: Any, session: Session | None = None, outcome: Outcome = Outcome.EXECUTED
-    ) -> None:
-        """Commit the run's completion (and `session`'s pending effects) atomically, fenced by the token."""
-        if session is None:
-            if self.dialect == "postgresql":
-                # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
-                with translated(self.url), self.autocommit_engine.connect() as conn:
-                    self.complete_txn(conn, claim, result, outcome)
-                return
-            with self._txn() as conn:
-                self.complete_txn(conn, claim, result, outcome)
-            return
-        with translated(self.url):
-            try:
-                self.complete_txn(session, claim, result, outcome)
-                session.commit()
-            except BaseException:
-                session.rollback()
-                raise
-
-    @property
-    def autocommit_engine(self) -> Engine:
-        """The store's engine in autocommit mode (durable single statements); shares its pool."""
-        engine = self.engine
-        if self._autocommit is None or self._autocommit[0] != id(engine):
-            self._autocommit = (id(engine), engine.execution_options(isolation_level="AUTOCOMMIT"))
-        return self._autocommit[1]
-
-    def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED) -> bool:
-        """Record the run FAILED with `error` iff the claim is still ours; return whether it was."""
-        params = {**self.fence_params(claim), "p_error": error[:10_000]}
-        with self._txn() as conn:
-            ok = rowcount(conn.execute(self.sql.fail, params)) == 1
-            self.record_outcome_txn(conn, claim.task_name, outcome if ok else Outcome.LEASE_LOST)
-        return ok
-
-    # -- reads and counters --------------------------------------------------------------------------
-
-    def get(self, task_name: str, key: str) -> RunView | None:
-        """Return the run for (task, key), with whether its lease is live by the database clock."""
-        c = RUNS.c
-        live = and_(c.lease_expires_at.is_not(None), c.lease_expires_at >= db_now(self.dialect))
-        stmt = select(RUNS, live.label("lease_live")).where(c.task_name == task_name, c.idempotency_key == key)
-        with translated(self.url), self.read_engine.connect() as conn:
-            row = conn.execute(stmt).first()
-        if row is None:
-            return None
-        return RunView(
-            run_id=row.id,
-            task_name=row.task_name,
-            key=row.idempotency_key,
-            status=row.status,
-            fingerprint=row.fingerprint,
-            field_digests=row.field_digests,
-            token=row.fencing_token,
-            owner=row.owner,
-            attempts=row.attempts,
-            result=row.result,
-            error=row.error,
-            lease_live=bool(row.lease_live),
+def translate_error(exc: BaseException, url: str) -> BaseException:
+    """Map a driver error to SchemaMissing / StoreUnavailable with the fix in the message, else return it."""
+    if not isinstance(exc, DBAPIError):
+        return exc
+    msg = _driver_text(exc).lower()
+    where = safe_url(url)
+    if _MISSING_DATABASE_RE.search(msg):
+        return StoreUnavailable(
+            f"The claims database in {where} does not exist: create it (e.g. `createdb`), "
+            f"then run `oncelery db upgrade`",
+            url=where,
         )
-
-    @staticmethod
-    def _outcome_params(task_name: str, outcome: Outcome) -> dict[str, Any]:
-        return {"p_task": task_name, "p_outcome": outcome, "p_shard": random.randrange(OUTCOME_SHARDS)}
-
-    def record_outcome_txn(self, conn: Connection | Session, task_name: str, outcome: Outcome) -> None:
-        """Count one delivery outcome inside the caller's transaction (exact across processes)."""
-        conn.execute(self.sql.count_outcome, self._outcome_params(task_name, outcome))
-
-    def record_outcome(self, task_name: str, outcome: Outcome) -> None:
-        """Count one delivery outcome in its own (durable) transaction."""
-        if self.dialect == "postgresql":
-            with translated(self.url), self.autocommit_engine.connect() as conn:
-                self.record_outcome_txn(conn, task_name, outcome)
-            return
-        with self._txn() as conn:
-            self.record_outcome_txn(conn, task_name, outcome)
-
-    def outcome_counts(self, task_name: str | None = None) -> dict[str, int]:
-        """Return {outcome: count} summed over all tasks, or for one task."""
-        c = OUTCOMES.c
-        stmt = select(c.outcome, func.sum(c.count)).group_by(c.outcome)
-        if task_name is not None:
-            stmt = stmt.where(c.task_name == task_name)
-        with translated(self.url), self.read_engine.connect() as conn:
-            return {o.value: int(n) for o, n in conn.execute(stmt)}
+    if isinstance(exc, (OperationalError, ProgrammingError)) and _MISSING_TABLE_RE.search(msg):
+        return SchemaMissing.for_url(where)
+    if is_transient(exc):
+        return StoreUnavailable(f"Cannot use the claims database {where} right now: {msg.strip()}", url=where)
+    return exc
 
 
-def _first_and_count(result: Any) -> tuple[Any, int]:
+@contextmanager
+def translated(url: str) -> Iterator[None]:
+    """Re-raise driver errors inside the block as Oncelery's typed store errors (chained to the cause)."""
+    try:
+        yield
+    except DBAPIError as exc:
+        mapped = translate_error(exc, url)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def rowcount(result: Any) -> int:
+    """Return the rows a DML statement matched (Session's stubs type its results as plain Result)."""
+    return int(cast(CursorResult[Any], result).rowcount)
+
+
+def first_and_count(result: Any) -> tuple[Any, int]:
+    """Return (the first returned row or None, the rows matched) of a statement's result."""
     row = result.first() if result.returns_rows else None
     return row, rowcount(result)
 
 
-def _lease_lost(claim: Claim) -> LeaseLost:
-    return LeaseLost(
-        f"{claim.task_name}[{claim.key}]: fencing token {claim.token} is stale — another worker took the run "
-        f"over after this holder's lease expired; this holder's writes were rolled back",
-        task_name=claim.task_name,
-        key=claim.key,
-        token=claim.token,
-    )
+class Database:
+    """A claims database: engines per process, transactions, and typed errors on every call."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._dialect: Dialect | None = None
+
+    @property
+    def dialect(self) -> Dialect:
+        """The database's `Dialect` (PostgreSQL or SQLite)."""
+        if self._dialect is None:
+            self._dialect = dialect_of(normalize_url(self.url))
+        return self._dialect
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine for transactions."""
+        return get_engine(self.url)
+
+    @property
+    def read_engine(self) -> Engine:
+        """This process's engine for reads (autocommit on PostgreSQL; never SQLite's writer lock)."""
+        return get_engine(self.url, MODE_READ)
+
+    @property
+    def fast_engine(self) -> Engine:
+        """Engine for single-statement claim and lease writes (asynchronous commit on PostgreSQL)."""
+        return get_engine(self.url, MODE_FAST)
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A transaction; driver errors become typed store errors."""
+        with translated(self.url), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection for reads; driver errors become typed store errors."""
+        self.require_file()
+        with translated(self.url), self.read_engine.connect() as conn:
+            yield conn
+
+    def one(self, stmt: Any, params: dict[str, Any], *, durable: bool = True) -> tuple[Any, int]:
+        """Run one statement on its own; return (first returned row or None, rows matched).
+
+        Autocommit where the dialect allows it (no BEGIN/COMMIT round trips), else a short transaction.
+        `durable=False` lets PostgreSQL acknowledge before the WAL flush (claims and lease renewals).
+        """
+        with translated(self.url):
+            if self.dialect.autocommit_statements:
+                with get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST).connect() as conn:
+                    return first_and_count(conn.execute(stmt, params))
+            with self.engine.begin() as conn:
+                return first_and_count(conn.execute(stmt, params))
+
+    def require_file(self) -> None:
+        """Raise StoreUnavailable if this is a SQLite file that does not exist (reads never create one)."""
+        if self.dialect.name != "sqlite":
+            return
+        database = make_url(self.url).database
+        if database and database != ":memory:" and not database.startswith("file:") and not Path(database).exists():
+            raise StoreUnavailable(
+                f"No database at {safe_url(self.url)}: run `oncelery db upgrade` (or the job) first, or set "
+                f"ONCELERY_DATABASE_URL to the database your workers use",
+                url=safe_url(self.url),
+            )

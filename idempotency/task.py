@@ -7,56 +7,35 @@ from __future__ import annotations
 
 import logging
 import random
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Retry
-from oncelery.errors import (
-    ConfigurationError,
-    IdempotencyConflict,
-    InProgress,
-    LeaseLost,
-    StoreError,
-    StoreUnavailable,
-)
-from oncelery.heartbeat import Heartbeat
-from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, differing_fields, validate_key
-from oncelery.models import Outcome
+from sqlalchemy.orm import Session
+
+from oncelery.claims import RunStore
+from oncelery.delivery import Delivery, RunContext
+from oncelery.errors import ConfigurationError
+from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
 from oncelery.settings import (
     DEFAULT_LEASE_SECONDS,
-    DIRECT_WAIT_TIMEOUT,
     HEADER_KEY,
     HEADER_WAITS,
     MIN_LEASE_SECONDS,
     WAIT_BACKOFF_BASE,
     WAIT_BACKOFF_CAP,
-    OnceleryConfig,
+    require_database_url,
 )
-from oncelery.steps import StepRunner, load_checkpoints, step_seed
-from oncelery.store import Claim, ClaimResult, Decision, RunStore, encode_result
-from sqlalchemy.orm import Session
+from oncelery.steps import step_seed
 
 logger = logging.getLogger(__name__)
 
 IN_PROGRESS_POLICIES = ("retry", "skip", "raise")
 _RUN_ATTR = "oncelery_run"
-
-
-@dataclass
-class RunContext:
-    """The live claim of the run executing on this thread: heartbeat, step runner, effects session."""
-
-    claim: Claim
-    heartbeat: Heartbeat
-    steps: StepRunner
-    session: Session | None = None
 
 
 def wait_backoff(waits: int, base: float = WAIT_BACKOFF_BASE, cap: float = WAIT_BACKOFF_CAP) -> float:
@@ -113,8 +92,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def store(self) -> RunStore:
-        """The claims store of this task's app (app.conf.oncelery_database_url, env, or the SQLite default)."""
-        url = OnceleryConfig.from_app_conf(self.app.conf).database_url
+        """The claims store of this task's app (app.conf.oncelery_database_url, else $ONCELERY_DATABASE_URL)."""
+        url = require_database_url(self.app.conf, f"Task {self.name}")
         cached: RunStore | None = self.__dict__.get("_store")
         if cached is None or cached.url != url:
             cached = RunStore(url)
@@ -164,9 +143,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             _task_stack.pop()
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
-        req = self.request
-        headers = req.headers or {}
-        explicit_key = headers.get(HEADER_KEY)
+        explicit_key = (self.request.headers or {}).get(HEADER_KEY)
         ident = self._keys.identity(args, kwargs, explicit_key)
         entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
         message = {
@@ -174,58 +151,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "kwargs": kwargs,
             "headers": {HEADER_KEY: explicit_key} if explicit_key else {},
         }
-        store = self.store
-        waited = 0
-        deadline = time.monotonic() + DIRECT_WAIT_TIMEOUT
-        while True:
-            try:
-                res = store.claim(self.name, ident, float(self.lease), entity, req.id, message)
-            except StoreUnavailable as exc:
-                if direct:
-                    raise
-                logger.warning("claims database unavailable for %s: %s; retrying", ident.key, exc)
-                return self._send_again(exc)
-            if res.decision is Decision.CLAIMED and res.claim is not None:
-                return self._execute(store, res.claim, args, kwargs, direct)
-            if res.decision is Decision.COMPLETED and res.run is not None:
-                store.record_outcome(self.name, Outcome.REPLAYED)
-                logger.info("replayed %s[%s] from its stored result", self.name, ident.key)
-                return res.run.result
-            if res.decision is Decision.CONFLICT:
-                store.record_outcome(self.name, Outcome.CONFLICT)
-                raise self._conflict(ident, res)
-            # IN_PROGRESS or ENTITY_BUSY: someone else holds the key (or the entity) right now.
-            if self.on_in_progress == "skip":
-                store.record_outcome(self.name, Outcome.IN_PROGRESS)
-                return None
-            if self.on_in_progress == "raise":
-                store.record_outcome(self.name, Outcome.IN_PROGRESS)
-                raise InProgress(
-                    f"{self.name}[{ident.key}] is being run by another worker"
-                    + (f" (entity {entity} busy)" if res.decision is Decision.ENTITY_BUSY else ""),
-                    task_name=self.name,
-                    key=ident.key,
-                )
-            if not direct:
-                store.record_outcome(self.name, Outcome.IN_PROGRESS)
-                return self._send_again(None)
-            if time.monotonic() > deadline:
-                raise InProgress(f"{self.name}[{ident.key}] still held after {DIRECT_WAIT_TIMEOUT}s", key=ident.key)
-            # A direct caller has no broker to re-deliver it: poll the database clock's verdict.
-            time.sleep(wait_backoff(waited, base=0.02, cap=0.5))
-            waited += 1
-
-    def _conflict(self, ident: Identity, res: ClaimResult) -> IdempotencyConflict:
-        stored = res.run.field_digests if res.run is not None else {}
-        fields = differing_fields(stored, ident.field_digests)
-        return IdempotencyConflict(
-            f"{self.name}: idempotency key {ident.key!r} was first used with a different payload "
-            f"(fields that differ: {', '.join(fields) or 'unknown'}); the first result stands. "
-            f"Use a new key (e.g. bump the version in it) for a new payload.",
-            task_name=self.name,
-            key=ident.key,
-            fields=fields,
-        )
+        return Delivery(self, ident, entity, message, direct, self._send_again).run(args, kwargs)
 
     def _send_again(self, exc: BaseException | None) -> Any:
         """Re-send this message with backoff, without spending the task's max_retries, and ack this one."""
@@ -240,62 +166,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # Retry makes the worker ack this delivery and mark the task RETRY, without occupying a slot.
         raise Retry(exc=exc, when=delay, sig=sig)
 
-    def _execute(
-        self, store: RunStore, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool
-    ) -> Any:
-        logger.info("claimed %s[%s] token=%d attempt=%d", self.name, claim.key, claim.token, claim.attempts)
-        # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
-        checkpoints = load_checkpoints(store, claim.run_id) if claim.takeover else []
-        hb = Heartbeat(store, claim).start()
-        ctx = RunContext(claim, hb, StepRunner(store, claim, checkpoints))
+    def attach(self, ctx: RunContext) -> None:
+        """Make `ctx` the live run of this delivery (what step() and effects() use)."""
         setattr(self.request, _RUN_ATTR, ctx)
-        try:
-            try:
-                result = self.run(*args, **kwargs)
-                hb.check()
-                encoded = encode_result(result, f"The result of {self.name}[{claim.key}]")
-                outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
-                store.complete(claim, encoded, ctx.session, outcome)
-            finally:
-                # Stopped only after the commit: on SQLite a renewal may wait for the effects
-                # transaction's write lock, which the commit releases (joining first would deadlock).
-                hb.stop()
-        except LeaseLost:
-            _rollback(ctx)
-            store.record_outcome(self.name, Outcome.LEASE_LOST)
-            logger.warning("lease lost for %s[%s] token=%d: writes rolled back", self.name, claim.key, claim.token)
-            if direct:
-                raise
-            # Re-deliver: the next delivery replays the new holder's result, or runs the job if the claim
-            # itself was lost (e.g. a database crash) — never a silent drop.
-            return self._send_again(None)
-        except StoreUnavailable as exc:
-            _rollback(ctx)
-            if direct:
-                raise
-            # Nothing committed; the run stays RUNNING until its lease expires, then a re-delivery takes it.
-            logger.warning("claims database unavailable finishing %s[%s]: %s", self.name, claim.key, exc)
-            return self._send_again(exc)
-        except Retry:
-            _rollback(ctx)
-            self._record_failure(store, claim, "retry requested: " + traceback.format_exc(limit=5))
-            raise
-        except BaseException as exc:
-            _rollback(ctx)
-            self._record_failure(store, claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
-            raise
-        finally:
-            if getattr(self.request, _RUN_ATTR, None) is ctx:
-                setattr(self.request, _RUN_ATTR, None)
-        return encoded
 
-    def _record_failure(self, store: RunStore, claim: Claim, error: str) -> None:
-        # The body's exception is what Celery must see; a database error recording it must not mask it.
-        # If the record is lost, the run stays RUNNING until its lease expires and is then taken over.
-        try:
-            store.fail(claim, error)
-        except StoreError as exc:
-            logger.error("could not record failure of %s[%s]: %s", self.name, claim.key, exc)
+    def detach(self, ctx: RunContext) -> None:
+        """Forget `ctx` once its delivery has ended."""
+        if getattr(self.request, _RUN_ATTR, None) is ctx:
+            setattr(self.request, _RUN_ATTR, None)
 
     # -- inside the body -------------------------------------------------------------------------
 
@@ -324,7 +202,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         ctx = self.run_context()
         ctx.heartbeat.check()
-        if ctx.session is not None:
+        if ctx.effects.session is not None:
             raise ConfigurationError(
                 f"{self.name}: step {name!r} called after effects(); effects commit with the run's completion, "
                 f"so run every step() first and open effects() last"
@@ -369,22 +247,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Yield a session whose writes commit atomically with the run's completion, fenced by its token."""
         ctx = self.run_context()
         ctx.heartbeat.check()
-        if ctx.session is None:
-            ctx.session = Session(self.store.engine, expire_on_commit=False)
-        try:
-            yield ctx.session
-            ctx.session.flush()
-        except BaseException:
-            ctx.session.rollback()
-            raise
+        with ctx.effects.block() as session:
+            yield session
 
     def outcome_counts(self) -> dict[str, int]:
         """Return this task's exact delivery outcome counts across all processes."""
         return self.store.outcome_counts(self.name)
-
-
-def _rollback(ctx: RunContext) -> None:
-    if ctx.session is not None:
-        ctx.session.rollback()
-        ctx.session.close()
-        ctx.session = None

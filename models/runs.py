@@ -6,7 +6,6 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from oncelery.models.base import Base, BigId, Json
 from sqlalchemy import (
     CheckConstraint,
     DateTime,
@@ -21,6 +20,8 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
+
+from oncelery.models.base import Base, BigId, Json
 
 
 class RunStatus(enum.Enum):

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from oncelery import IdempotentTask
-from oncelery.models import ArticleScore
+from oncelery.models.jobs import ArticleScore
 from oncelery.tasks.app import app
 from oncelery.tasks.ledger import call_llm
 from oncelery.tasks.llm import LLMClient, LLMUnavailable, default_client, parse_keywords, parse_quality

@@ -12,12 +12,11 @@ import os
 import time
 from typing import Any, cast
 
-from oncelery import current_step
-from oncelery.db import get_engine, translated
-from oncelery.models import LLMCall
-from oncelery.settings import ENV_DATABASE_URL
-from oncelery.tasks.llm.base import LLMClient, LLMResult
 from sqlalchemy import Table, case, func, insert, select
+
+from oncelery import ENV_DATABASE_URL, Database, current_step
+from oncelery.models.jobs import LLMCall
+from oncelery.tasks.llm.base import LLMClient, LLMResult
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ def _record(url: str | None, row: dict[str, Any]) -> None:
     if url is None:
         logger.debug("LLM call %s not recorded: no step and no %s", row["step"], ENV_DATABASE_URL)
         return
-    with translated(url), get_engine(url).begin() as conn:
+    with Database(url).begin() as conn:
         conn.execute(insert(_CALLS).values(**row))
     logger.debug(
         "ledger: %s %s[%s] step=%s ok=%s tokens=%d/%d",
@@ -123,7 +122,7 @@ def ledger_summary(database_url: str, task_name: str | None = None) -> dict[str,
     )
     if task_name is not None:
         stmt = stmt.where(c.task_name == task_name)
-    with translated(database_url), get_engine(database_url).connect() as conn:
+    with Database(database_url).read() as conn:
         calls, ok_calls, input_tokens, output_tokens, latency_ms = conn.execute(stmt).one()
     return {
         "calls": int(calls),

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from oncelery.db import dispose_engines, get_engine
-from oncelery.models.migrate import upgrade
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from oncelery.models.migrate import JOBS, upgrade
+from oncelery.store import dispose_engines, get_engine
 from tests import services
 
 ORDERED_TABLES = [
@@ -37,6 +37,7 @@ def pg_session_url() -> Iterator[str]:
     url = services.pg_url()
     engine = get_engine(url)
     upgrade(engine)
+    upgrade(engine, branch=JOBS)
     services.test_metadata.create_all(engine)
     yield url
     dispose_engines()
@@ -50,6 +51,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         url = f"sqlite:///{tmp_path / 'claims.db'}"
         engine = get_engine(url)
         upgrade(engine)
+        upgrade(engine, branch=JOBS)
         services.test_metadata.create_all(engine)
         yield url
         engine.dispose()

@@ -7,12 +7,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-import oncelery.tasks.articles  # noqa: F401  (registers oncelery.score_article as a shared task)
 from celery import Celery
-from oncelery.models import ArticleScore, LLMCall
-from oncelery.store import RunStore
-from oncelery.tasks.llm import LocalModel, parse_keywords, parse_quality
 from sqlalchemy import func, select
+
+import oncelery.tasks.articles  # noqa: F401  (registers oncelery.score_article as a shared task)
+from oncelery.claims import RunStore
+from oncelery.models.jobs import ArticleScore, LLMCall
+from oncelery.tasks.llm import LocalModel, parse_keywords, parse_quality
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "articles.jsonl"
 

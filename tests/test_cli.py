@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from oncelery.keys import Identity
-from oncelery.models import RunStatus, TaskRun
-from oncelery.store import RunStore
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
+from oncelery.claims import RunStore
+from oncelery.keys import Identity
+from oncelery.models import RunStatus, TaskRun
 from tests import services
 from tests.services import run_to_completion
 

@@ -24,12 +24,12 @@ import pytest
 import redis
 from celery import Celery
 from celery.result import AsyncResult
-from oncelery.db import get_engine
-from oncelery.models import RunStatus
-from oncelery.store import RunStore
 from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 
+from oncelery.claims import RunStore
+from oncelery.models import RunStatus
+from oncelery.store import get_engine
 from tests.services import count_rows, effects_table, executions_table, unique_queue, wait_for
 
 pytestmark = pytest.mark.crash

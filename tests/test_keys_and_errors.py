@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 from celery import Celery
+
 from oncelery import (
     ConfigurationError,
     IdempotencyConflict,

@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from sqlalchemy import select
+
 from oncelery import ConfigurationError, IdempotentTask, step_seed
-from oncelery.db import get_engine
-from oncelery.models import LLMCall
+from oncelery.claims import RunStore
+from oncelery.models.jobs import LLMCall
 from oncelery.steps import load_checkpoints
-from oncelery.store import RunStore
+from oncelery.store import get_engine
 from oncelery.tasks.ledger import call_llm, ledger_summary
 from oncelery.tasks.llm import (
     LLMHTTPError,
@@ -28,7 +30,6 @@ from oncelery.tasks.llm import (
     OpenAICompatibleClient,
     UnsupportedTask,
 )
-from sqlalchemy import select
 
 TEXT = "Lighthouses guided ships for centuries. Keepers tended the lamps every night."
 

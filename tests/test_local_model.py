@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from oncelery.tasks.llm import LLMClient, LLMMalformedReply, LocalModel, UnsupportedTask, parse_keywords, parse_quality
 from oncelery.tasks.llm.quality import quality_score
 from oncelery.tasks.llm.text import STOPWORDS, content_words, sentences

@@ -20,9 +20,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
-from oncelery.models import ArticleScore, LLMCall, RunStatus, TaskRun
 from sqlalchemy import create_engine, func, select, text
 
+from oncelery.models import RunStatus, TaskRun
+from oncelery.models.jobs import ArticleScore, LLMCall
 from tests.services import run_to_completion, unique_queue
 from tests.test_articles import SAMPLES, expected, load_articles
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from sqlalchemy import func, select
+
 from oncelery import IdempotentTask, LeaseLost, ResultNotJSON, StepMismatch, current_step, pipeline, step_seed
+from oncelery.claims import RunStore
 from oncelery.keys import Identity
 from oncelery.models import RunStatus, TaskRun
 from oncelery.steps import StepRunner, load_checkpoints
-from oncelery.store import RunStore
-from sqlalchemy import func, select
-
 from tests.services import wait_for
 from tests.test_store_contract import expire_lease
 

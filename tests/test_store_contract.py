@@ -8,14 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from oncelery import LeaseLost
-from oncelery.keys import Identity
-from oncelery.models import RunStatus, TaskRun
-from oncelery.store import Claim, Decision, RunStore
 from sqlalchemy import insert, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from oncelery import LeaseLost
+from oncelery.claims import Claim, Decision, RunStore
+from oncelery.keys import Identity
+from oncelery.models import RunStatus, TaskRun
 from tests.services import count_rows, effects_table, wait_for
 
 TASK = "oncelery.contract"

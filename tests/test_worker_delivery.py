@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.exceptions import Retry
-from oncelery import IdempotencyConflict, IdempotentTask, ResultNotJSON
-from oncelery.models import RunStatus
-from oncelery.store import RunStore
 from sqlalchemy import insert
 
+from oncelery import IdempotencyConflict, IdempotentTask, ResultNotJSON
+from oncelery.claims import RunStore
+from oncelery.models import RunStatus
 from tests.services import count_rows, effects_table
 
 

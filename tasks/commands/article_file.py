@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oncelery.errors import OnceleryError
+from oncelery import OnceleryError
 
 
 class ArticleFileError(OnceleryError):

@@ -10,14 +10,14 @@ from typing import Any
 
 import click
 from kombu.utils.url import maybe_sanitize_url
-from oncelery.cli import format_table, resolve_database_url, upgrade_database
-from oncelery.models import Outcome, RunStatus
-from oncelery.store import RunStore
+
+from oncelery import Outcome, Runs, RunStatus
+from oncelery.cli import format_table, resolve_database_url
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
     is_embedded,
     plan_deliveries,
-    run_statuses,
+    prepare_database,
     sigterm_as_interrupt,
     start_local_worker,
 )
@@ -130,8 +130,9 @@ def demo(
     from oncelery.tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
     from oncelery.tasks.demo import demo_score
 
-    url = resolve_database_url(ctx, app)
-    click.echo(upgrade_database(url))
+    url = resolve_database_url(ctx, app, embedded=True)
+    for line in prepare_database(url):
+        click.echo(line)
     broker = str(app.conf.broker_url)
     if start_worker is None:
         start_worker = is_embedded(broker)
@@ -140,9 +141,9 @@ def demo(
     calls = [(doc_id, doc_version, text, work_seconds) for doc_id, text in docs]
     keys = [demo_score.identity_of(args).key for args in calls]
     order = plan_deliveries(jobs, duplicates)
-    store = RunStore(url)
-    before = store.outcome_counts(demo_score.name)
-    already = run_statuses(store, demo_score.name, keys).get(RunStatus.COMPLETED, 0)
+    runs = Runs(url)
+    before = runs.outcome_counts(demo_score.name)
+    already = runs.statuses(demo_score.name, keys).get(RunStatus.COMPLETED, 0)
 
     click.echo(f"broker {maybe_sanitize_url(broker)}")
     worker = None
@@ -157,7 +158,7 @@ def demo(
             started = time.monotonic()
             for i in order:
                 demo_score.delay(*calls[i])
-            first, settled = _wait(store, demo_score.name, keys, before, len(order), started, timeout, worker)
+            first, settled = _wait(runs, demo_score.name, keys, before, len(order), started, timeout, worker)
             finished = time.monotonic()
         except KeyboardInterrupt:
             raise click.ClickException("interrupted") from None
@@ -165,7 +166,7 @@ def demo(
             if worker is not None:
                 worker.stop()
 
-    after = store.outcome_counts(demo_score.name)
+    after = runs.outcome_counts(demo_score.name)
     delta = {o.value: after.get(o.value, 0) - before.get(o.value, 0) for o in Outcome}
     wall = finished - started
     busy = finished - first if first is not None and finished > first else None
@@ -193,7 +194,7 @@ def demo(
 
 
 def _wait(
-    store: RunStore,
+    runs: Runs,
     task_name: str,
     keys: Sequence[str],
     before: dict[str, int],
@@ -208,8 +209,8 @@ def _wait(
     last_line = 0.0
     tty = sys.stdout.isatty()
     while True:
-        statuses = run_statuses(store, task_name, keys)
-        counts = store.outcome_counts(task_name)
+        statuses = runs.statuses(task_name, keys)
+        counts = runs.outcome_counts(task_name)
         done = sum(statuses.get(s, 0) for s in (RunStatus.COMPLETED, RunStatus.FAILED))
         settled = sum(counts.get(o.value, 0) - before.get(o.value, 0) for o in _SETTLED)
         now = time.monotonic()

@@ -15,10 +15,10 @@ from typing import Any, cast
 
 import click
 from kombu.utils.url import maybe_sanitize_url
-from oncelery.cli import resolve_database_url, upgrade_database
-from oncelery.errors import InvalidKey
-from oncelery.keys import Identity, differing_fields
-from oncelery.store import RunStore
+from rich.console import Console
+
+from oncelery import Identity, InvalidKey, Runs, differing_fields
+from oncelery.cli import resolve_database_url
 from oncelery.tasks.commands.article_file import Article, load_articles
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
@@ -26,12 +26,12 @@ from oncelery.tasks.commands.producer import (
     WORKER_APP,
     is_embedded,
     plan_deliveries,
+    prepare_database,
     sigterm_as_interrupt,
     start_local_worker,
 )
 from oncelery.tasks.commands.report import Summary, render, scored, summarize, take_snapshot, write_json
 from oncelery.tasks.commands.watch import Watch
-from rich.console import Console
 
 LOG_NAME = "process-worker.log"
 NON_TTY_WIDTH = 110
@@ -128,12 +128,13 @@ def process(
     calls = [(a.id, a.version, a.text, temperature) for a in articles]
     idents = [_identity(score_article, a, args) for a, args in zip(articles, calls, strict=True)]
     keys = [ident.key for ident in idents]
-    url = resolve_database_url(ctx, app)
-    click.echo(upgrade_database(url))
-    store = RunStore(url)
-    _refuse_conflicts(store, score_article.name, articles, idents)
+    url = resolve_database_url(ctx, app, embedded=True)
+    for line in prepare_database(url):
+        click.echo(line)
+    runs = Runs(url)
+    _refuse_conflicts(runs, score_article.name, articles, idents)
     order = plan_deliveries(len(articles), duplicates, seed="oncelery-process-plan")
-    before = take_snapshot(store, score_article.name, keys)
+    before = take_snapshot(runs, score_article.name, keys)
     console = Console(highlight=False, soft_wrap=True)
     if not console.is_terminal:
         console.width = max(console.width, NON_TTY_WIDTH)  # a CI log is not 80 columns wide
@@ -149,7 +150,7 @@ def process(
                 click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
             else:
                 click.echo("no local worker: the broker's workers will run the jobs (--start-worker starts one)")
-            watch = Watch(app, score_article, store, keys, calls, before.outcomes, worker, console, kill_worker_every)
+            watch = Watch(app, score_article, runs, keys, calls, before.outcomes, worker, console, kill_worker_every)
             fresh = watch.pending_keys()
             watch.start()
             for i in order:
@@ -169,7 +170,7 @@ def process(
 
     rows, missing = scored(url, [(a.id, a.version) for a in articles])
     summary = summarize(
-        store,
+        runs,
         score_article.name,
         keys,
         fresh,
@@ -200,10 +201,10 @@ def _identity(task: Any, article: Article, args: tuple[Any, ...]) -> Identity:
         raise click.ClickException(f"line {article.line}: article id {article.id!r} makes a bad key: {exc}") from exc
 
 
-def _refuse_conflicts(store: RunStore, task_name: str, articles: list[Article], idents: list[Identity]) -> None:
+def _refuse_conflicts(runs: Runs, task_name: str, articles: list[Article], idents: list[Identity]) -> None:
     """Stop before sending if an article's key was used with other arguments (G5 would refuse every delivery)."""
     for article, ident in zip(articles, idents, strict=True):
-        run = store.get(task_name, ident.key)
+        run = runs.get(task_name, ident.key)
         if run is None or run.fingerprint == ident.fingerprint:
             continue
         fields = differing_fields(run.field_digests, ident.field_digests)

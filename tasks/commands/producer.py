@@ -5,17 +5,14 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from oncelery.db import translated
-from oncelery.models import RunStatus, TaskRun
-from oncelery.settings import ENV_DATABASE_URL, data_dir
-from oncelery.store import RunStore
+from oncelery import ENV_DATABASE_URL, data_dir, upgrade_schema
+from oncelery.models.migrate import JOBS
 from oncelery.tasks.commands.local_worker import LocalWorker
-from sqlalchemy import func, select
 
 EMBEDDED_BROKER = "filesystem://"
 # The app the `process` command's worker runs, and the variable through which it passes --lease to it.
@@ -42,14 +39,9 @@ def plan_deliveries(count: int, duplicates: float, seed: str = "oncelery-demo-pl
     return [i for _, i in sorted(slots)]
 
 
-def run_statuses(store: RunStore, task_name: str, keys: Sequence[str]) -> dict[RunStatus, int]:
-    """Return how many of `keys`' runs of `task_name` are in each status (keys without a run are absent)."""
-    c = TaskRun.__table__.c
-    stmt = (
-        select(c.status, func.count()).where(c.task_name == task_name, c.idempotency_key.in_(keys)).group_by(c.status)
-    )
-    with translated(store.url), store.read_engine.connect() as conn:
-        return {status: int(n) for status, n in conn.execute(stmt)}
+def prepare_database(url: str) -> list[str]:
+    """Create or migrate the framework's tables and the demo jobs' own (their branch), saying what was done."""
+    return [upgrade_schema(url), upgrade_schema(url, JOBS)]
 
 
 def start_local_worker(

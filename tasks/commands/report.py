@@ -19,18 +19,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from oncelery.db import get_engine, translated
-from oncelery.models import ArticleScore, LLMCall, Outcome, StepResult, TaskRun
-from oncelery.store import RunStore
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import Table as SqlTable
 from sqlalchemy import func, select
 
+from oncelery import Database, Outcome, Runs
+from oncelery.models.jobs import ArticleScore, LLMCall
+
 _CALLS = cast(SqlTable, LLMCall.__table__)
-_RUNS = cast(SqlTable, TaskRun.__table__)
-_STEPS = cast(SqlTable, StepResult.__table__)
 _SCORES = cast(SqlTable, ArticleScore.__table__)
 
 
@@ -51,7 +49,7 @@ class Snapshot:
     ledger: dict[str, LedgerTotals]
 
 
-def take_snapshot(store: RunStore, task_name: str, keys: Iterable[str]) -> Snapshot:
+def take_snapshot(runs: Runs, task_name: str, keys: Iterable[str]) -> Snapshot:
     """Return the outcome counts of `task_name` and the ledger totals of each of `keys`."""
     wanted = set(keys)
     c = _CALLS.c
@@ -65,30 +63,16 @@ def take_snapshot(store: RunStore, task_name: str, keys: Iterable[str]) -> Snaps
         .where(c.task_name == task_name)
         .group_by(c.idempotency_key)
     )
-    with translated(store.url), store.read_engine.connect() as conn:
+    with runs.db.read() as conn:
         ledger = {k: LedgerTotals(int(n), int(i), int(o)) for k, n, i, o in conn.execute(stmt) if k in wanted}
-    return Snapshot(store.outcome_counts(task_name), ledger)
-
-
-def replayed_checkpoints(store: RunStore, task_name: str, keys: Iterable[str]) -> int:
-    """Return how many steps of `keys`' runs were checkpointed by an earlier attempt than the one that finished."""
-    wanted = set(keys)
-    s, r = _STEPS.c, _RUNS.c
-    stmt = (
-        select(r.idempotency_key, func.count())
-        .select_from(_STEPS.join(_RUNS, s.run_id == r.id))
-        .where(r.task_name == task_name, s.token < r.fencing_token)
-        .group_by(r.idempotency_key)
-    )
-    with translated(store.url), store.read_engine.connect() as conn:
-        return sum(int(n) for key, n in conn.execute(stmt) if key in wanted)
+    return Snapshot(runs.outcome_counts(task_name), ledger)
 
 
 def scored(url: str, articles: Iterable[tuple[str, int]]) -> tuple[int, list[tuple[str, int]]]:
     """Return (ArticleScore rows of these (id, version) pairs, the pairs that have none)."""
     wanted = set(articles)
     c = _SCORES.c
-    with translated(url), get_engine(url, read_only=True).connect() as conn:
+    with Database(url).read() as conn:
         rows = [(a, int(v)) for a, v in conn.execute(select(c.article_id, c.version)) if (a, int(v)) in wanted]
     found = set(rows)
     return len(rows), sorted(wanted - found)
@@ -142,7 +126,7 @@ class Summary:
 
 
 def summarize(
-    store: RunStore,
+    runs: Runs,
     task_name: str,
     keys: Sequence[str],
     fresh_keys: Sequence[str],
@@ -154,7 +138,7 @@ def summarize(
 
     `fresh_keys` are the articles that were not COMPLETED when the run started (their checkpoints count).
     """
-    after = take_snapshot(store, task_name, keys)
+    after = take_snapshot(runs, task_name, keys)
     delta = {o.value: after.outcomes.get(o.value, 0) - before.outcomes.get(o.value, 0) for o in Outcome}
     empty = LedgerTotals()
 
@@ -164,7 +148,7 @@ def summarize(
     def total(ledger: dict[str, LedgerTotals], name: str) -> int:
         return sum(getattr(t, name) for t in ledger.values())
 
-    checkpoints = replayed_checkpoints(store, task_name, fresh_keys)
+    checkpoints = runs.resumed_steps(task_name, fresh_keys)
     calls = total(after.ledger, "calls") - total(before.ledger, "calls")
     return Summary(
         executed=delta["executed"],

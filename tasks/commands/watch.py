@@ -17,15 +17,11 @@ from typing import Any
 
 import click
 from celery import Celery
-from oncelery.db import db_now, translated
-from oncelery.models import Outcome, RunStatus, TaskRun
-from oncelery.settings import WAIT_BACKOFF_CAP
-from oncelery.store import RunStore
-from oncelery.tasks.commands.local_worker import LocalWorker
-from oncelery.tasks.commands.producer import run_statuses
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from sqlalchemy import select
+
+from oncelery import WAIT_BACKOFF_CAP, Outcome, Runs, RunStatus
+from oncelery.tasks.commands.local_worker import LocalWorker
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +35,6 @@ SETTLE_QUIET = WAIT_BACKOFF_CAP + 1.0
 # Outcomes that end a delivery; in_progress and lease_lost re-send the message, so they do not.
 SETTLED = (Outcome.EXECUTED, Outcome.REPLAYED, Outcome.RESUMED, Outcome.CONFLICT, Outcome.STALE, Outcome.FAILED)
 SETTLED_NAMES = tuple(o.value for o in (*SETTLED, Outcome.DEAD))
-_RUNS = TaskRun.__table__
 
 
 class Watch:
@@ -49,7 +44,7 @@ class Watch:
         self,
         app: Celery,
         task: Any,
-        store: RunStore,
+        runs: Runs,
         keys: Sequence[str],
         calls: Sequence[tuple[Any, ...]],
         outcomes_before: dict[str, int],
@@ -57,7 +52,7 @@ class Watch:
         console: Console,
         kill_every: int | None,
     ) -> None:
-        self.app, self.task, self.store = app, task, store
+        self.app, self.task, self.runs = app, task, runs
         self.keys, self.calls = list(keys), list(calls)
         self.index = {k: i for i, k in enumerate(self.keys)}
         self.outcomes_before = outcomes_before
@@ -70,7 +65,7 @@ class Watch:
         self.resend_after: dict[str, float] = {}
         self.started = 0.0
         self.first_result: float | None = None
-        self.completed_before = run_statuses(store, task.name, self.keys).get(RunStatus.COMPLETED, 0)
+        self.completed_before = runs.statuses(task.name, self.keys).get(RunStatus.COMPLETED, 0)
         self.next_kill = kill_every
         self.status = ""
         self._progress: Progress | None = None
@@ -107,7 +102,7 @@ class Watch:
         marker: tuple[int, int] | None = None
         moved = time.monotonic()
         while True:
-            completed = run_statuses(self.store, self.task.name, self.keys).get(RunStatus.COMPLETED, 0)
+            completed = self.runs.statuses(self.task.name, self.keys).get(RunStatus.COMPLETED, 0)
             counts = self._outcomes()
             now = time.monotonic()
             settled = self._settled(counts)
@@ -194,25 +189,15 @@ class Watch:
             time.sleep(0.01)
 
     def _running(self) -> list[tuple[str, int]]:
-        c = _RUNS.c
-        stmt = select(c.idempotency_key, c.fencing_token).where(
-            c.task_name == self.task.name, c.status == RunStatus.RUNNING
-        )
-        with translated(self.store.url), self.store.read_engine.connect() as conn:
-            return [(k, int(t)) for k, t in conn.execute(stmt) if k in self.index]
+        running = self.runs.list(task_name=self.task.name, status=RunStatus.RUNNING, keys=self.keys, limit=None)
+        return [(run.key, run.token) for run in running]
 
     def _resend(self, quiet: float) -> None:
         """Send again every unfinished article that no live holder has claimed (each at most MAX_RESENDS times)."""
-        c = _RUNS.c
         pending = self.pending_keys()
         if not pending:
             return
-        live = (c.lease_expires_at.is_not(None)) & (c.lease_expires_at >= db_now(self.store.engine))
-        stmt = select(c.idempotency_key, c.status, live.label("live")).where(
-            c.task_name == self.task.name, c.idempotency_key.in_(pending)
-        )
-        with translated(self.store.url), self.store.read_engine.connect() as conn:
-            held = {k for k, status, is_live in conn.execute(stmt) if status is RunStatus.RUNNING and is_live}
+        held = self.runs.held(self.task.name, pending)
         now = time.monotonic()
         unheld = [k for k in pending if k not in held]
         spent = [k for k in unheld if self.resends.get(k, 0) >= MAX_RESENDS]
@@ -256,13 +241,10 @@ class Watch:
     # -- reading and showing -----------------------------------------------------------------------------
 
     def _completed_keys(self) -> set[str]:
-        c = _RUNS.c
-        stmt = select(c.idempotency_key).where(c.task_name == self.task.name, c.status == RunStatus.COMPLETED)
-        with translated(self.store.url), self.store.read_engine.connect() as conn:
-            return {k for (k,) in conn.execute(stmt) if k in self.index}
+        return self.runs.keys_in(self.task.name, RunStatus.COMPLETED, self.keys)
 
     def _outcomes(self) -> dict[str, int]:
-        counts = self.store.outcome_counts(self.task.name)
+        counts = self.runs.outcome_counts(self.task.name)
         return {o.value: counts.get(o.value, 0) - self.outcomes_before.get(o.value, 0) for o in Outcome}
 
     @staticmethod

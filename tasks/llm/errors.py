@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oncelery.errors import OnceleryError
+from oncelery import OnceleryError
 
 
 class LLMError(OnceleryError):

@@ -7,7 +7,7 @@ import random
 import time
 from typing import Final
 
-from oncelery.errors import ConfigurationError
+from oncelery import ConfigurationError
 from oncelery.tasks.llm.base import PROMPT_VERSION, LLMResult, check_task, hash_payload
 from oncelery.tasks.llm.extractive import keywords, summarize
 from oncelery.tasks.llm.quality import quality_score

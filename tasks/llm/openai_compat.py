@@ -10,7 +10,8 @@ from types import TracebackType
 from typing import Any, Final
 
 import httpx
-from oncelery.errors import ConfigurationError
+
+from oncelery import ConfigurationError
 from oncelery.tasks.llm.base import INSTRUCTIONS, PROMPT_VERSION, LLMResult, check_task, hash_payload
 from oncelery.tasks.llm.errors import LLMHTTPError, LLMMalformedReply, LLMUnavailable
 

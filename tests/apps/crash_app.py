@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
-from oncelery import ConfigurationError, IdempotentTask
-from oncelery.db import get_engine
 from sqlalchemy import insert
 
+from oncelery import ConfigurationError, IdempotentTask
+from oncelery.store import get_engine
 from tests.services import effects_table, executions_table
 
 ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"

@@ -1,7 +1,7 @@
-"""article scores and llm ledger
+"""article scores and llm ledger (the demo jobs' own branch and version table)
 
-Revision ID: 0002
-Revises: 0001
+Revision ID: j0001
+Revises:
 Create Date: 2026-11-30 05:16:49.407168
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
+revision = "j0001"
+down_revision = None
 branch_labels = None
 depends_on = None
 

@@ -1,4 +1,6 @@
-"""Lease renewal: one daemon thread per process renews every live claim every lease/3 seconds.
+"""Leases: the one rule that says whether a lease is live, and its renewal while a body runs.
+
+Renewal: one daemon thread per process renews every live claim every lease/3 seconds.
 
 One shared thread instead of a thread per job: starting and joining a thread per job cost more CPU than
 the job's two database statements. A thread (not the body's own code) renews, so a frozen process
@@ -13,12 +15,33 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import and_, not_
+from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.errors import LeaseLost
+from oncelery.models import TaskRun
 from oncelery.settings import HEARTBEATS_PER_LEASE
-from oncelery.store import Claim, RunStore
+
+if TYPE_CHECKING:
+    from oncelery.claims import Claim, RunStore
 
 logger = logging.getLogger(__name__)
+
+
+def lease_live(now: ColumnElement[Any]) -> ColumnElement[bool]:
+    """THE liveness rule: a run's lease is live while `lease_expires_at >= now` by the database clock.
+
+    Only a RUNNING run has a lease; completion and failure clear it (NULL), which is never live.
+    """
+    expires = TaskRun.__table__.c.lease_expires_at
+    return and_(expires.is_not(None), expires >= now)
+
+
+def lease_expired(now: ColumnElement[Any]) -> ColumnElement[bool]:
+    """The negation of `lease_live`: what a takeover of a RUNNING run requires."""
+    return not_(lease_live(now))
 
 
 class Heartbeat:
@@ -43,12 +66,8 @@ class Heartbeat:
     def check(self) -> None:
         """Raise LeaseLost if a renewal found the claim taken over."""
         if self.lost:
-            raise LeaseLost(
-                f"{self.claim.task_name}[{self.claim.key}]: lease lost (token {self.claim.token} was taken over)",
-                task_name=self.claim.task_name,
-                key=self.claim.key,
-                token=self.claim.token,
-            )
+            c = self.claim
+            raise LeaseLost.for_holder(c.task_name, c.key, c.token, "a renewal found the run taken over")
 
     def renew(self) -> bool:
         """Renew once; return whether to keep renewing."""

@@ -1,13 +1,14 @@
-"""Tables of the AI jobs in tasks/: the article scores they write and the LLM call cost ledger."""
+"""Tables of the demo AI jobs (oncelery.tasks): article scores and the LLM cost ledger, on their own branch."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from oncelery.models.base import Base, BigId, Json
 from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, func
 from sqlalchemy.orm import Mapped, mapped_column
+
+from oncelery.models.base import Base, BigId, Json
 
 
 class ArticleScore(Base):

@@ -1,0 +1,262 @@
+"""The claim protocol on a SQL database: each transition is one atomic, token-guarded statement.
+
+Lease timeline (all times are the database clock's, never a worker's):
+
+    claim: INSERT (token=1) or takeover UPDATE (token=t+1), owner=o, lease_expires_at = now + L
+    |<------------- L ------------->|
+    holder renews every L/3:  UPDATE ... SET lease_expires_at = now + L WHERE id AND token=t AND owner=o
+    completion:               UPDATE ... SET status=COMPLETED WHERE id AND token=t AND owner=o AND RUNNING
+
+    If the holder stops renewing (SIGKILL, SIGSTOP, GC pause, partition):
+    |<------------- L ------------->| expired: the next delivery takes over in ONE statement:
+        UPDATE ... SET token=t+1, owner=o2 WHERE key AND fingerprint AND
+                  (status=FAILED OR (status=RUNNING AND lease_expires_at < now))
+    The old holder (a zombie) wakes: every write it makes says `token=t AND owner=o` -> 0 rows ->
+    LeaseLost, and its transaction (result, effects, step) rolls back.
+
+`owner` is a random id per claim: with the token it stays unique even if a database crash loses a claim
+row and a counter is handed out again.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from oncelery.errors import LeaseLost, ResultNotJSON, StoreError
+from oncelery.keys import Identity
+from oncelery.models import Outcome, RunStatus
+from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
+from oncelery.runs import Runs, RunView
+from oncelery.statements import Statements, statements
+from oncelery.store import Database, rowcount, translated
+
+# A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
+_MAX_CLAIM_ROUNDS = 8
+
+
+class Decision(Enum):
+    """What a claim attempt found."""
+
+    CLAIMED = "claimed"  # this caller holds the run and must execute it
+    COMPLETED = "completed"  # finished before: answer with the stored result
+    IN_PROGRESS = "in_progress"  # a live holder runs this key
+    ENTITY_BUSY = "entity_busy"  # another key of the same concurrency_key is RUNNING
+    CONFLICT = "conflict"  # same key, different payload fingerprint
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A held claim: the run row, its fencing token and owner id, and the lease length."""
+
+    run_id: int
+    task_name: str
+    key: str
+    token: int
+    owner: str
+    lease: float
+    attempts: int
+    takeover: bool
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """The outcome of `RunStore.claim`: a decision plus the claim (if CLAIMED) or the row seen."""
+
+    decision: Decision
+    claim: Claim | None = None
+    run: RunView | None = None
+
+
+def encode_result(value: Any, what: str) -> Any:
+    """Return `value` round-tripped through strict JSON, raising ResultNotJSON with the fix if it can't."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ResultNotJSON(
+            f"{what} is not JSON-serializable ({exc}); return JSON types (dict, list, str, int, float, "
+            f"bool, None) — convert objects with .model_dump()/dataclasses.asdict() first",
+            what=what,
+        ) from exc
+
+
+class RunStore:
+    """Claims, leases, fencing and completion of runs in one SQL database (PostgreSQL or SQLite).
+
+    Round trips per executed job on PostgreSQL: the claim is one autocommit statement on a connection
+    with `synchronous_commit = off` (a claim need not be durable: a lost claim only makes its holder's
+    fenced completion fail, and the random owner id keeps tokens unique), and the completion plus its
+    outcome counter is one durable autocommit statement (or joins the effects transaction).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.db = Database(url)
+        self.runs = Runs(url)
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine for the store's database."""
+        return self.db.engine
+
+    @property
+    def read_engine(self) -> Engine:
+        """This process's engine for reads (never takes SQLite's writer lock)."""
+        return self.db.read_engine
+
+    @property
+    def dialect(self) -> str:
+        """The database's dialect name: "postgresql" or "sqlite"."""
+        return self.db.dialect.name
+
+    @property
+    def sql(self) -> Statements:
+        """The prebuilt statements of this store's dialect."""
+        return statements(self.dialect)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A transaction on the store's database; driver errors become typed store errors."""
+        with self.db.begin() as conn:
+            yield conn
+
+    def fence_params(self, claim: Claim) -> dict[str, Any]:
+        """The parameters of the fence every holder write carries (run id, token, owner)."""
+        return {"p_run_id": claim.run_id, "p_token": claim.token, "p_owner": claim.owner}
+
+    def lease_params(self, seconds: float) -> dict[str, Any]:
+        """The parameter that sets a lease of `seconds` from the database clock's now."""
+        return {"p_lease": self.db.dialect.lease_param(seconds)}
+
+    # -- claim -------------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        task_name: str,
+        ident: Identity,
+        lease: float,
+        concurrency_key: str | None = None,
+        celery_task_id: str | None = None,
+        message: Any = None,
+    ) -> ClaimResult:
+        """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it."""
+        for _ in range(_MAX_CLAIM_ROUNDS):
+            owner = uuid.uuid4().hex
+            params = {
+                "p_task": task_name,
+                "p_key": ident.key,
+                "p_fingerprint": ident.fingerprint,
+                "p_digests": ident.field_digests,
+                "p_owner": owner,
+                "p_entity": concurrency_key,
+                "p_task_id": celery_task_id,
+                "p_message": message,
+                **self.lease_params(lease),
+            }
+            try:
+                row, _ = self.db.one(self.sql.insert_claim, params, durable=False)
+                if row is not None:
+                    return ClaimResult(
+                        Decision.CLAIMED, claim=Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False)
+                    )
+                # The key exists. Read it first: a duplicate of a finished or live run (the common case)
+                # is then decided by this one read, and only a FAILED or expired run needs a takeover.
+                run = self.get(task_name, ident.key)
+                if run is None:
+                    continue  # purged between our statements: try the insert again
+                if run.fingerprint != ident.fingerprint:
+                    return ClaimResult(Decision.CONFLICT, run=run)
+                if run.status is RunStatus.COMPLETED:
+                    return ClaimResult(Decision.COMPLETED, run=run)
+                if run.status is RunStatus.RUNNING and run.lease_live:
+                    return ClaimResult(Decision.IN_PROGRESS, run=run)
+                row, _ = self.db.one(self.sql.takeover, params, durable=False)
+            except IntegrityError:
+                # The partial unique index refused a second RUNNING run for this entity.
+                return ClaimResult(Decision.ENTITY_BUSY)
+            if row is not None:
+                claim = Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, True)
+                return ClaimResult(Decision.CLAIMED, claim=claim)
+            # Another claimant took it between our read and our takeover: look again.
+        raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
+
+    # -- holder's writes (all fenced) ----------------------------------------------------------------
+
+    def heartbeat(self, claim: Claim) -> bool:
+        """Extend the lease by `claim.lease` from now (database clock) iff the claim is still ours."""
+        params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
+        return self.db.one(self.sql.heartbeat, params, durable=False)[1] == 1
+
+    def complete_txn(
+        self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED
+    ) -> None:
+        """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write)."""
+        params = {**self.fence_params(claim), "p_result": result, **outcome_params(claim.task_name, outcome)}
+        sql = self.sql
+        if sql.complete_and_count is not None:
+            if conn.execute(sql.complete_and_count, params).first() is None:
+                raise lease_lost(claim)
+            return
+        if rowcount(conn.execute(sql.complete, params)) != 1:
+            raise lease_lost(claim)
+        conn.execute(sql.count_outcome, params)
+
+    def complete(
+        self, claim: Claim, result: Any, session: Session | None = None, outcome: Outcome = Outcome.EXECUTED
+    ) -> None:
+        """Commit the run's completion (and `session`'s pending effects) atomically, fenced by the token."""
+        if session is None:
+            sql = self.sql
+            if sql.complete_and_count is not None:
+                # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
+                params = {**self.fence_params(claim), "p_result": result, **outcome_params(claim.task_name, outcome)}
+                if self.db.one(sql.complete_and_count, params)[0] is None:
+                    raise lease_lost(claim)
+                return
+            with self.db.begin() as conn:
+                self.complete_txn(conn, claim, result, outcome)
+            return
+        with translated(self.url):
+            try:
+                self.complete_txn(session, claim, result, outcome)
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+    def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED) -> bool:
+        """Record the run FAILED with `error` iff the claim is still ours; return whether it was."""
+        params = {**self.fence_params(claim), "p_error": error[:10_000]}
+        with self.db.begin() as conn:
+            ok = rowcount(conn.execute(self.sql.fail, params)) == 1
+            record_outcome_txn(conn, self.dialect, claim.task_name, outcome if ok else Outcome.LEASE_LOST)
+        return ok
+
+    # -- reads and counters --------------------------------------------------------------------------
+
+    def get(self, task_name: str, key: str) -> RunView | None:
+        """Return the run for (task, key), with whether its lease is live by the database clock."""
+        return self.runs.get(task_name, key)
+
+    def record_outcome(self, task_name: str, outcome: Outcome) -> None:
+        """Count one delivery outcome in its own (durable) transaction."""
+        record_outcome(self.db, task_name, outcome)
+
+    def outcome_counts(self, task_name: str | None = None) -> dict[str, int]:
+        """Return {outcome: count} summed over all tasks, or for one task."""
+        return outcome_counts(self.db, task_name)
+
+
+def lease_lost(claim: Claim, what: str = "this holder's writes were rolled back") -> LeaseLost:
+    """The LeaseLost of `claim`'s holder (the one factory every fenced write uses)."""
+    return LeaseLost.for_holder(claim.task_name, claim.key, claim.token, what)

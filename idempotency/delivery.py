@@ -1,0 +1,228 @@
+"""One delivery of one message, as a decision table: what the claim found decides what happens.
+
+| claim decision          | what the delivery does                                     | outcome recorded       |
+|-------------------------|------------------------------------------------------------|------------------------|
+| CLAIMED                 | run the body, complete fenced (or record the failure)      | executed/resumed/failed|
+| COMPLETED               | return the stored result; the body is not called           | replayed               |
+| CONFLICT                | raise IdempotencyConflict (never retried)                  | conflict               |
+| IN_PROGRESS/ENTITY_BUSY | on_in_progress: re-send with backoff, skip, or raise       | in_progress            |
+| store unavailable       | re-send the message (never acked as a failure)             | (none: not settled)    |
+| lease lost on finishing | roll back, re-send: the next delivery replays the taker's  | lease_lost             |
+
+The task (Celery glue) supplies how to re-send; this module decides when.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Retry
+
+from oncelery.claims import Claim, ClaimResult, Decision, RunStore, encode_result
+from oncelery.effects import EffectsScope
+from oncelery.errors import IdempotencyConflict, InProgress, LeaseLost, SchemaMissing, StoreError
+from oncelery.keys import Identity, differing_fields
+from oncelery.leases import Heartbeat
+from oncelery.models import Outcome
+from oncelery.settings import DIRECT_WAIT_TIMEOUT
+from oncelery.steps import StepRunner, load_checkpoints
+
+if TYPE_CHECKING:
+    from oncelery.task import IdempotentTask
+
+logger = logging.getLogger(__name__)
+
+# Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
+MAX_ERROR_CHARS = 10_000
+
+
+@dataclass
+class RunContext:
+    """The live claim of the run executing on this thread: heartbeat, step runner, effects scope."""
+
+    claim: Claim
+    heartbeat: Heartbeat
+    steps: StepRunner
+    effects: EffectsScope
+
+
+def clean_error(text: str) -> str:
+    """Return error text that every database can store: no NUL characters, at most MAX_ERROR_CHARS."""
+    text = text.replace("\x00", "\\x00")
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 20] + "\n...[truncated]"
+    return text
+
+
+class Delivery:
+    """One delivery of `task` for `ident`: claims, then executes, replays, waits or refuses (one outcome)."""
+
+    def __init__(
+        self,
+        task: IdempotentTask,
+        ident: Identity,
+        entity: str | None,
+        message: Any,
+        direct: bool,
+        send_again: Callable[[BaseException | None], Any],
+    ) -> None:
+        self.task = task
+        self.store: RunStore = task.store
+        self.ident = ident
+        self.entity = entity
+        self.message = message
+        self.direct = direct
+        self.send_again = send_again
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Deliver once: loop only while a direct (no broker) caller waits for another holder."""
+        deadline = time.monotonic() + DIRECT_WAIT_TIMEOUT
+        waited = 0
+        while True:
+            try:
+                res = self.store.claim(
+                    self.task.name, self.ident, float(self.task.lease), self.entity, self.task.request.id, self.message
+                )
+                answer = self._decide(res, args, kwargs, deadline)
+            except StoreError as exc:
+                # Claiming, or counting the outcome, failed: nothing was decided, so the job is sent again.
+                return self._store_failed(exc, "delivering")
+            if answer is not _WAIT:
+                return answer
+            # A direct caller has no broker to re-deliver it: poll the database clock's verdict.
+            time.sleep(_direct_backoff(waited))
+            waited += 1
+
+    def _decide(self, res: ClaimResult, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float) -> Any:
+        """The table: one branch per claim decision."""
+        if res.decision is Decision.CLAIMED and res.claim is not None:
+            return self._execute(res.claim, args, kwargs)
+        if res.decision is Decision.COMPLETED and res.run is not None:
+            return self._replay(res)
+        if res.decision is Decision.CONFLICT:
+            self._count(Outcome.CONFLICT)
+            raise self._conflict(res)
+        return self._busy(res, deadline)
+
+    # -- the decisions ---------------------------------------------------------------------------
+
+    def _replay(self, res: ClaimResult) -> Any:
+        self._count(Outcome.REPLAYED)
+        logger.info("replayed %s[%s] from its stored result", self.task.name, self.ident.key)
+        return res.run.result if res.run is not None else None
+
+    def _conflict(self, res: ClaimResult) -> IdempotencyConflict:
+        stored = res.run.field_digests if res.run is not None else {}
+        fields = differing_fields(stored, self.ident.field_digests)
+        return IdempotencyConflict(
+            f"{self.task.name}: idempotency key {self.ident.key!r} was first used with a different payload "
+            f"(fields that differ: {', '.join(fields) or 'unknown'}); the first result stands. "
+            f"Use a new key (e.g. bump the version in it) for a new payload.",
+            task_name=self.task.name,
+            key=self.ident.key,
+            fields=fields,
+        )
+
+    def _busy(self, res: ClaimResult, deadline: float) -> Any:
+        """Someone else holds the key (or the entity) right now: apply the on_in_progress policy."""
+        policy = self.task.on_in_progress
+        if policy == "skip":
+            self._count(Outcome.IN_PROGRESS)
+            return None
+        if policy == "raise":
+            self._count(Outcome.IN_PROGRESS)
+            busy = " (entity " + str(self.entity) + " busy)" if res.decision is Decision.ENTITY_BUSY else ""
+            raise InProgress(
+                f"{self.task.name}[{self.ident.key}] is being run by another worker{busy}",
+                task_name=self.task.name,
+                key=self.ident.key,
+            )
+        if not self.direct:
+            self._count(Outcome.IN_PROGRESS)
+            return self.send_again(None)
+        if time.monotonic() > deadline:
+            raise InProgress(
+                f"{self.task.name}[{self.ident.key}] still held after {DIRECT_WAIT_TIMEOUT}s", key=self.ident.key
+            )
+        return _WAIT
+
+    def _execute(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        task, store = self.task, self.store
+        logger.info("claimed %s[%s] token=%d attempt=%d", task.name, claim.key, claim.token, claim.attempts)
+        try:
+            # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
+            checkpoints = load_checkpoints(store, claim.run_id) if claim.takeover else []
+        except StoreError as exc:
+            return self._store_failed(exc, "loading the checkpoints of")
+        hb = Heartbeat(store, claim).start()
+        ctx = RunContext(claim, hb, StepRunner(store, claim, checkpoints), EffectsScope(store))
+        task.attach(ctx)
+        try:
+            try:
+                result = task.run(*args, **kwargs)
+                hb.check()
+                encoded = encode_result(result, f"The result of {task.name}[{claim.key}]")
+                outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
+                store.complete(claim, encoded, ctx.effects.session, outcome)
+            finally:
+                # Stopped only after the commit: on SQLite a renewal may wait for the effects
+                # transaction's write lock, which the commit releases (joining first would deadlock).
+                hb.stop()
+        except LeaseLost:
+            ctx.effects.discard()
+            self._count(Outcome.LEASE_LOST)
+            logger.warning("lease lost for %s[%s] token=%d: writes rolled back", task.name, claim.key, claim.token)
+            if self.direct:
+                raise
+            # The next delivery replays the new holder's result, or runs the job if the claim itself was lost
+            # (e.g. a database crash): never a silent drop.
+            return self.send_again(None)
+        except StoreError as exc:
+            ctx.effects.discard()
+            # Nothing committed; the run stays RUNNING until its lease expires, then a re-delivery takes it.
+            return self._store_failed(exc, "finishing")
+        except Retry:
+            ctx.effects.discard()
+            self._record_failure(claim, "retry requested: " + traceback.format_exc(limit=5))
+            raise
+        except BaseException as exc:
+            ctx.effects.discard()
+            self._record_failure(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
+            raise
+        finally:
+            task.detach(ctx)
+        return encoded
+
+    def _store_failed(self, exc: StoreError, doing: str) -> Any:
+        """A store fault: re-send the message (never ack it as a failure); a direct caller gets the error."""
+        if self.direct:
+            raise exc
+        log = logger.error if isinstance(exc, SchemaMissing) else logger.warning
+        log("claims database failed %s %s[%s]: %s; sending the job again", doing, self.task.name, self.ident.key, exc)
+        return self.send_again(exc)
+
+    def _record_failure(self, claim: Claim, error: str) -> None:
+        # The body's exception is what Celery must see; a database error recording it must not mask it.
+        # If the record is lost, the run stays RUNNING until its lease expires and is then taken over.
+        try:
+            self.store.fail(claim, clean_error(error))
+        except StoreError as exc:
+            logger.error("could not record failure of %s[%s]: %s", self.task.name, claim.key, exc)
+
+    def _count(self, outcome: Outcome) -> None:
+        # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
+        self.store.record_outcome(self.task.name, outcome)
+
+
+_WAIT = object()  # _busy's answer when a direct caller should poll again
+
+
+def _direct_backoff(waits: int) -> float:
+    from oncelery.task import wait_backoff
+
+    return wait_backoff(waits, base=0.02, cap=0.5)

@@ -1,0 +1,178 @@
+"""PostgreSQL and SQLite differences, in one place: engines, the database clock, leases, upserts.
+
+Everything else in Oncelery asks the `Dialect` of its database instead of branching on a name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+from sqlalchemy import Float, String, bindparam, create_engine, event, func
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.sql.elements import ColumnElement
+
+from oncelery.errors import ConfigurationError
+from oncelery.settings import SQLITE_BUSY_TIMEOUT_MS
+
+# Engine modes: the default (transactions), "read" (never takes SQLite's writer lock), and "fast"
+# (autocommit claims and renewals that need not wait for a WAL flush on PostgreSQL).
+MODE_DEFAULT = ""
+MODE_READ = "read"
+MODE_FAST = "fast"
+MODE_AUTOCOMMIT = "autocommit"  # durable single statements
+
+
+class Dialect:
+    """What differs between the databases Oncelery runs on; one subclass per dialect."""
+
+    name = ""
+    #: Single statements run in autocommit mode (no BEGIN/COMMIT round trips).
+    autocommit_statements = False
+    #: A data-modifying CTE can do the completion and its outcome counter in one statement.
+    dml_in_cte = False
+
+    def create_engine(self, url: str, mode: str) -> Engine:
+        """Return a new engine for `url` in `mode`."""
+        raise NotImplementedError
+
+    def now(self) -> ColumnElement[Any]:
+        """The database clock's current time (leases never use a worker's clock)."""
+        raise NotImplementedError
+
+    def lease_until(self) -> ColumnElement[Any]:
+        """The database clock plus the bound parameter `p_lease` (see `lease_param`)."""
+        raise NotImplementedError
+
+    def lease_param(self, seconds: float) -> Any:
+        """The value of `p_lease` for a lease of `seconds`."""
+        raise NotImplementedError
+
+    def past(self, seconds: float) -> str:
+        """SQL text for the database clock `seconds` ago (tests and tools that expire a lease)."""
+        raise NotImplementedError
+
+    @property
+    def insert(self) -> Callable[..., Any]:
+        """The dialect's INSERT construct (with ON CONFLICT support)."""
+        raise NotImplementedError
+
+    #: Modes that get an engine (and pool) of their own; the others share the default engine.
+    own_engine_modes: frozenset[str] = frozenset({MODE_DEFAULT})
+
+
+class PostgreSQL(Dialect):
+    """PostgreSQL through psycopg 3."""
+
+    name = "postgresql"
+    autocommit_statements = True
+    dml_in_cte = True
+
+    def create_engine(self, url: str, mode: str) -> Engine:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'oncelery[postgres]'") from exc
+        # No pre-ping: it costs a round trip per checkout. A connection found dead raises a disconnect
+        # error (StoreUnavailable: the job is re-sent) and SQLAlchemy then invalidates the whole pool.
+        if mode == MODE_FAST:
+            # Claims and lease renewals need not survive a database crash (a lost claim only fails its
+            # holder's fenced completion; the random owner keeps tokens unique). Not waiting for the WAL
+            # flush keeps a claim to one cheap round trip. connect_args replace the URL's own `options`
+            # (e.g. a search_path): keep them.
+            options = " ".join(
+                filter(None, [str(make_url(url).query.get("options") or ""), "-c synchronous_commit=off"])
+            )
+            return create_engine(
+                url,
+                isolation_level="AUTOCOMMIT",
+                pool_size=5,
+                max_overflow=10,
+                connect_args={"options": options},
+            )
+        return create_engine(url, pool_size=5, max_overflow=10)
+
+    def now(self) -> ColumnElement[Any]:
+        # clock_timestamp(), not now(): now() is frozen at the start of a (possibly long) transaction.
+        return func.clock_timestamp()
+
+    def lease_until(self) -> ColumnElement[Any]:
+        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam("p_lease", type_=Float))
+
+    def lease_param(self, seconds: float) -> Any:
+        return float(seconds)
+
+    def past(self, seconds: float) -> str:
+        return f"clock_timestamp() - interval '{float(seconds)} seconds'"
+
+    @property
+    def insert(self) -> Callable[..., Any]:
+        return postgresql.insert
+
+    own_engine_modes = frozenset({MODE_DEFAULT, MODE_FAST})
+
+
+# Millisecond text in the layout SQLAlchemy stores DateTime in on SQLite, so comparisons hold.
+SQLITE_TIME_FORMAT = "%Y-%m-%d %H:%M:%f"
+
+
+class SQLite(Dialect):
+    """SQLite in WAL mode: one writer at a time, readers alongside it."""
+
+    name = "sqlite"
+
+    def create_engine(self, url: str, mode: str) -> Engine:
+        read_only = mode == MODE_READ
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            # Take over transaction control from pysqlite, whose implicit BEGIN is DEFERRED: a deferred
+            # transaction that reads then writes fails at once with "database is locked" instead of waiting.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            # IMMEDIATE takes the write lock up front, so lock waits honour busy_timeout; readers need none.
+            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+        return engine
+
+    def now(self) -> ColumnElement[Any]:
+        return func.strftime(SQLITE_TIME_FORMAT, "now")
+
+    def lease_until(self) -> ColumnElement[Any]:
+        return func.strftime(SQLITE_TIME_FORMAT, "now", bindparam("p_lease", type_=String))
+
+    def lease_param(self, seconds: float) -> Any:
+        return f"{seconds:+.3f} seconds"
+
+    def past(self, seconds: float) -> str:
+        return f"strftime('{SQLITE_TIME_FORMAT}', 'now', '-{float(seconds)} seconds')"
+
+    @property
+    def insert(self) -> Callable[..., Any]:
+        return sqlite.insert
+
+    own_engine_modes = frozenset({MODE_DEFAULT, MODE_READ})
+
+
+@cache
+def dialect(name: str) -> Dialect:
+    """Return the `Dialect` called `name` ("postgresql" or "sqlite"), or raise ConfigurationError."""
+    for cls in (PostgreSQL, SQLite):
+        if cls.name == name:
+            return cls()
+    raise ConfigurationError(f"Unsupported database dialect {name!r}: use PostgreSQL or SQLite")
+
+
+def dialect_of(url: str) -> Dialect:
+    """Return the `Dialect` of a database URL."""
+    return dialect(make_url(url).get_backend_name())

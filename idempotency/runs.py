@@ -1,0 +1,189 @@
+"""The read side: runs, their checkpointed steps and outcome counts, for commands, tools and tests.
+
+Reads never write and never create a database file; liveness is judged by `leases.lease_live`, the one rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import Select, Table, func, select
+
+from oncelery.leases import lease_live
+from oncelery.models import RunStatus, StepResult
+from oncelery.outcomes import outcome_counts
+from oncelery.statements import RUNS
+from oncelery.store import Database
+
+_STEPS = cast(Table, StepResult.__table__)
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A read-only snapshot of one run (a task_runs row), with whether its lease is live right now."""
+
+    run_id: int
+    task_name: str
+    key: str
+    status: RunStatus
+    fingerprint: str
+    field_digests: dict[str, str]
+    token: int
+    owner: str | None
+    attempts: int
+    result: Any
+    error: str | None
+    lease_live: bool
+    lease_expires_at: datetime | None = None
+    concurrency_key: str | None = None
+    celery_task_id: str | None = None
+    message: Any = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class StepView:
+    """A checkpointed step of a run: position, name, the fencing token that saved it, and when."""
+
+    position: int
+    name: str
+    token: int
+    created_at: datetime | None
+
+
+def _runs_query(db: Database) -> Select[Any]:
+    return select(RUNS, lease_live(db.dialect.now()).label("lease_live"))
+
+
+def _view(row: Any) -> RunView:
+    return RunView(
+        run_id=row.id,
+        task_name=row.task_name,
+        key=row.idempotency_key,
+        status=row.status,
+        fingerprint=row.fingerprint,
+        field_digests=row.field_digests,
+        token=row.fencing_token,
+        owner=row.owner,
+        attempts=row.attempts,
+        result=row.result,
+        error=row.error,
+        lease_live=bool(row.lease_live),
+        lease_expires_at=row.lease_expires_at,
+        concurrency_key=row.concurrency_key,
+        celery_task_id=row.celery_task_id,
+        message=row.message,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        finished_at=row.finished_at,
+    )
+
+
+class Runs:
+    """Reads runs, steps and outcome counts from one claims database; never writes."""
+
+    def __init__(self, url: str) -> None:
+        self.db = Database(url)
+
+    @property
+    def url(self) -> str:
+        """The database URL read from."""
+        return self.db.url
+
+    def get(self, task_name: str, key: str) -> RunView | None:
+        """Return the run of (task, key), or None."""
+        c = RUNS.c
+        stmt = _runs_query(self.db).where(c.task_name == task_name, c.idempotency_key == key)
+        with self.db.read() as conn:
+            row = conn.execute(stmt).first()
+        return None if row is None else _view(row)
+
+    def find(self, key: str, task_name: str | None = None) -> list[RunView]:
+        """Return every run with `key` (of one task, if given), ordered by task name."""
+        c = RUNS.c
+        stmt = _runs_query(self.db).where(c.idempotency_key == key).order_by(c.task_name)
+        if task_name is not None:
+            stmt = stmt.where(c.task_name == task_name)
+        with self.db.read() as conn:
+            return [_view(row) for row in conn.execute(stmt)]
+
+    def list(
+        self,
+        *,
+        task_name: str | None = None,
+        status: RunStatus | None = None,
+        keys: Collection[str] | None = None,
+        limit: int | None = 50,
+    ) -> list[RunView]:
+        """Return runs, most recently updated first, filtered by task, status and keys."""
+        c = RUNS.c
+        stmt = _runs_query(self.db).order_by(c.updated_at.desc(), c.id.desc())
+        if task_name is not None:
+            stmt = stmt.where(c.task_name == task_name)
+        if status is not None:
+            stmt = stmt.where(c.status == status)
+        if keys is not None:
+            stmt = stmt.where(c.idempotency_key.in_(list(keys)))
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self.db.read() as conn:
+            return [_view(row) for row in conn.execute(stmt)]
+
+    def statuses(self, task_name: str, keys: Collection[str]) -> dict[RunStatus, int]:
+        """Return how many of `keys`' runs are in each status (keys without a run are not counted)."""
+        c = RUNS.c
+        stmt = (
+            select(c.status, func.count())
+            .where(c.task_name == task_name, c.idempotency_key.in_(list(keys)))
+            .group_by(c.status)
+        )
+        with self.db.read() as conn:
+            return {status: int(n) for status, n in conn.execute(stmt)}
+
+    def keys_in(self, task_name: str, status: RunStatus, keys: Collection[str]) -> set[str]:
+        """Return the keys among `keys` whose run is in `status`."""
+        c = RUNS.c
+        stmt = select(c.idempotency_key).where(
+            c.task_name == task_name, c.status == status, c.idempotency_key.in_(list(keys))
+        )
+        with self.db.read() as conn:
+            return {key for (key,) in conn.execute(stmt)}
+
+    def held(self, task_name: str, keys: Collection[str]) -> set[str]:
+        """Return the keys among `keys` whose run is RUNNING under a live lease (a holder is on it)."""
+        c = RUNS.c
+        stmt = select(c.idempotency_key).where(
+            c.task_name == task_name,
+            c.idempotency_key.in_(list(keys)),
+            c.status == RunStatus.RUNNING,
+            lease_live(self.db.dialect.now()),
+        )
+        with self.db.read() as conn:
+            return {key for (key,) in conn.execute(stmt)}
+
+    def steps(self, run_id: int) -> list[StepView]:
+        """Return the run's checkpointed steps in position order."""
+        s = _STEPS.c
+        stmt = select(s.position, s.step_name, s.token, s.created_at).where(s.run_id == run_id).order_by(s.position)
+        with self.db.read() as conn:
+            return [StepView(int(p), n, int(t), at) for p, n, t, at in conn.execute(stmt)]
+
+    def resumed_steps(self, task_name: str, keys: Collection[str]) -> int:
+        """Return how many steps of `keys`' runs were checkpointed by an earlier holder than the current one."""
+        s, r = _STEPS.c, RUNS.c
+        stmt = (
+            select(func.count())
+            .select_from(_STEPS.join(RUNS, s.run_id == r.id))
+            .where(r.task_name == task_name, r.idempotency_key.in_(list(keys)), s.token < r.fencing_token)
+        )
+        with self.db.read() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    def outcome_counts(self, task_name: str | None = None) -> dict[str, int]:
+        """Return exact {outcome: count} over every delivery (of one task, if given)."""
+        return outcome_counts(self.db, task_name)
