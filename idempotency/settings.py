@@ -46,7 +46,6 @@ CELERY_DELIVERY_DEFAULTS: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,
     "worker_prefetch_multiplier": 1,
-    "task_acks_on_failure_or_timeout": True,
     "task_serializer": "json",
     "result_serializer": "json",
     "accept_content": ["json"],

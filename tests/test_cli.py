@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -115,16 +117,41 @@ def test_the_environment_variable_chooses_the_database(tmp_path: Path) -> None:
     "command", [["runs", "list"], ["runs", "show", "k"], ["outcomes"]], ids=["list", "show", "outcomes"]
 )
 def test_reads_without_tables_say_to_run_db_upgrade(tmp_path: Path, command: list[str]) -> None:
+    sqlite3.connect(tmp_path / "empty.db").close()  # a database without Oncelery's tables
     done = oncelery("--database-url", sqlite_url(tmp_path / "empty.db"), *command, cwd=tmp_path)
     assert done.code != 0
     assert "oncelery db upgrade" in done.err
     assert "Traceback" not in done.err
 
 
-def test_an_unreachable_database_is_one_line_not_a_traceback(tmp_path: Path) -> None:
-    done = oncelery("--database-url", sqlite_url(tmp_path / "no" / "such" / "dir.db"), "runs", "list", cwd=tmp_path)
+@pytest.mark.parametrize(
+    "command", [["runs", "list"], ["runs", "show", "k"], ["outcomes"]], ids=["list", "show", "outcomes"]
+)
+def test_reads_never_create_a_database_file(tmp_path: Path, command: list[str]) -> None:
+    """A read against a SQLite file that does not exist fails with the fix, and leaves no file behind."""
+    done = oncelery("--database-url", sqlite_url(tmp_path / "absent.db"), *command, cwd=tmp_path)
     assert done.code != 0
-    assert "Cannot reach the claims database" in done.err
+    assert "No database at" in done.err and "oncelery db upgrade" in done.err
+    assert not (tmp_path / "absent.db").exists()
+
+
+def test_no_database_configured_is_one_line_and_creates_nothing(tmp_path: Path) -> None:
+    """Without --database-url, app config or ONCELERY_DATABASE_URL (and no demo file), commands say what to set."""
+    for command in (["runs", "list"], ["outcomes"], ["db", "upgrade"]):
+        done = oncelery(*command, cwd=tmp_path)
+        assert done.code != 0, command
+        assert "No claims database configured" in done.err and "ONCELERY_DATABASE_URL" in done.err
+        assert "Traceback" not in done.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_database_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once the socket closes
+    done = oncelery("--database-url", f"postgresql://postgres@127.0.0.1:{port}/x", "runs", "list", cwd=tmp_path)
+    assert done.code != 0
+    assert "Cannot use the claims database" in done.err
     assert "Traceback" not in done.err
 
 

@@ -1,0 +1,395 @@
+"""The built wheel: one `oncelery` import package, installed into a fresh virtualenv, under a user's own project.
+
+The repository's folders `idempotency/`, `models/` and `tasks/` (and the top-level `celeryconfig.py`) become
+`oncelery`, `oncelery.models`, `oncelery.tasks` (and `oncelery.celeryconfig`) in the wheel. Nothing else is
+installed, so a user project with its own `models.py`, `tasks.py` and `celeryconfig.py` imports its own files,
+and its worker runs an `IdempotentTask` from the installed wheel on a real Redis broker.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from tests import services
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUILD_TIMEOUT = 180.0
+COMMAND_TIMEOUT = 60.0
+MARKER_TIMEOUT = 45.0
+STOP_TIMEOUT = 30.0
+OUTER_PTH = "zz_outer_dependencies.pth"
+# pyproject's package-dir: each repository folder's files and where the wheel must have them.
+PACKAGE_DIRS = {"idempotency": "oncelery", "models": "oncelery/models", "tasks": "oncelery/tasks"}
+PACKAGED_SUFFIXES = {".py", ".mako", ".typed"}
+# The repository's folders and the module that the wheel maps into `oncelery`: none may be installed top-level.
+REPO_TOP_LEVEL = ("models", "tasks", "idempotency", "celeryconfig")
+# Left out of the copy the wheel is built from: VCS, virtualenvs, caches and earlier build output (a stale
+# build/lib would put deleted modules into the wheel).
+_NOT_SOURCE = {".git", ".venv", "build", "dist", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".oncelery"}
+
+
+@dataclass(frozen=True)
+class Built:
+    """The wheel, and the copy of the repository it was built from."""
+
+    wheel: Path
+    source: Path
+
+
+@dataclass(frozen=True)
+class Venv:
+    """A fresh virtualenv with the wheel installed, and the outer virtualenv's packages as its dependencies."""
+
+    root: Path
+    python: Path
+    site_packages: Path
+    env: dict[str, str] = field(repr=False)
+
+    def script(self, name: str) -> Path:
+        """Return the path of a console script installed into this virtualenv."""
+        return self.root / "bin" / name
+
+
+@dataclass(frozen=True)
+class Done:
+    """A finished command: exit code and output."""
+
+    code: int
+    out: str
+    err: str
+
+
+def _ignore_non_source(src: Path) -> Callable[[str, list[str]], Iterable[str]]:
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skipped = {n for n in names if n == "__pycache__" or n.endswith((".pyc", ".egg-info"))}
+        if Path(directory) == src:
+            skipped |= {n for n in names if n in _NOT_SOURCE or n.startswith("oncelery.db")}
+        return skipped
+
+    return ignore
+
+
+def run(argv: list[str | Path], cwd: Path, env: Mapping[str, str], timeout: float = COMMAND_TIMEOUT) -> Done:
+    """Run `argv` to completion in its own session (stopped and failed on timeout)."""
+    code, out, err = services.run_to_completion([str(a) for a in argv], cwd, dict(env), timeout, lambda _out: None)
+    return Done(code, out, err)
+
+
+def venv_env(root: Path, **extra: str) -> dict[str, str]:
+    """This environment as if `root` were activated: no Python path overrides, no ONCELERY_/CELERY_ settings."""
+    dropped = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV", "__PYVENV_LAUNCHER__")
+    env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith(("ONCELERY_", "CELERY_"))}
+    env["VIRTUAL_ENV"] = str(root)
+    env["PATH"] = os.pathsep.join([str(root / "bin"), env.get("PATH", "")])
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """The project's wheel, built once from a copy of the repository with this virtualenv's setuptools."""
+    src = tmp_path_factory.mktemp("source") / "oncelery"
+    # A copy, so the build writes no build/ or *.egg-info into the work tree and sees one state of a tree that
+    # may be edited meanwhile (symlinks are kept as links).
+    shutil.copytree(REPO_ROOT, src, symlinks=True, ignore=_ignore_non_source(REPO_ROOT))
+    out = tmp_path_factory.mktemp("wheelhouse")
+    argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check"]
+    done = run([*argv, "-w", out, src], cwd=out, env=os.environ, timeout=BUILD_TIMEOUT)
+    assert done.code == 0, (
+        f"building the wheel failed with setuptools {metadata.version('setuptools')} "
+        f"(this virtualenv's build backend):\n{done.out[-3000:]}\n{done.err[-5000:]}"
+    )
+    wheels = sorted(out.glob("oncelery-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel in {out}: {wheels}"
+    return Built(wheels[0], src)
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """A new virtualenv (no pip) with the wheel installed; its dependencies come from this virtualenv by a .pth."""
+    root = tmp_path_factory.mktemp("fresh") / "venv"
+    created = run([sys.executable, "-m", "venv", "--without-pip", root], cwd=root.parent, env=os.environ)
+    assert created.code == 0, created.err
+    python = root / "bin" / "python"
+    env = venv_env(root)
+    # This pip, run for the fresh interpreter: console scripts get its shebang. Installed before the .pth below
+    # exists, so pip sees no other `oncelery` (the outer editable install) in the target environment.
+    pip: list[str | Path] = [sys.executable, "-m", "pip", "--python", python, "--disable-pip-version-check"]
+    installed = run([*pip, "install", "--no-deps", "--no-index", built.wheel], cwd=root, env=env)
+    assert installed.code == 0, f"{installed.out}\n{installed.err}"
+    paths = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root, env=env)
+    assert paths.code == 0, paths.err
+    site_packages = Path(paths.out.strip())
+    assert site_packages.is_relative_to(root), site_packages
+    # Plain path entries: the outer site-packages' own .pth files (the editable finder) are not run.
+    outer = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (site_packages / OUTER_PTH).write_text("".join(f"{p}\n" for p in outer))
+    return Venv(root, python, site_packages, env)
+
+
+def packaged_sources(source: Path) -> set[str]:
+    """Return the wheel paths that the repository's package folders' modules and data files must have."""
+    expected = set()
+    for folder, package in PACKAGE_DIRS.items():
+        for path in (source / folder).rglob("*"):
+            if path.suffix in PACKAGED_SUFFIXES and "__pycache__" not in path.parts:
+                expected.add(f"{package}/{path.relative_to(source / folder).as_posix()}")
+    return expected
+
+
+def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
+    """The wheel installs only `oncelery/` and its dist-info: every module, migration, template and py.typed of
+    idempotency/, models/ and tasks/ is in it under oncelery/ (nothing more), the celeryconfig link is packaged
+    as the real file, and both entry points are declared."""
+    wheel = built.wheel
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+        top_level_txt = zf.read(next(n for n in names if n.endswith(".dist-info/top_level.txt"))).decode()
+        packaged_config = zf.read("oncelery/celeryconfig.py")
+    source_config = (built.source / "celeryconfig.py").read_bytes()
+
+    tops = {name.split("/", 1)[0] for name in names}
+    dist_info = {t for t in tops if t.endswith(".dist-info")}
+    assert tops - dist_info == {"oncelery"}, sorted(tops)
+    assert len(dist_info) == 1 and re.fullmatch(r"oncelery-[^/]+\.dist-info", dist_info.pop())
+    for top in REPO_TOP_LEVEL:
+        assert not any(n == f"{top}.py" or n.startswith(f"{top}/") for n in names), top
+    for required in (
+        "oncelery/__init__.py",
+        "oncelery/celeryconfig.py",
+        "oncelery/py.typed",
+        "oncelery/models/__init__.py",
+        "oncelery/models/migrations/env.py",
+        "oncelery/models/migrations/script.py.mako",
+        "oncelery/tasks/__init__.py",
+        "oncelery/tasks/app.py",
+    ):
+        assert required in names, f"{required} is missing from {wheel.name}"
+    # Every subpackage must be listed in pyproject's `packages`: a folder left out is missing from the wheel.
+    expected = packaged_sources(built.source)
+    packaged = {n for n in names if n.startswith("oncelery/") and Path(n).suffix in PACKAGED_SUFFIXES}
+    assert packaged == expected, f"missing from the wheel: {sorted(expected - packaged)}; not in the source: " + str(
+        sorted(packaged - expected)
+    )
+    # The link idempotency/celeryconfig.py -> ../celeryconfig.py is packaged as the file it points at.
+    assert packaged_config.strip() and packaged_config == source_config
+    assert top_level_txt.split() == ["oncelery"]
+
+    parsed = configparser.ConfigParser()
+    parsed.read_string(entry_points)
+    assert dict(parsed["console_scripts"]) == {"oncelery": "oncelery.tasks.commands:main"}
+    assert dict(parsed["celery.commands"]) == {"oncelery": "oncelery.cli:oncelery"}
+
+
+USER_MODELS = '''\
+"""The user's own models module: a name the installed framework must not shadow."""
+
+MODELS_OWNER = "userproj"
+
+
+class Order:
+    """An order of the user's project."""
+
+    def __init__(self, order_id: str) -> None:
+        self.order_id = order_id
+'''
+
+USER_TASKS = '''\
+"""The user's own tasks module: a Celery app configured from the user's celeryconfig.py."""
+
+import json
+import sys
+from pathlib import Path
+
+import oncelery
+from celery import Celery
+from oncelery import IdempotentTask
+
+app = Celery("userproj")
+app.config_from_object("celeryconfig")
+
+
+def write_marker(path: str, **fields: str) -> None:
+    import models
+
+    fields.update(
+        models=models.__file__,
+        celeryconfig=sys.modules["celeryconfig"].__file__,
+        oncelery=oncelery.__file__,
+        owner=models.MODELS_OWNER,
+    )
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(fields))
+    tmp.replace(path)  # appears whole
+
+
+@app.task(name="user.record")
+def record(marker: str, order_id: str) -> str:
+    from models import Order
+
+    order = Order(order_id)
+    write_marker(marker, order=order.order_id)
+    return order.order_id
+
+
+@app.task(base=IdempotentTask, bind=True, name="user.idem")
+def idem(self, marker: str, order_id: str) -> str:
+    write_marker(marker, order=order_id, task=self.name)
+    return order_id
+'''
+
+USER_CELERYCONFIG = '''\
+"""The user's own Celery configuration (loaded by name: `app.config_from_object("celeryconfig")`)."""
+
+import os
+
+broker_url = os.environ["USERPROJ_BROKER_URL"]
+oncelery_database_url = os.environ["ONCELERY_DATABASE_URL"]
+task_default_queue = {queue!r}
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+broker_connection_retry_on_startup = True
+'''
+
+PRODUCER = """\
+import sys
+
+import tasks
+
+tasks.record.apply_async(args=[sys.argv[1], "order-1"])
+tasks.idem.apply_async(args=[sys.argv[2], "order-1"])
+tasks.app.close()
+print("sent")
+"""
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM the worker (a warm shutdown), wait, then SIGKILL the session it leads; return its exit code."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started for it
+            return proc.wait(timeout=10)
+    return proc.returncode
+
+
+def table_rows(out: str) -> dict[str, str]:
+    """Return the two-column rows of a plain-text table (first cell -> second cell)."""
+    return {cells[0]: cells[1] for cells in (line.split() for line in out.splitlines()) if len(cells) == 2}
+
+
+def test_a_user_project_runs_on_the_installed_wheel(fresh_venv: Venv, tmp_path: Path) -> None:
+    """In a fresh virtualenv with only the wheel installed: no top-level models/tasks/idempotency/celeryconfig,
+    `import oncelery` is the wheel's copy, a project's own models.py/tasks.py/celeryconfig.py are the ones
+    imported, the `oncelery` console script migrates its SQLite database, a real worker on Redis runs its
+    plain task and its IdempotentTask, and `celery -A tasks oncelery outcomes` counts one execution."""
+    services.need("Redis", services.redis_available(), "start redis-server (see README: Services)")
+    venv = fresh_venv
+    py = venv.python
+
+    # -- the installed layout ------------------------------------------------------------------------------
+    for top in REPO_TOP_LEVEL:
+        leaked = [p for p in (venv.site_packages / top, venv.site_packages / f"{top}.py") if p.exists()]
+        assert not leaked, f"installed top-level: {leaked}"
+    installed = {p.name for p in venv.site_packages.iterdir()} - {OUTER_PTH}
+    assert {n for n in installed if not n.endswith(".dist-info")} == {"oncelery"}, sorted(installed)
+    neutral = tmp_path / "elsewhere"
+    neutral.mkdir()
+    probe = (
+        "import importlib.util, json, oncelery\n"
+        f"names = {list(REPO_TOP_LEVEL)!r}\n"
+        "print(json.dumps({'oncelery': oncelery.__file__, "
+        "'found': [n for n in names if importlib.util.find_spec(n) is not None]}))"
+    )
+    probed = run([py, "-c", probe], cwd=neutral, env=venv.env)
+    assert probed.code == 0, probed.err
+    layout = json.loads(probed.out)
+    assert Path(layout["oncelery"]) == venv.site_packages / "oncelery" / "__init__.py", layout
+    assert layout["found"] == [], f"importable outside a project: {layout['found']}"
+
+    # -- the user's project ----------------------------------------------------------------------------------
+    project = tmp_path / "userproj"
+    project.mkdir()
+    queue = services.unique_queue()
+    (project / "models.py").write_text(USER_MODELS)
+    (project / "tasks.py").write_text(USER_TASKS)
+    (project / "celeryconfig.py").write_text(USER_CELERYCONFIG.format(queue=queue))
+    database = tmp_path / "claims.db"
+    env = {
+        **venv.env,
+        "USERPROJ_BROKER_URL": services.REDIS_URL,
+        "ONCELERY_DATABASE_URL": f"sqlite:///{database}",
+    }
+
+    imported = run([py, "-c", "import models, tasks; print(models.__file__); print(tasks.__file__)"], project, env)
+    assert imported.code == 0, imported.err
+    assert [Path(p) for p in imported.out.split()] == [project / "models.py", project / "tasks.py"]
+
+    upgraded = run([venv.script("oncelery"), "db", "upgrade"], project, env)
+    assert upgraded.code == 0, f"{upgraded.out}\n{upgraded.err}"
+    assert "upgraded from revision <none> to" in upgraded.out and database.exists(), upgraded.out
+
+    # -- a real worker -------------------------------------------------------------------------------------
+    record_marker = tmp_path / "record.json"
+    idem_marker = tmp_path / "idem.json"
+    worker_log = tmp_path / "worker.log"
+    worker_argv = [str(py), "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "INFO"]
+    worker_argv += ["--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"{queue}@%h"]
+    with worker_log.open("wb") as log:
+        worker = subprocess.Popen(
+            worker_argv, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        sent = run([py, "-c", PRODUCER, record_marker, idem_marker], project, env)
+        assert sent.code == 0 and "sent" in sent.out, f"{sent.out}\n{sent.err}"
+
+        def both_markers() -> bool:
+            if worker.poll() is not None:
+                pytest.fail(f"the worker exited with {worker.returncode}:\n{worker_log.read_text()}")
+            return record_marker.exists() and idem_marker.exists()
+
+        services.wait_for(both_markers, timeout=MARKER_TIMEOUT, what=f"both tasks' markers (log: {worker_log})")
+    finally:
+        stopped = stop_worker(worker)
+    # A warm shutdown: the worker finished (and recorded) its tasks before exiting.
+    assert stopped == 0, f"the worker exited with {stopped}:\n{worker_log.read_text()}"
+
+    wheel_init = venv.site_packages / "oncelery" / "__init__.py"
+    for marker, task_fields in ((record_marker, {}), (idem_marker, {"task": "user.idem"})):
+        fields = json.loads(marker.read_text())
+        assert fields == {
+            "order": "order-1",
+            **task_fields,
+            "models": str(project / "models.py"),
+            "celeryconfig": str(project / "celeryconfig.py"),
+            "oncelery": str(wheel_init),
+            "owner": "userproj",
+        }
+
+    # -- `celery -A tasks oncelery ...`: the celery.commands entry point, on the app's database ------------
+    counted = run([py, "-m", "celery", "-A", "tasks", "oncelery", "outcomes", "--task", "user.idem"], project, env)
+    assert counted.code == 0, f"{counted.out}\n{counted.err}"
+    rows = table_rows(counted.out)
+    assert rows.get("executed") == "1" and rows.get("total") == "1", counted.out
