@@ -7,7 +7,7 @@ test:
 	. .venv/bin/activate && pytest
 
 lint:
-	. .venv/bin/activate && ruff check . && ruff format --check . && mypy idempotency
+	. .venv/bin/activate && ruff check . && ruff format --check . && .ci/as-installed mypy && .ci/as-installed lint-imports
 
 demo:
 	. .venv/bin/activate && oncelery demo

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os as _os
 from pathlib import Path as _Path
+from typing import Any as _Any
 
 from oncelery import settings as _settings
 
@@ -34,7 +35,7 @@ if _broker:
     # Redis/SQS redeliver an unacked message after the visibility timeout. Keep it >= the longest
     # task lease: an earlier redelivery of a running job is absorbed by the claim (it waits), but
     # wastes a delivery. After a worker crash the job comes back after this many seconds.
-    broker_transport_options = {
+    broker_transport_options: dict[str, _Any] = {
         "visibility_timeout": _float("ONCELERY_VISIBILITY_TIMEOUT", 120.0),
         "unacked_restore_interval": _float("ONCELERY_UNACKED_RESTORE_INTERVAL", 5.0),
         "unacked_restore_throttle": 1,

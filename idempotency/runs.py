@@ -5,6 +5,8 @@ Reads never write and never create a database file; liveness is judged by `lease
 
 from __future__ import annotations
 
+import builtins
+
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
@@ -119,7 +121,7 @@ class Runs:
         status: RunStatus | None = None,
         keys: Collection[str] | None = None,
         limit: int | None = 50,
-    ) -> list[RunView]:
+    ) -> builtins.list[RunView]:
         """Return runs, most recently updated first, filtered by task, status and keys."""
         c = RUNS.c
         stmt = _runs_query(self.db).order_by(c.updated_at.desc(), c.id.desc())
@@ -166,7 +168,7 @@ class Runs:
         with self.db.read() as conn:
             return {key for (key,) in conn.execute(stmt)}
 
-    def steps(self, run_id: int) -> list[StepView]:
+    def steps(self, run_id: int) -> builtins.list[StepView]:
         """Return the run's checkpointed steps in position order."""
         s = _STEPS.c
         stmt = select(s.position, s.step_name, s.token, s.created_at).where(s.run_id == run_id).order_by(s.position)

@@ -28,7 +28,6 @@ def check_worker_app(app: Any) -> str | None:
     return check_schema(url)
 
 
-@signals.worker_init.connect(weak=False, dispatch_uid="oncelery.startup")
 def _refuse_to_start_unless_ready(sender: Any = None, **_: Any) -> None:
     # worker_init runs after the app's task modules are imported and before any consumer starts.
     # SystemExit passes through Celery's signal dispatch (it catches Exception), so the worker exits 1.
@@ -38,3 +37,6 @@ def _refuse_to_start_unless_ready(sender: Any = None, **_: Any) -> None:
         raise SystemExit(f"oncelery: this worker refuses to start: {exc}") from None
     if revision is not None:
         logger.info("oncelery: claims database schema at revision %s", revision)
+
+
+signals.worker_init.connect(_refuse_to_start_unless_ready, weak=False, dispatch_uid="oncelery.startup")
