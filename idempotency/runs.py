@@ -6,7 +6,6 @@ Reads never write and never create a database file; liveness is judged by `lease
 from __future__ import annotations
 
 import builtins
-
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
