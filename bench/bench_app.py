@@ -224,8 +224,8 @@ def _apply_what_if() -> None:
     import threading
     from contextlib import contextmanager
 
-    import oncelery.store as db
-    import oncelery.task as task_module
+    import oncelery.delivery as task_module  # where the delivery starts its Heartbeat
+    import oncelery.dialects as db  # where engines are created
     from oncelery.claims import RunStore
 
     if "no-heartbeat" in WHAT_IF:

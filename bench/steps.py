@@ -43,7 +43,7 @@ class StatementCounter:
 def step_costs(url: str, n: int) -> dict[str, float]:
     """Time n executed steps and n replayed steps of one run; count statements of each."""
     store = RunStore(url)
-    counter = StatementCounter(store.engine, store.read_engine, store.claim_engine)
+    counter = StatementCounter(store.engine, store.read_engine, store.db.fast_engine)
     claim = store.claim("bench.steps", Identity(f"bench-{time.time_ns()}", "f", {}), lease=600).claim
     assert claim is not None
     runner = StepRunner(store, claim, [])

@@ -14,9 +14,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from oncelery import IdempotencyConflict, IdempotentTask
-from oncelery.models.migrate import upgrade
-from oncelery.store import get_engine
+from oncelery import IdempotencyConflict, IdempotentTask, upgrade_schema
 
 DB_FILE = Path("oncelery-example.db").resolve()
 DB = f"sqlite:///{DB_FILE}"
@@ -53,7 +51,7 @@ def article(self: IdempotentTask, doc_id: str, text: str) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    upgrade(get_engine(DB))
+    upgrade_schema(DB)
     app.finalize()
     doc = f"doc-{time.time_ns()}"  # a fresh key per run of this script
     text = "Celery delivers messages at least once. Oncelery makes effects happen once."

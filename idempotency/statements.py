@@ -42,49 +42,8 @@ class Statements:
         insert = dia.insert
         now = dia.now()
         until = dia.lease_until()
-        c = RUNS.c
-        self.insert_claim = (
-            insert(RUNS)
-            .values(
-                task_name=bindparam("p_task"),
-                idempotency_key=bindparam("p_key"),
-                fingerprint=bindparam("p_fingerprint"),
-                field_digests=bindparam("p_digests", type_=JSON),
-                status=RunStatus.RUNNING,
-                fencing_token=1,
-                owner=bindparam("p_owner"),
-                lease_expires_at=until,
-                attempts=1,
-                concurrency_key=bindparam("p_entity"),
-                celery_task_id=bindparam("p_task_id"),
-                message=bindparam("p_message", type_=JSON),
-            )
-            .on_conflict_do_nothing(index_elements=["task_name", "idempotency_key"])
-            .returning(c.id)
-        )
-        self.takeover = (
-            update(RUNS)
-            .where(
-                c.task_name == bindparam("p_task"),
-                c.idempotency_key == bindparam("p_key"),
-                # A different payload never takes a run over: that is a conflict, decided by the caller.
-                c.fingerprint == bindparam("p_fingerprint"),
-                or_(c.status == RunStatus.FAILED, and_(c.status == RunStatus.RUNNING, lease_expired(now))),
-            )
-            .values(
-                status=RunStatus.RUNNING,
-                fencing_token=c.fencing_token + 1,
-                owner=bindparam("p_owner"),
-                lease_expires_at=until,
-                attempts=c.attempts + 1,
-                updated_at=now,
-                error=None,
-                concurrency_key=bindparam("p_entity"),
-                celery_task_id=bindparam("p_task_id"),
-                message=bindparam("p_message", type_=JSON),
-            )
-            .returning(c.id, c.fencing_token, c.attempts)
-        )
+        self.insert_claim = self._insert_claim(insert, until)
+        self.takeover = self._takeover(now, until)
         self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
         self.complete = (
             update(RUNS)
@@ -109,6 +68,58 @@ class Statements:
             .on_conflict_do_update(index_elements=["task_name", "outcome", "shard"], set_={"count": o.count + 1})
         )
         self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
+
+    @staticmethod
+    def _insert_claim(insert: Any, until: ColumnElement[Any]) -> Any:
+        # A new key: INSERT ... ON CONFLICT DO NOTHING RETURNING id (no row back: the key exists).
+        c = RUNS.c
+        return (
+            insert(RUNS)
+            .values(
+                task_name=bindparam("p_task"),
+                idempotency_key=bindparam("p_key"),
+                fingerprint=bindparam("p_fingerprint"),
+                field_digests=bindparam("p_digests", type_=JSON),
+                status=RunStatus.RUNNING,
+                fencing_token=1,
+                owner=bindparam("p_owner"),
+                lease_expires_at=until,
+                attempts=1,
+                concurrency_key=bindparam("p_entity"),
+                celery_task_id=bindparam("p_task_id"),
+                message=bindparam("p_message", type_=JSON),
+            )
+            .on_conflict_do_nothing(index_elements=["task_name", "idempotency_key"])
+            .returning(c.id)
+        )
+
+    @staticmethod
+    def _takeover(now: ColumnElement[Any], until: ColumnElement[Any]) -> Any:
+        # A FAILED run, or a RUNNING one whose lease expired: one guarded UPDATE bumps the token.
+        c = RUNS.c
+        return (
+            update(RUNS)
+            .where(
+                c.task_name == bindparam("p_task"),
+                c.idempotency_key == bindparam("p_key"),
+                # A different payload never takes a run over: that is a conflict, decided by the caller.
+                c.fingerprint == bindparam("p_fingerprint"),
+                or_(c.status == RunStatus.FAILED, and_(c.status == RunStatus.RUNNING, lease_expired(now))),
+            )
+            .values(
+                status=RunStatus.RUNNING,
+                fencing_token=c.fencing_token + 1,
+                owner=bindparam("p_owner"),
+                lease_expires_at=until,
+                attempts=c.attempts + 1,
+                updated_at=now,
+                error=None,
+                concurrency_key=bindparam("p_entity"),
+                celery_task_id=bindparam("p_task_id"),
+                message=bindparam("p_message", type_=JSON),
+            )
+            .returning(c.id, c.fencing_token, c.attempts)
+        )
 
     def _complete_and_count(self) -> Any:
         # PostgreSQL: the fenced completion and the outcome counter in ONE statement (one round trip):

@@ -142,37 +142,46 @@ class StepRunner:
         meta = encode_result(meta, f"The meta of step {name!r}") if meta is not None else None
         position = self.position
         self.position += 1
-        replay = position < len(self.checkpoints)
-        if replay:
+        if position < len(self.checkpoints):
             stored = self.checkpoints[position]
-            if stored.name != name:
-                raise StepMismatch(
-                    f"{self.claim.task_name}[{self.claim.key}]: step {position} is {name!r} in this code but "
-                    f"{stored.name!r} in the checkpoint — the pipeline changed between attempts; use a new "
-                    f"key (bump the version) to run the new code",
-                    position=position,
-                    expected=stored.name,
-                    found=name,
-                )
-            if meta is None or stored.meta == meta:
+            if self._replayable(stored, position, name, meta, rerun_on_change):
                 self.replayed.append(name)
                 return stored.result
-            if not rerun_on_change:
-                changed = sorted(
-                    k for k in set(meta) | set(stored.meta or {}) if (stored.meta or {}).get(k) != meta.get(k)
-                )
-                raise StepMismatch(
-                    f"{self.claim.task_name}[{self.claim.key}]: step {name!r} was checkpointed with different "
-                    f"inputs ({', '.join(changed)} changed); refusing to replay another model's or prompt's "
-                    f"answer — use a new key, or declare the step rerun_on_change=True",
-                    position=position,
-                    expected=name,
-                    found=name,
-                    changed=changed,
-                )
             # Everything from here on was computed from the stale result: forget it.
             del self.checkpoints[position:]
             self.superseded = True
+        return self._execute(position, name, fn, args, kwargs, meta)
+
+    def _replayable(self, stored: Checkpoint, position: int, name: str, meta: Any, rerun_on_change: bool) -> bool:
+        """Whether the checkpoint answers this step; False means re-run it; raise if it may not be used."""
+        if stored.name != name:
+            raise StepMismatch(
+                f"{self.claim.task_name}[{self.claim.key}]: step {position} is {name!r} in this code but "
+                f"{stored.name!r} in the checkpoint — the pipeline changed between attempts; use a new "
+                f"key (bump the version) to run the new code",
+                position=position,
+                expected=stored.name,
+                found=name,
+            )
+        if meta is None or stored.meta == meta:
+            return True
+        if rerun_on_change:
+            return False
+        changed = sorted(k for k in set(meta) | set(stored.meta or {}) if (stored.meta or {}).get(k) != meta.get(k))
+        raise StepMismatch(
+            f"{self.claim.task_name}[{self.claim.key}]: step {name!r} was checkpointed with different "
+            f"inputs ({', '.join(changed)} changed); refusing to replay another model's or prompt's "
+            f"answer — use a new key, or declare the step rerun_on_change=True",
+            position=position,
+            expected=name,
+            found=name,
+            changed=changed,
+        )
+
+    def _execute(
+        self, position: int, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], meta: Any
+    ) -> Any:
+        """Call the step's function in its context and checkpoint the result, fenced by the claim."""
         seed = self.seed(name)
         if _accepts_seed(fn) and "seed" not in kwargs:
             kwargs = {**kwargs, "seed": seed}
