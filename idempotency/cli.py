@@ -17,6 +17,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from oncelery.errors import ConfigurationError, OnceleryError
 from oncelery.models import Outcome, RunStatus
+from oncelery.models.migrate import BRANCHES, FRAMEWORK
 from oncelery.runs import Runs, RunView, StepView
 from oncelery.schema import upgrade_schema
 from oncelery.settings import configured_database_url, embedded_database_url
@@ -128,10 +129,17 @@ def db() -> None:
 
 
 @db.command("upgrade")
+@click.option(
+    "--branch",
+    type=click.Choice(sorted(BRANCHES)),
+    default=FRAMEWORK.name,
+    show_default=True,
+    help="Which schema: Oncelery's own tables, or the demo jobs' (article_scores, llm_calls).",
+)
 @click.pass_context
-def db_upgrade(ctx: click.Context) -> None:
+def db_upgrade(ctx: click.Context, branch: str) -> None:
     """Create or migrate Oncelery's own tables in the configured database (never an application's)."""
-    click.echo(upgrade_schema(resolve_database_url(ctx)))
+    click.echo(upgrade_schema(resolve_database_url(ctx), BRANCHES[branch]))
 
 
 # -- runs ----------------------------------------------------------------------------------------
