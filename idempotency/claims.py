@@ -212,10 +212,14 @@ class RunStore:
         conn.execute(sql.count_outcome, params)
 
     def complete(
-        self, claim: Claim, result: Any, session: Session | None = None, outcome: Outcome = Outcome.EXECUTED
+        self,
+        claim: Claim,
+        result: Any,
+        effects: Connection | Session | None = None,
+        outcome: Outcome = Outcome.EXECUTED,
     ) -> None:
-        """Commit the run's completion (and `session`'s pending effects) atomically, fenced by the token."""
-        if session is None:
+        """Commit the run's completion (and the open `effects` transaction) atomically, fenced by the token."""
+        if effects is None:
             sql = self.sql
             if sql.complete_and_count is not None:
                 # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
@@ -228,10 +232,10 @@ class RunStore:
             return
         with translated(self.url):
             try:
-                self.complete_txn(session, claim, result, outcome)
-                session.commit()
+                self.complete_txn(effects, claim, result, outcome)
+                effects.commit()
             except BaseException:
-                session.rollback()
+                effects.rollback()
                 raise
 
     def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED) -> bool:

@@ -26,6 +26,7 @@ from celery.exceptions import Retry
 from oncelery.claims import Claim, ClaimResult, Decision, RunStore, encode_result
 from oncelery.effects import EffectsScope
 from oncelery.errors import IdempotencyConflict, InProgress, LeaseLost, SchemaMissing, StoreError
+from oncelery.faults import fault_point
 from oncelery.keys import Identity, differing_fields
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome
@@ -85,6 +86,7 @@ class Delivery:
         waited = 0
         while True:
             try:
+                fault_point("claim", task=self.task.name, key=self.ident.key)
                 res = self.store.claim(
                     self.task.name, self.ident, float(self.task.lease), self.entity, self.task.request.id, self.message
                 )
@@ -156,6 +158,8 @@ class Delivery:
         logger.info("claimed %s[%s] token=%d attempt=%d", task.name, claim.key, claim.token, claim.attempts)
         try:
             # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
+            if claim.takeover:
+                fault_point("load_checkpoints", task=task.name, key=claim.key)
             checkpoints = load_checkpoints(store, claim.run_id) if claim.takeover else []
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")
@@ -168,7 +172,8 @@ class Delivery:
                 hb.check()
                 encoded = encode_result(result, f"The result of {task.name}[{claim.key}]")
                 outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
-                store.complete(claim, encoded, ctx.effects.session, outcome)
+                fault_point("complete", task=task.name, key=claim.key)
+                store.complete(claim, encoded, ctx.effects.connection, outcome)
             finally:
                 # Stopped only after the commit: on SQLite a renewal may wait for the effects
                 # transaction's write lock, which the commit releases (joining first would deadlock).
@@ -188,13 +193,20 @@ class Delivery:
             return self._store_failed(exc, "finishing")
         except Retry:
             ctx.effects.discard()
+            # Celery has already sent the retry's message: if the failure cannot be recorded, the run stays
+            # RUNNING until its lease expires and the retry takes it over then.
             self._record_failure(claim, "retry requested: " + traceback.format_exc(limit=5))
             raise
         except BaseException as exc:
             ctx.effects.discard()
-            self._record_failure(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
+            failure = self._record_failure(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
+            if failure is not None and not self.direct:
+                # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
+                # again instead; it is taken over (and run again) once this holder's lease expires.
+                return self._store_failed(failure, "recording the failure of")
             raise
         finally:
+            ctx.effects.close()
             task.detach(ctx)
         return encoded
 
@@ -206,13 +218,15 @@ class Delivery:
         log("claims database failed %s %s[%s]: %s; sending the job again", doing, self.task.name, self.ident.key, exc)
         return self.send_again(exc)
 
-    def _record_failure(self, claim: Claim, error: str) -> None:
-        # The body's exception is what Celery must see; a database error recording it must not mask it.
-        # If the record is lost, the run stays RUNNING until its lease expires and is then taken over.
+    def _record_failure(self, claim: Claim, error: str) -> StoreError | None:
+        """Record the run FAILED; return the store error that prevented it (the caller re-sends), else None."""
         try:
+            fault_point("record_failure", task=self.task.name, key=claim.key)
             self.store.fail(claim, clean_error(error))
         except StoreError as exc:
             logger.error("could not record failure of %s[%s]: %s", self.task.name, claim.key, exc)
+            return exc
+        return None
 
     def _count(self, outcome: Outcome) -> None:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.

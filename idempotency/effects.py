@@ -1,7 +1,12 @@
-"""The fenced effects of one run: a session whose writes commit only with the run's completion.
+"""The fenced effects of one run: writes that commit only with the run's completion, never on their own.
 
-`IdempotentTask.effects()` hands out this scope's session; `RunStore.complete` writes the completion in the
-same transaction and commits it only if the fencing token still holds, so a zombie's effects roll back.
+The store owns the transaction: the first `effects()` block opens a connection and BEGINs; every block gets
+a Session joined to that transaction with `join_transaction_mode="create_savepoint"` (SQLAlchemy's "join a
+Session into an external transaction" recipe). So:
+- each block is a SAVEPOINT: an error caught by the body rolls back that block only;
+- a user's `session.commit()` only releases the block's savepoint: nothing reaches the database before
+  `RunStore.complete` writes the token-fenced completion in the same transaction and commits it;
+- a zombie's (stale token's) completion is refused, and the whole transaction, effects included, rolls back.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from sqlalchemy import Connection, RootTransaction
 from sqlalchemy.orm import Session
 
+from oncelery.faults import fault_point
 from oncelery.store import translated
 
 if TYPE_CHECKING:
@@ -19,29 +26,53 @@ if TYPE_CHECKING:
 
 
 class EffectsScope:
-    """The effects of one run: opened by the first `effects()` block, committed by the completion."""
+    """The effects transaction of one run: opened by the first `effects()` block, ended by the completion."""
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
-        self.session: Session | None = None
+        self.connection: Connection | None = None
+        self._txn: RootTransaction | None = None
+
+    def _begin(self) -> Connection:
+        if self.connection is None:
+            with translated(self.store.url):
+                conn = self.store.engine.connect()
+                try:
+                    self._txn = conn.begin()
+                except BaseException:
+                    conn.close()
+                    raise
+            self.connection = conn
+        return self.connection
 
     @contextmanager
     def block(self) -> Iterator[Session]:
-        """Yield the run's effects session; flush at the end (driver errors become typed store errors)."""
-        if self.session is None:
-            self.session = Session(self.store.engine, expire_on_commit=False)
-        session = self.session
+        """Yield a Session whose writes form one savepoint of the run's effects transaction."""
+        conn = self._begin()
+        session = Session(bind=conn, join_transaction_mode="create_savepoint", expire_on_commit=False)
         try:
             yield session
+            fault_point("effects_flush")
             with translated(self.store.url):
-                session.flush()
+                session.commit()  # flushes, then RELEASEs the block's savepoint: the outer transaction stays open
         except BaseException:
-            session.rollback()
+            with translated(self.store.url):
+                session.rollback()  # back to the block's savepoint only
             raise
+        finally:
+            session.close()
 
     def discard(self) -> None:
-        """Roll back and close the session (after a failure, a lost lease, or a store fault)."""
-        if self.session is not None:
-            self.session.rollback()
-            self.session.close()
-            self.session = None
+        """Roll back every block and return the connection (after a failure, a lost lease, a store fault)."""
+        conn, self.connection, self._txn = self.connection, None, None
+        if conn is not None:
+            try:
+                conn.rollback()
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        """Return the connection after the completion committed (or rolled back) its transaction."""
+        conn, self.connection, self._txn = self.connection, None, None
+        if conn is not None:
+            conn.close()

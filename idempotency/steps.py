@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from oncelery.claims import Claim, RunStore, encode_result, lease_lost
 from oncelery.errors import StepMismatch
+from oncelery.faults import fault_point
 from oncelery.models import StepResult
 from oncelery.store import rowcount
 
@@ -199,6 +200,7 @@ class StepRunner:
             value = fn(*args, **kwargs)
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
         try:
+            fault_point("step_save", task=self.claim.task_name, key=self.claim.key, step=name)
             with self.store.transaction() as conn:
                 save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta, self.superseded)
             self.superseded = False

@@ -205,11 +205,23 @@ class Database:
         `durable=False` lets PostgreSQL acknowledge before the WAL flush (claims and lease renewals).
         """
         with translated(self.url):
-            if self.dialect.autocommit_statements:
-                with get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST).connect() as conn:
-                    return first_and_count(conn.execute(stmt, params))
-            with self.engine.begin() as conn:
+            try:
+                return self._one(stmt, params, durable)
+            except DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+                # A pooled connection that a restart or failover killed: SQLAlchemy has invalidated the pool,
+                # so one more try gets a fresh connection instead of costing the job a re-send. Repeating is
+                # safe for claims, renewals and completions (ON CONFLICT and the token fence guard them); an
+                # outcome counter whose commit succeeded but whose answer was lost would count twice (rare).
+                return self._one(stmt, params, durable)
+
+    def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
+        if self.dialect.autocommit_statements:
+            with get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST).connect() as conn:
                 return first_and_count(conn.execute(stmt, params))
+        with self.engine.begin() as conn:
+            return first_and_count(conn.execute(stmt, params))
 
     def require_file(self) -> None:
         """Raise StoreUnavailable if this is a SQLite file that does not exist (reads never create one)."""

@@ -202,7 +202,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         ctx = self.run_context()
         ctx.heartbeat.check()
-        if ctx.effects.session is not None:
+        if ctx.effects.connection is not None:
             raise ConfigurationError(
                 f"{self.name}: step {name!r} called after effects(); effects commit with the run's completion, "
                 f"so run every step() first and open effects() last"

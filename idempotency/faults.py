@@ -1,0 +1,48 @@
+"""Named fault points on a delivery's path, for tests that make the database fail right there.
+
+Each stage that touches the database calls `fault_point(name)` just before it does. Nothing is registered in
+production, so a point costs one dict lookup. A test registers a callback (`oncelery.testing`-style:
+`with fault_injected("complete", kill_backends): ...`) that kills the worker's connections, restarts the
+server or holds a lock, and then asserts the job still ends exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+#: Every point, in delivery order.
+POINTS = (
+    "claim",  # before the claim statement
+    "load_checkpoints",  # before a taken-over run loads its steps
+    "step_save",  # before a step's checkpoint is written
+    "effects_flush",  # before an effects() block is flushed
+    "complete",  # before the completion (and the effects commit)
+    "record_failure",  # before a failed run is recorded
+)
+
+_hooks: dict[str, Callable[[str, dict[str, Any]], None]] = {}
+_lock = threading.Lock()
+
+
+def fault_point(name: str, **context: Any) -> None:
+    """Call the callback registered for `name`, if any (tests only); `context` says what is happening."""
+    hook = _hooks.get(name)
+    if hook is not None:
+        hook(name, context)
+
+
+@contextmanager
+def fault_injected(name: str, hook: Callable[[str, dict[str, Any]], None]) -> Iterator[None]:
+    """Within the block, call `hook(name, context)` each time a delivery reaches the point `name`."""
+    if name not in POINTS:
+        raise ValueError(f"unknown fault point {name!r}; known: {', '.join(POINTS)}")
+    with _lock:
+        _hooks[name] = hook
+    try:
+        yield
+    finally:
+        with _lock:
+            _hooks.pop(name, None)
