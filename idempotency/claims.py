@@ -182,7 +182,10 @@ class RunStore:
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
                 row, _ = self.db.one(self.sql.takeover, params, durable=False)
             except IntegrityError:
-                # The partial unique index refused a second RUNNING run for this entity.
+                # The partial unique index refused a second RUNNING run for this entity. If its holder's lease
+                # expired (database clock), demote that run and claim again; a live holder keeps the entity.
+                if concurrency_key is not None and self.db.one(self.sql.demote_expired_entity, params)[1] > 0:
+                    continue
                 return ClaimResult(Decision.ENTITY_BUSY)
             if row is not None:
                 claim = Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, True)

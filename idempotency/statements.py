@@ -61,6 +61,20 @@ class Statements:
             .where(_fenced())
             .values(status=RunStatus.FAILED, error=bindparam("p_error"), updated_at=now, lease_expires_at=None)
         )
+        # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
+        # holder's fenced writes now fail, and its own redelivery can take it over later).
+        self.demote_expired_entity = (
+            update(RUNS)
+            .where(
+                RUNS.c.concurrency_key == bindparam("p_entity"), RUNS.c.status == RunStatus.RUNNING, lease_expired(now)
+            )
+            .values(
+                status=RunStatus.FAILED,
+                error="lease expired while another run of its entity waited; demoted so the entity is not blocked",
+                updated_at=now,
+                lease_expires_at=None,
+            )
+        )
         o = OUTCOMES.c
         self.count_outcome = (
             insert(OUTCOMES)

@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, delete, insert, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, Table, delete, select
 
 from oncelery.claims import Claim, RunStore, encode_result, lease_lost
-from oncelery.errors import StepMismatch
+from oncelery.errors import ConfigurationError, StepMismatch
 from oncelery.faults import fault_point
 from oncelery.models import StepResult
 from oncelery.store import rowcount
 
 _STEPS = cast(Table, StepResult.__table__)
+MAX_STEP_NAME = 255  # the width of step_results.step_name
 SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)
 
 
@@ -41,6 +42,7 @@ class Checkpoint:
     name: str
     result: Any
     meta: Any = None
+    args_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,35 @@ def _in_step(info: StepInfo) -> Iterator[None]:
 
 
 def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
-    """Return the run's stored steps in position order."""
+    """Return the run's stored steps in position order (a step that raised leaves its position empty)."""
     c = _STEPS.c
-    stmt = select(c.position, c.step_name, c.result, c.meta).where(c.run_id == run_id).order_by(c.position)
+    stmt = (
+        select(c.position, c.step_name, c.result, c.meta, c.args_digest).where(c.run_id == run_id).order_by(c.position)
+    )
     with store.db.read() as conn:
-        return [Checkpoint(p, n, r, m) for p, n, r, m in conn.execute(stmt)]
+        return [Checkpoint(int(p), n, r, m, d) for p, n, r, m, d in conn.execute(stmt)]
+
+
+def args_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Return a stable digest of a step's arguments; a value that is not JSON counts by its type only."""
+    encoded = json.dumps(
+        [list(args), kwargs],
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        default=lambda value: f"<{type(value).__module__}.{type(value).__qualname__}>",
+    )
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
+def validate_step_name(name: Any) -> str:
+    """Return `name` if it can be stored (a non-empty str within the column), else raise before any call."""
+    if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME:
+        raise ConfigurationError(
+            f"Step name {name!r} must be a non-empty string of at most {MAX_STEP_NAME} characters "
+            f"(it is checked before the step runs, so a paid call is never made for a step that cannot be saved)"
+        )
+    return name
 
 
 def save_checkpoint_txn(
@@ -91,6 +117,7 @@ def save_checkpoint_txn(
     result: Any,
     meta: Any = None,
     supersede: bool = False,
+    digest: str | None = None,
 ) -> None:
     """Store a step in the caller's transaction iff `claim` still holds the run, renewing its lease.
 
@@ -103,11 +130,11 @@ def save_checkpoint_txn(
     if supersede:
         # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.
         conn.execute(delete(_STEPS).where(_STEPS.c.run_id == claim.run_id, _STEPS.c.position >= position))
-    conn.execute(
-        insert(_STEPS).values(
-            run_id=claim.run_id, position=position, step_name=name, result=result, meta=meta, token=claim.token
-        )
-    )
+    # The fence above proved this holder live, so a row already at this position is an earlier holder's
+    # (never a concurrent one: the fenced UPDATE serialises holders): the live holder's result replaces it.
+    values = {"step_name": name, "result": result, "meta": meta, "args_digest": digest, "token": claim.token}
+    stmt = store.db.dialect.insert(_STEPS).values(run_id=claim.run_id, position=position, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "position"], set_=values))
 
 
 class StepRunner:
@@ -116,15 +143,17 @@ class StepRunner:
     def __init__(self, store: RunStore, claim: Claim, checkpoints: list[Checkpoint]) -> None:
         self.store = store
         self.claim = claim
-        self.checkpoints = checkpoints
+        # By their STORED position, never their index: a step that raised leaves a gap that must stay one.
+        self.checkpoints = {c.position: c for c in checkpoints}
         self.position = 0
+        self.occurrences: dict[str, int] = {}
         self.replayed: list[str] = []
         self.executed: list[str] = []
         self.superseded = False
 
-    def seed(self, name: str) -> int:
-        """The deterministic seed of step `name` in this run."""
-        return step_seed(self.claim.task_name, self.claim.key, name)
+    def seed(self, name: str, occurrence: int = 0) -> int:
+        """The deterministic seed of the `occurrence`-th step called `name` in this run (0: the first)."""
+        return step_seed(self.claim.task_name, self.claim.key, name if occurrence == 0 else f"{name}#{occurrence}")
 
     def run(
         self,
@@ -140,20 +169,33 @@ class StepRunner:
         `meta` (JSON) describes what produces the result (model, prompt hash...): a checkpoint whose meta
         differs raises StepMismatch, or is re-executed (with later steps) when `rerun_on_change`.
         """
+        validate_step_name(name)
+        if meta is not None and not isinstance(meta, dict):
+            raise ConfigurationError(f"step_meta of step {name!r} must be a dict, got {type(meta).__name__}")
         meta = encode_result(meta, f"The meta of step {name!r}") if meta is not None else None
+        # The arguments are part of what produced a result: a replay with other arguments at this position
+        # (a loop over items in another order) must never return another item's checkpoint.
+        digest = args_digest(args, kwargs)
+        # The position is taken before the step runs: a step that raises (and is caught by the body) keeps
+        # its slot, so the positions of later steps are the same on every attempt.
         position = self.position
         self.position += 1
-        if position < len(self.checkpoints):
-            stored = self.checkpoints[position]
-            if self._replayable(stored, position, name, meta, rerun_on_change):
+        occurrence = self.occurrences.get(name, 0)
+        self.occurrences[name] = occurrence + 1
+        stored = self.checkpoints.get(position)
+        if stored is not None:
+            if self._replayable(stored, position, name, meta, digest, rerun_on_change):
                 self.replayed.append(name)
                 return stored.result
             # Everything from here on was computed from the stale result: forget it.
-            del self.checkpoints[position:]
+            for later in [p for p in self.checkpoints if p >= position]:
+                del self.checkpoints[later]
             self.superseded = True
-        return self._execute(position, name, fn, args, kwargs, meta)
+        return self._execute(position, name, occurrence, fn, args, kwargs, meta, digest)
 
-    def _replayable(self, stored: Checkpoint, position: int, name: str, meta: Any, rerun_on_change: bool) -> bool:
+    def _replayable(
+        self, stored: Checkpoint, position: int, name: str, meta: Any, digest: str, rerun_on_change: bool
+    ) -> bool:
         """Whether the checkpoint answers this step; False means re-run it; raise if it may not be used."""
         if stored.name != name:
             raise StepMismatch(
@@ -164,11 +206,14 @@ class StepRunner:
                 expected=stored.name,
                 found=name,
             )
-        if meta is None or stored.meta == meta:
+        old, new = stored.meta or {}, meta or {}
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if stored.args_digest is not None and stored.args_digest != digest:
+            changed.append("arguments")
+        if not changed:
             return True
         if rerun_on_change:
             return False
-        changed = sorted(k for k in set(meta) | set(stored.meta or {}) if (stored.meta or {}).get(k) != meta.get(k))
         raise StepMismatch(
             f"{self.claim.task_name}[{self.claim.key}]: step {name!r} was checkpointed with different "
             f"inputs ({', '.join(changed)} changed); refusing to replay another model's or prompt's "
@@ -180,10 +225,18 @@ class StepRunner:
         )
 
     def _execute(
-        self, position: int, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], meta: Any
+        self,
+        position: int,
+        name: str,
+        occurrence: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        meta: Any,
+        digest: str,
     ) -> Any:
         """Call the step's function in its context and checkpoint the result, fenced by the claim."""
-        seed = self.seed(name)
+        seed = self.seed(name, occurrence)
         if _accepts_seed(fn) and "seed" not in kwargs:
             kwargs = {**kwargs, "seed": seed}
         info = StepInfo(
@@ -199,14 +252,10 @@ class StepRunner:
         with _in_step(info):
             value = fn(*args, **kwargs)
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
-        try:
-            fault_point("step_save", task=self.claim.task_name, key=self.claim.key, step=name)
-            with self.store.transaction() as conn:
-                save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta, self.superseded)
-            self.superseded = False
-        except IntegrityError as exc:
-            # Another holder saved this position: ours is stale by definition.
-            raise lease_lost(self.claim, f"step {position} was already saved by another holder") from exc
+        fault_point("step_save", task=self.claim.task_name, key=self.claim.key, step=name)
+        with self.store.transaction() as conn:
+            save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta, self.superseded, digest)
+        self.superseded = False
         self.executed.append(name)
         return result
 

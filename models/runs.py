@@ -119,6 +119,8 @@ class StepResult(Base):
     # What produced the result (model, version, seed, temperature, prompt hash): a replay with different
     # inputs is refused or re-run, never answered from another model's checkpoint.
     meta: Mapped[Any] = mapped_column(Json, nullable=True)
+    # sha256 of the step's arguments: a replay with other arguments at this position is refused or re-run.
+    args_digest: Mapped[str | None] = mapped_column(String(64))
     token: Mapped[int] = mapped_column(Integer, nullable=False)
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
