@@ -78,6 +78,10 @@ class Delivery:
         self.entity = entity
         self.message = message
         self.direct = direct
+        # Eager (task_always_eager, .apply()): there is no broker to send the job again through, and
+        # re-sending would run it again on this very stack (unbounded recursion).
+        self.eager = bool(getattr(task.request, "is_eager", False))
+        self.resend = not direct and not self.eager
         self.send_again = send_again
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -144,9 +148,17 @@ class Delivery:
                 task_name=self.task.name,
                 key=self.ident.key,
             )
-        if not self.direct:
+        if self.resend:
             self._count(Outcome.IN_PROGRESS)
             return self.send_again(None)
+        if self.eager:
+            self._count(Outcome.IN_PROGRESS)
+            raise InProgress(
+                f"{self.task.name}[{self.ident.key}] is being run by another worker, and an eager call "
+                f"(task_always_eager or .apply()) cannot wait for it: use .delay(), or on_in_progress='skip'",
+                task_name=self.task.name,
+                key=self.ident.key,
+            )
         if time.monotonic() > deadline:
             raise InProgress(
                 f"{self.task.name}[{self.ident.key}] still held after {DIRECT_WAIT_TIMEOUT}s", key=self.ident.key
@@ -163,7 +175,7 @@ class Delivery:
             checkpoints = load_checkpoints(store, claim.run_id) if claim.takeover else []
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")
-        hb = Heartbeat(store, claim).start()
+        hb = Heartbeat(store, claim, task.max_lease_seconds()).start()
         ctx = RunContext(claim, hb, StepRunner(store, claim, checkpoints), EffectsScope(store))
         task.attach(ctx)
         try:
@@ -182,7 +194,7 @@ class Delivery:
             ctx.effects.discard()
             self._count(Outcome.LEASE_LOST)
             logger.warning("lease lost for %s[%s] token=%d: writes rolled back", task.name, claim.key, claim.token)
-            if self.direct:
+            if not self.resend:
                 raise
             # The next delivery replays the new holder's result, or runs the job if the claim itself was lost
             # (e.g. a database crash): never a silent drop.
@@ -200,7 +212,7 @@ class Delivery:
         except BaseException as exc:
             ctx.effects.discard()
             failure = self._record_failure(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
-            if failure is not None and not self.direct:
+            if failure is not None and self.resend:
                 # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
                 # again instead; it is taken over (and run again) once this holder's lease expires.
                 return self._store_failed(failure, "recording the failure of")
@@ -211,8 +223,8 @@ class Delivery:
         return encoded
 
     def _store_failed(self, exc: StoreError, doing: str) -> Any:
-        """A store fault: re-send the message (never ack it as a failure); a direct caller gets the error."""
-        if self.direct:
+        """A store fault: re-send the message (never ack it as a failure); a direct or eager caller gets it."""
+        if not self.resend:
             raise exc
         log = logger.error if isinstance(exc, SchemaMissing) else logger.warning
         log("claims database failed %s %s[%s]: %s; sending the job again", doing, self.task.name, self.ident.key, exc)

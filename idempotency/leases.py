@@ -47,10 +47,14 @@ def lease_expired(now: ColumnElement[Any]) -> ColumnElement[bool]:
 class Heartbeat:
     """Renews `claim`'s lease every lease/3 seconds until stopped; `check()` raises LeaseLost after a takeover."""
 
-    def __init__(self, store: RunStore, claim: Claim) -> None:
+    def __init__(self, store: RunStore, claim: Claim, max_lease: float | None = None) -> None:
         self.store = store
         self.claim = claim
         self.interval = claim.lease / HEARTBEATS_PER_LEASE
+        # A hung body must not hold its key for ever: after max_lease seconds of running (measured by this
+        # process, which only decides when to stop asking), renewals stop; the lease then expires by the
+        # database clock and another delivery can take the run over, while this holder stays fenced out.
+        self.renew_until = time.monotonic() + max_lease if max_lease is not None else None
         self.lost = False
         self.stopped = False
 
@@ -72,6 +76,14 @@ class Heartbeat:
     def renew(self) -> bool:
         """Renew once; return whether to keep renewing."""
         if self.stopped:
+            return False
+        if self.renew_until is not None and time.monotonic() >= self.renew_until:
+            logger.warning(
+                "%s[%s] token=%d ran past its max_lease: no longer renewing; another worker may take it over",
+                self.claim.task_name,
+                self.claim.key,
+                self.claim.token,
+            )
             return False
         try:
             ok = self.store.heartbeat(self.claim)

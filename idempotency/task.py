@@ -61,6 +61,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     concurrency_key: KeySpec = None
     #: Optional number of steps, reported as "total" in the PROGRESS state Flower shows.
     total_steps: int | None = None
+    #: Seconds after which the heartbeat stops renewing a running body's lease, so a hung body cannot hold
+    #: its key for ever. None: the task's time_limit (else soft_time_limit, else the app's task_time_limit);
+    #: with none of them set, renewal is unbounded. Set it above the longest honest run.
+    max_lease: float | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,6 +180,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
             setattr(self.request, _RUN_ATTR, None)
 
     # -- inside the body -------------------------------------------------------------------------
+
+    def max_lease_seconds(self) -> float | None:
+        """The bound on lease renewal: max_lease, else the task's (or app's) hard, then soft, time limit."""
+        conf = self.app.conf
+        for value in (
+            self.max_lease,
+            self.time_limit,
+            self.soft_time_limit,
+            conf.get("task_time_limit"),
+            conf.get("task_soft_time_limit"),
+        ):
+            if value:
+                return float(value)
+        return None
 
     def run_context(self) -> RunContext:
         """Return the live run of this thread's current delivery, or raise if called outside the body."""
