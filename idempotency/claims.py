@@ -26,20 +26,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Table, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from oncelery.errors import LeaseLost, ResultNotJSON, StoreError
 from oncelery.keys import Identity
-from oncelery.models import Outcome, RunStatus
+from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus, Secret
 from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView
 from oncelery.statements import Statements, statements
 from oncelery.store import Database, rowcount, translated
+
+SECRETS = cast(Table, Secret.__table__)
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
@@ -67,6 +69,8 @@ class Claim:
     lease: float
     attempts: int
     takeover: bool
+    tenant: str = ""
+    retries: int = 0  # Celery retries already spent on this run (by any message)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class RunStore:
         self.url = url
         self.db = Database(url)
         self.runs = Runs(url)
+        self._digest_key: bytes | None = None
 
     @property
     def engine(self) -> Engine:
@@ -154,6 +159,7 @@ class RunStore:
             owner = uuid.uuid4().hex
             params = {
                 "p_task": task_name,
+                "p_tenant": ident.tenant,
                 "p_key": ident.key,
                 "p_fingerprint": ident.fingerprint,
                 "p_digests": ident.field_digests,
@@ -166,12 +172,11 @@ class RunStore:
             try:
                 row, _ = self.db.one(self.sql.insert_claim, params, durable=False)
                 if row is not None:
-                    return ClaimResult(
-                        Decision.CLAIMED, claim=Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False)
-                    )
+                    claim = Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False, ident.tenant)
+                    return ClaimResult(Decision.CLAIMED, claim=claim)
                 # The key exists. Read it first: a duplicate of a finished or live run (the common case)
                 # is then decided by this one read, and only a FAILED or expired run needs a takeover.
-                run = self.get(task_name, ident.key)
+                run = self.get(task_name, ident.key, ident.tenant)
                 if run is None:
                     continue  # purged between our statements: try the insert again
                 if run.fingerprint != ident.fingerprint:
@@ -179,6 +184,9 @@ class RunStore:
                 if run.status is RunStatus.COMPLETED:
                     return ClaimResult(Decision.COMPLETED, run=run)
                 if run.status is RunStatus.RUNNING and run.lease_live:
+                    return ClaimResult(Decision.IN_PROGRESS, run=run)
+                if run.status is RunStatus.FAILED and run.retry_wait:
+                    # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
                 row, _ = self.db.one(self.sql.takeover, params, durable=False)
             except IntegrityError:
@@ -188,7 +196,18 @@ class RunStore:
                     continue
                 return ClaimResult(Decision.ENTITY_BUSY)
             if row is not None:
-                claim = Claim(row.id, task_name, ident.key, row.fencing_token, owner, lease, row.attempts, True)
+                claim = Claim(
+                    row.id,
+                    task_name,
+                    ident.key,
+                    row.fencing_token,
+                    owner,
+                    lease,
+                    row.attempts,
+                    True,
+                    ident.tenant,
+                    row.retries,
+                )
                 return ClaimResult(Decision.CLAIMED, claim=claim)
             # Another claimant took it between our read and our takeover: look again.
         raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
@@ -204,7 +223,11 @@ class RunStore:
         self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED
     ) -> None:
         """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write)."""
-        params = {**self.fence_params(claim), "p_result": result, **outcome_params(claim.task_name, outcome)}
+        params = {
+            **self.fence_params(claim),
+            "p_result": result,
+            **outcome_params(claim.task_name, outcome, claim.tenant),
+        }
         sql = self.sql
         if sql.complete_and_count is not None:
             if conn.execute(sql.complete_and_count, params).first() is None:
@@ -226,7 +249,11 @@ class RunStore:
             sql = self.sql
             if sql.complete_and_count is not None:
                 # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
-                params = {**self.fence_params(claim), "p_result": result, **outcome_params(claim.task_name, outcome)}
+                params = {
+                    **self.fence_params(claim),
+                    "p_result": result,
+                    **outcome_params(claim.task_name, outcome, claim.tenant),
+                }
                 if self.db.one(sql.complete_and_count, params)[0] is None:
                     raise lease_lost(claim)
                 return
@@ -241,27 +268,45 @@ class RunStore:
                 effects.rollback()
                 raise
 
-    def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED) -> bool:
-        """Record the run FAILED with `error` iff the claim is still ours; return whether it was."""
+    def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED, retry_in: float | None = None) -> bool:
+        """Record the run FAILED with `error` iff the claim is still ours; return whether it was.
+
+        `retry_in`: Celery retries the run after that many seconds; until then (database clock) no duplicate
+        may take it over, and the retry is counted on the run.
+        """
         params = {**self.fence_params(claim), "p_error": error[:10_000]}
+        stmt = self.sql.fail
+        if retry_in is not None:
+            stmt = self.sql.fail_for_retry
+            params["p_delay"] = self.db.dialect.lease_param(max(0.0, retry_in))
         with self.db.begin() as conn:
-            ok = rowcount(conn.execute(self.sql.fail, params)) == 1
-            record_outcome_txn(conn, self.dialect, claim.task_name, outcome if ok else Outcome.LEASE_LOST)
+            ok = rowcount(conn.execute(stmt, params)) == 1
+            counted = outcome if ok else Outcome.LEASE_LOST
+            record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
         return ok
 
     # -- reads and counters --------------------------------------------------------------------------
 
-    def get(self, task_name: str, key: str) -> RunView | None:
-        """Return the run for (task, key), with whether its lease is live by the database clock."""
-        return self.runs.get(task_name, key)
+    def digest_key(self) -> bytes | None:
+        """The secret this database generated for per-field digests (read once), or None if it has none."""
+        if self._digest_key is None:
+            stmt = select(SECRETS.c.value).where(SECRETS.c.name == DIGEST_KEY_SECRET)
+            with self.db.read() as conn:
+                value = conn.execute(stmt).scalar_one_or_none()
+            self._digest_key = str(value).encode("utf-8") if value else b""
+        return self._digest_key or None
 
-    def record_outcome(self, task_name: str, outcome: Outcome) -> None:
+    def get(self, task_name: str, key: str, tenant: str = "") -> RunView | None:
+        """Return the run for (task, tenant, key), with whether its lease is live by the database clock."""
+        return self.runs.get(task_name, key, tenant)
+
+    def record_outcome(self, task_name: str, outcome: Outcome, tenant: str = "") -> None:
         """Count one delivery outcome in its own (durable) transaction."""
-        record_outcome(self.db, task_name, outcome)
+        record_outcome(self.db, task_name, outcome, tenant)
 
-    def outcome_counts(self, task_name: str | None = None) -> dict[str, int]:
-        """Return {outcome: count} summed over all tasks, or for one task."""
-        return outcome_counts(self.db, task_name)
+    def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
+        """Return {outcome: count} summed over all tasks, or for one task (or tenant)."""
+        return outcome_counts(self.db, task_name, tenant)
 
 
 def lease_lost(claim: Claim, what: str = "this holder's writes were rolled back") -> LeaseLost:

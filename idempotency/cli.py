@@ -156,12 +156,13 @@ _LIST_COLUMNS = ("id", "task", "key", "status", "token", "attempts", "owner", "l
 @runs.command("list")
 @click.option("--status", type=click.Choice([s.value for s in RunStatus], case_sensitive=False), default=None)
 @click.option("--task", "task_name", metavar="NAME", default=None, help="Only runs of this task.")
+@click.option("--tenant", metavar="TENANT", default=None, help="Only runs of this tenant ('' for none).")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.pass_context
-def runs_list(ctx: click.Context, status: str | None, task_name: str | None, limit: int) -> None:
+def runs_list(ctx: click.Context, status: str | None, task_name: str | None, tenant: str | None, limit: int) -> None:
     """List the most recently updated runs (times in UTC)."""
     found = Runs(resolve_database_url(ctx)).list(
-        task_name=task_name, status=RunStatus(status.upper()) if status else None, limit=limit
+        task_name=task_name, status=RunStatus(status.upper()) if status else None, tenant=tenant, limit=limit
     )
     table = [
         (
@@ -184,31 +185,36 @@ def runs_list(ctx: click.Context, status: str | None, task_name: str | None, lim
 @runs.command("show")
 @click.argument("key")
 @click.option("--task", "task_name", metavar="NAME", default=None, help="The task (if several share the key).")
+@click.option("--tenant", metavar="TENANT", default=None, help="The tenant (if several share the key).")
+@click.option("--show-payload", is_flag=True, help="Print the stored message's arguments (redacted otherwise).")
 @click.pass_context
-def runs_show(ctx: click.Context, key: str, task_name: str | None) -> None:
+def runs_show(ctx: click.Context, key: str, task_name: str | None, tenant: str | None, show_payload: bool) -> None:
     """Show every field of the run(s) with KEY, its result, error and checkpointed steps."""
     url = resolve_database_url(ctx)
     reader = Runs(url)
-    found = reader.find(key, task_name)
+    found = reader.find(key, task_name, tenant)
     if not found:
         where = f" for task {task_name}" if task_name else ""
         raise click.ClickException(f"No run with key {key!r}{where} in {safe_url(url)}")
     for i, run in enumerate(found):
         if i:
             click.echo()
-        _echo_run(run, reader.steps(run.run_id))
+        _echo_run(run, reader.steps(run.run_id), show_payload)
 
 
-def _echo_run(run: RunView, steps: Sequence[StepView]) -> None:
+def _echo_run(run: RunView, steps: Sequence[StepView], show_payload: bool = False) -> None:
     fields = [
         ("id", run.run_id),
         ("task", run.task_name),
+        ("tenant", run.tenant or None),
         ("key", run.key),
         ("status", run.status),
         ("fingerprint", run.fingerprint),
         ("fencing_token", run.token),
         ("owner", run.owner),
         ("attempts", run.attempts),
+        ("retries", run.retries),
+        ("not_before", run.not_before),
         ("lease_expires_at", run.lease_expires_at),
         ("concurrency_key", run.concurrency_key),
         ("celery_task_id", run.celery_task_id),
@@ -224,7 +230,11 @@ def _echo_run(run: RunView, steps: Sequence[StepView]) -> None:
     click.echo("error:")
     click.echo(_indent(run.error or "-"))
     click.echo("message:")
-    click.echo(_indent(json.dumps(run.message, sort_keys=True, ensure_ascii=False)))
+    if run.message is not None and not show_payload:
+        # Arguments may hold prompts, personal data or secrets: shown only when asked for.
+        click.echo(_indent("<kept for recovery until the run completes; --show-payload prints it>"))
+    else:
+        click.echo(_indent(json.dumps(run.message, sort_keys=True, ensure_ascii=False)))
     click.echo(f"steps ({len(steps)}):")
     if steps:
         rows = [(st.position, st.name, st.token, st.created_at) for st in steps]
@@ -240,10 +250,11 @@ def _indent(text: str) -> str:
 
 @click.command()
 @click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's deliveries.")
+@click.option("--tenant", metavar="TENANT", default=None, help="Only this tenant's deliveries ('' for none).")
 @click.pass_context
-def outcomes(ctx: click.Context, task_name: str | None) -> None:
+def outcomes(ctx: click.Context, task_name: str | None, tenant: str | None) -> None:
     """Print exact delivery outcome counts (every delivery records one, across all workers)."""
-    counts = Runs(resolve_database_url(ctx)).outcome_counts(task_name)
+    counts = Runs(resolve_database_url(ctx)).outcome_counts(task_name, tenant)
     rows = [(o.value, counts.get(o.value, 0)) for o in Outcome]
     rows.append(("total", sum(counts.values())))
     click.echo(format_table(("outcome", "count"), rows))

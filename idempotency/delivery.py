@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
@@ -178,6 +179,9 @@ class Delivery:
         hb = Heartbeat(store, claim, task.max_lease_seconds()).start()
         ctx = RunContext(claim, hb, StepRunner(store, claim, checkpoints), EffectsScope(store))
         task.attach(ctx)
+        # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
+        # carries the attempt: never a fresh allowance per copy.
+        task.request.retries = max(int(task.request.retries or 0), claim.retries)
         try:
             try:
                 result = task.run(*args, **kwargs)
@@ -203,11 +207,14 @@ class Delivery:
             ctx.effects.discard()
             # Nothing committed; the run stays RUNNING until its lease expires, then a re-delivery takes it.
             return self._store_failed(exc, "finishing")
-        except Retry:
+        except Retry as retry:
             ctx.effects.discard()
             # Celery has already sent the retry's message: if the failure cannot be recorded, the run stays
-            # RUNNING until its lease expires and the retry takes it over then.
-            self._record_failure(claim, "retry requested: " + traceback.format_exc(limit=5))
+            # RUNNING until its lease expires and the retry takes it over then. Recorded, the run waits
+            # out the countdown: a duplicate delivery must not run it again sooner.
+            self._record_failure(
+                claim, "retry requested: " + traceback.format_exc(limit=5), retry_in=_seconds_until(retry.when)
+            )
             raise
         except BaseException as exc:
             ctx.effects.discard()
@@ -230,11 +237,11 @@ class Delivery:
         log("claims database failed %s %s[%s]: %s; sending the job again", doing, self.task.name, self.ident.key, exc)
         return self.send_again(exc)
 
-    def _record_failure(self, claim: Claim, error: str) -> StoreError | None:
+    def _record_failure(self, claim: Claim, error: str, retry_in: float | None = None) -> StoreError | None:
         """Record the run FAILED; return the store error that prevented it (the caller re-sends), else None."""
         try:
             fault_point("record_failure", task=self.task.name, key=claim.key)
-            self.store.fail(claim, clean_error(error))
+            self.store.fail(claim, clean_error(error), retry_in=retry_in)
         except StoreError as exc:
             logger.error("could not record failure of %s[%s]: %s", self.task.name, claim.key, exc)
             return exc
@@ -242,10 +249,21 @@ class Delivery:
 
     def _count(self, outcome: Outcome) -> None:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
-        self.store.record_outcome(self.task.name, outcome)
+        self.store.record_outcome(self.task.name, outcome, self.ident.tenant)
 
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again
+
+
+def _seconds_until(when: Any) -> float:
+    """Celery's retry `when` (a countdown in seconds, or an ETA datetime) as seconds from now."""
+    if isinstance(when, datetime):
+        moment = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+        return max(0.0, (moment - datetime.now(UTC)).total_seconds())
+    try:
+        return max(0.0, float(when or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _direct_backoff(waits: int) -> float:

@@ -42,8 +42,8 @@ class Dialect:
         """The database clock's current time (leases never use a worker's clock)."""
         raise NotImplementedError
 
-    def lease_until(self) -> ColumnElement[Any]:
-        """The database clock plus the bound parameter `p_lease` (see `lease_param`)."""
+    def lease_until(self, param: str = "p_lease") -> ColumnElement[Any]:
+        """The database clock plus the seconds bound to `param` (its value made by `lease_param`)."""
         raise NotImplementedError
 
     def lease_param(self, seconds: float) -> Any:
@@ -98,8 +98,8 @@ class PostgreSQL(Dialect):
         # clock_timestamp(), not now(): now() is frozen at the start of a (possibly long) transaction.
         return func.clock_timestamp()
 
-    def lease_until(self) -> ColumnElement[Any]:
-        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam("p_lease", type_=Float))
+    def lease_until(self, param: str = "p_lease") -> ColumnElement[Any]:
+        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam(param, type_=Float))
 
     def lease_param(self, seconds: float) -> Any:
         return float(seconds)
@@ -148,8 +148,8 @@ class SQLite(Dialect):
     def now(self) -> ColumnElement[Any]:
         return func.strftime(SQLITE_TIME_FORMAT, "now")
 
-    def lease_until(self) -> ColumnElement[Any]:
-        return func.strftime(SQLITE_TIME_FORMAT, "now", bindparam("p_lease", type_=String))
+    def lease_until(self, param: str = "p_lease") -> ColumnElement[Any]:
+        return func.strftime(SQLITE_TIME_FORMAT, "now", bindparam(param, type_=String))
 
     def lease_param(self, seconds: float) -> Any:
         return f"{seconds:+.3f} seconds"

@@ -18,26 +18,30 @@ from oncelery.store import Database
 __all__ = ["Outcome", "outcome_counts", "outcome_params", "record_outcome", "record_outcome_txn"]
 
 
-def outcome_params(task_name: str, outcome: Outcome) -> dict[str, Any]:
+def outcome_params(task_name: str, outcome: Outcome, tenant: str = "") -> dict[str, Any]:
     """The parameters of one counter increment (a random shard)."""
-    return {"p_task": task_name, "p_outcome": outcome, "p_shard": random.randrange(OUTCOME_SHARDS)}
+    return {"p_task": task_name, "p_tenant": tenant, "p_outcome": outcome, "p_shard": random.randrange(OUTCOME_SHARDS)}
 
 
-def record_outcome_txn(conn: Connection | Session, dialect: str, task_name: str, outcome: Outcome) -> None:
+def record_outcome_txn(
+    conn: Connection | Session, dialect: str, task_name: str, outcome: Outcome, tenant: str = ""
+) -> None:
     """Count one delivery outcome inside the caller's transaction (it commits or rolls back with it)."""
-    conn.execute(statements(dialect).count_outcome, outcome_params(task_name, outcome))
+    conn.execute(statements(dialect).count_outcome, outcome_params(task_name, outcome, tenant))
 
 
-def record_outcome(db: Database, task_name: str, outcome: Outcome) -> None:
+def record_outcome(db: Database, task_name: str, outcome: Outcome, tenant: str = "") -> None:
     """Count one delivery outcome in its own durable transaction."""
-    db.one(statements(db.dialect.name).count_outcome, outcome_params(task_name, outcome))
+    db.one(statements(db.dialect.name).count_outcome, outcome_params(task_name, outcome, tenant))
 
 
-def outcome_counts(db: Database, task_name: str | None = None) -> dict[str, int]:
-    """Return {outcome: count} summed over all tasks, or for one task (read-only: creates nothing)."""
+def outcome_counts(db: Database, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
+    """Return {outcome: count} summed over all tasks (and tenants), or one task's, or one tenant's."""
     c = OUTCOMES.c
     stmt = select(c.outcome, func.sum(c.count)).group_by(c.outcome)
     if task_name is not None:
         stmt = stmt.where(c.task_name == task_name)
+    if tenant is not None:
+        stmt = stmt.where(c.tenant == tenant)
     with db.read() as conn:
         return {o.value: int(n) for o, n in conn.execute(stmt)}

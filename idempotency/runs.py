@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Select, Table, func, select
+from sqlalchemy import Select, Table, and_, func, select
 
 from oncelery.leases import lease_live
 from oncelery.models import RunStatus, StepResult
@@ -45,6 +45,10 @@ class RunView:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     finished_at: datetime | None = None
+    tenant: str = ""
+    retries: int = 0
+    not_before: datetime | None = None
+    retry_wait: bool = False  # FAILED, and Celery's retry countdown has not passed (database clock)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,9 @@ class StepView:
 
 
 def _runs_query(db: Database) -> Select[Any]:
-    return select(RUNS, lease_live(db.dialect.now()).label("lease_live"))
+    now = db.dialect.now()
+    retry_wait = and_(RUNS.c.not_before.is_not(None), RUNS.c.not_before > now)
+    return select(RUNS, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
 
 
 def _view(row: Any) -> RunView:
@@ -82,6 +88,10 @@ def _view(row: Any) -> RunView:
         created_at=row.created_at,
         updated_at=row.updated_at,
         finished_at=row.finished_at,
+        tenant=row.tenant,
+        retries=row.retries,
+        not_before=row.not_before,
+        retry_wait=bool(row.retry_wait),
     )
 
 
@@ -96,20 +106,22 @@ class Runs:
         """The database URL read from."""
         return self.db.url
 
-    def get(self, task_name: str, key: str) -> RunView | None:
-        """Return the run of (task, key), or None."""
+    def get(self, task_name: str, key: str, tenant: str = "") -> RunView | None:
+        """Return the run of (task, tenant, key), or None."""
         c = RUNS.c
-        stmt = _runs_query(self.db).where(c.task_name == task_name, c.idempotency_key == key)
+        stmt = _runs_query(self.db).where(c.task_name == task_name, c.tenant == tenant, c.idempotency_key == key)
         with self.db.read() as conn:
             row = conn.execute(stmt).first()
         return None if row is None else _view(row)
 
-    def find(self, key: str, task_name: str | None = None) -> list[RunView]:
-        """Return every run with `key` (of one task, if given), ordered by task name."""
+    def find(self, key: str, task_name: str | None = None, tenant: str | None = None) -> list[RunView]:
+        """Return every run with `key` (of one task, one tenant, if given), ordered by task and tenant."""
         c = RUNS.c
-        stmt = _runs_query(self.db).where(c.idempotency_key == key).order_by(c.task_name)
+        stmt = _runs_query(self.db).where(c.idempotency_key == key).order_by(c.task_name, c.tenant)
         if task_name is not None:
             stmt = stmt.where(c.task_name == task_name)
+        if tenant is not None:
+            stmt = stmt.where(c.tenant == tenant)
         with self.db.read() as conn:
             return [_view(row) for row in conn.execute(stmt)]
 
@@ -119,11 +131,14 @@ class Runs:
         task_name: str | None = None,
         status: RunStatus | None = None,
         keys: Collection[str] | None = None,
+        tenant: str | None = None,
         limit: int | None = 50,
     ) -> builtins.list[RunView]:
-        """Return runs, most recently updated first, filtered by task, status and keys."""
+        """Return runs, most recently updated first, filtered by task, status, keys and tenant."""
         c = RUNS.c
         stmt = _runs_query(self.db).order_by(c.updated_at.desc(), c.id.desc())
+        if tenant is not None:
+            stmt = stmt.where(c.tenant == tenant)
         if task_name is not None:
             stmt = stmt.where(c.task_name == task_name)
         if status is not None:
@@ -185,6 +200,6 @@ class Runs:
         with self.db.read() as conn:
             return int(conn.execute(stmt).scalar_one())
 
-    def outcome_counts(self, task_name: str | None = None) -> dict[str, int]:
-        """Return exact {outcome: count} over every delivery (of one task, if given)."""
-        return outcome_counts(self.db, task_name)
+    def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
+        """Return exact {outcome: count} over every delivery (of one task, one tenant, if given)."""
+        return outcome_counts(self.db, task_name, tenant)

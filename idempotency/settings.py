@@ -15,6 +15,11 @@ ENV_RESULT_BACKEND = "ONCELERY_RESULT_BACKEND"
 ENV_DATA_DIR = "ONCELERY_DATA_DIR"
 # The Celery setting an app that does not load celeryconfig.py sets to choose the claims database.
 CONF_DATABASE_URL = "oncelery_database_url"
+# The deployment secret that keys per-field payload digests (so a low-entropy field cannot be brute-forced
+# from task_runs); the same on every worker. Unset: no per-field digests are kept (conflicts then cannot
+# name the differing fields). Rotating it only makes older runs' conflicts name no fields.
+ENV_DIGEST_KEY = "ONCELERY_DIGEST_KEY"
+CONF_DIGEST_KEY = "oncelery_digest_key"
 
 DEFAULT_DATABASE_FILE = "oncelery.db"
 DEFAULT_DATA_DIR = ".oncelery"
@@ -22,6 +27,7 @@ DEFAULT_DATA_DIR = ".oncelery"
 # Message headers: Celery drops unknown apply_async options but carries custom headers to
 # `request.headers` and across `retry()`.
 HEADER_KEY = "oncelery_key"
+HEADER_TENANT = "oncelery_tenant"
 HEADER_WAITS = "oncelery_waits"
 HEADER_PIPELINE = "oncelery_pipeline"
 
@@ -69,6 +75,12 @@ def configured_database_url(conf: Any = None) -> str | None:
     """Return the app's `oncelery_database_url`, else $ONCELERY_DATABASE_URL, else None (never a default)."""
     url = conf.get(CONF_DATABASE_URL) if conf is not None else None
     return str(url or os.environ.get(ENV_DATABASE_URL) or "") or None
+
+
+def digest_secret(conf: Any = None) -> bytes | None:
+    """Return the secret that keys per-field digests (app config, else $ONCELERY_DIGEST_KEY), or None."""
+    value = (conf.get(CONF_DIGEST_KEY) if conf is not None else None) or os.environ.get(ENV_DIGEST_KEY)
+    return str(value).encode("utf-8") if value else None
 
 
 def require_database_url(conf: Any = None, who: str = "This worker") -> str:

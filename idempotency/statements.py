@@ -20,6 +20,13 @@ from oncelery.models import DeliveryOutcome, RunStatus, TaskRun
 RUNS = cast(Table, TaskRun.__table__)
 OUTCOMES = cast(Table, DeliveryOutcome.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
+_OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
+
+
+def retry_due(now: ColumnElement[Any]) -> ColumnElement[bool]:
+    """A FAILED run may be taken over: Celery's retry countdown (not_before, database clock) has passed."""
+    c = RUNS.c
+    return or_(c.not_before.is_(None), c.not_before <= now)
 
 
 def _fenced() -> ColumnElement[bool]:
@@ -54,6 +61,8 @@ class Statements:
                 finished_at=now,
                 updated_at=now,
                 lease_expires_at=None,
+                not_before=None,
+                message=None,  # kept only until the run completes (G9): it was there for recovery
             )
         )
         self.fail = (
@@ -61,12 +70,29 @@ class Statements:
             .where(_fenced())
             .values(status=RunStatus.FAILED, error=bindparam("p_error"), updated_at=now, lease_expires_at=None)
         )
+        # A failure Celery will retry after a countdown: no duplicate may take the run over before then
+        # (database clock), and the retry is counted on the run, whichever message carries it.
+        self.fail_for_retry = (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.FAILED,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=dia.lease_until("p_delay"),
+                retries=RUNS.c.retries + 1,
+            )
+        )
         # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
         # holder's fenced writes now fail, and its own redelivery can take it over later).
         self.demote_expired_entity = (
             update(RUNS)
             .where(
-                RUNS.c.concurrency_key == bindparam("p_entity"), RUNS.c.status == RunStatus.RUNNING, lease_expired(now)
+                RUNS.c.tenant == bindparam("p_tenant"),
+                RUNS.c.concurrency_key == bindparam("p_entity"),
+                RUNS.c.status == RunStatus.RUNNING,
+                lease_expired(now),
             )
             .values(
                 status=RunStatus.FAILED,
@@ -78,8 +104,14 @@ class Statements:
         o = OUTCOMES.c
         self.count_outcome = (
             insert(OUTCOMES)
-            .values(task_name=bindparam("p_task"), outcome=bindparam("p_outcome"), shard=bindparam("p_shard"), count=1)
-            .on_conflict_do_update(index_elements=["task_name", "outcome", "shard"], set_={"count": o.count + 1})
+            .values(
+                task_name=bindparam("p_task"),
+                tenant=bindparam("p_tenant"),
+                outcome=bindparam("p_outcome"),
+                shard=bindparam("p_shard"),
+                count=1,
+            )
+            .on_conflict_do_update(index_elements=_OUTCOME_KEY, set_={"count": o.count + 1})
         )
         self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
 
@@ -91,6 +123,7 @@ class Statements:
             insert(RUNS)
             .values(
                 task_name=bindparam("p_task"),
+                tenant=bindparam("p_tenant"),
                 idempotency_key=bindparam("p_key"),
                 fingerprint=bindparam("p_fingerprint"),
                 field_digests=bindparam("p_digests", type_=JSON),
@@ -103,7 +136,7 @@ class Statements:
                 celery_task_id=bindparam("p_task_id"),
                 message=bindparam("p_message", type_=JSON),
             )
-            .on_conflict_do_nothing(index_elements=["task_name", "idempotency_key"])
+            .on_conflict_do_nothing(index_elements=["task_name", "tenant", "idempotency_key"])
             .returning(c.id)
         )
 
@@ -115,10 +148,14 @@ class Statements:
             update(RUNS)
             .where(
                 c.task_name == bindparam("p_task"),
+                c.tenant == bindparam("p_tenant"),
                 c.idempotency_key == bindparam("p_key"),
                 # A different payload never takes a run over: that is a conflict, decided by the caller.
                 c.fingerprint == bindparam("p_fingerprint"),
-                or_(c.status == RunStatus.FAILED, and_(c.status == RunStatus.RUNNING, lease_expired(now))),
+                or_(
+                    and_(c.status == RunStatus.FAILED, retry_due(now)),
+                    and_(c.status == RunStatus.RUNNING, lease_expired(now)),
+                ),
             )
             .values(
                 status=RunStatus.RUNNING,
@@ -128,11 +165,12 @@ class Statements:
                 attempts=c.attempts + 1,
                 updated_at=now,
                 error=None,
+                not_before=None,
                 concurrency_key=bindparam("p_entity"),
                 celery_task_id=bindparam("p_task_id"),
                 message=bindparam("p_message", type_=JSON),
             )
-            .returning(c.id, c.fencing_token, c.attempts)
+            .returning(c.id, c.fencing_token, c.attempts, c.retries)
         )
 
     def _complete_and_count(self) -> Any:
@@ -143,14 +181,15 @@ class Statements:
         o = OUTCOMES.c
         rows = select(
             bindparam("p_task", type_=String),
+            bindparam("p_tenant", type_=String),
             bindparam("p_outcome", type_=o.outcome.type),
             bindparam("p_shard", type_=Integer),
             literal(1),
         ).select_from(done)
         return (
             postgresql.insert(OUTCOMES)
-            .from_select(["task_name", "outcome", "shard", "count"], rows)
-            .on_conflict_do_update(index_elements=["task_name", "outcome", "shard"], set_={"count": o.count + 1})
+            .from_select(["task_name", "tenant", "outcome", "shard", "count"], rows)
+            .on_conflict_do_update(index_elements=_OUTCOME_KEY, set_={"count": o.count + 1})
             .returning(o.count)
             .add_cte(done)
         )

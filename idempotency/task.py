@@ -15,19 +15,23 @@ from typing import Any
 from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Retry
+from kombu.serialization import dumps, loads, prepare_accept_content
 from sqlalchemy.orm import Session
 
 from oncelery.claims import RunStore
 from oncelery.delivery import Delivery, RunContext
-from oncelery.errors import ConfigurationError
+from oncelery.errors import ConfigurationError, OnceleryError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
+from oncelery.models import Outcome
 from oncelery.settings import (
     DEFAULT_LEASE_SECONDS,
     HEADER_KEY,
+    HEADER_TENANT,
     HEADER_WAITS,
     MIN_LEASE_SECONDS,
     WAIT_BACKOFF_BASE,
     WAIT_BACKOFF_CAP,
+    digest_secret,
     require_database_url,
 )
 from oncelery.steps import step_seed
@@ -65,6 +69,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: its key for ever. None: the task's time_limit (else soft_time_limit, else the app's task_time_limit);
     #: with none of them set, renewal is unbounded. Set it above the longest honest run.
     max_lease: float | None = None
+    #: Template or callable over the arguments giving the key's namespace (a tenant); per call:
+    #: apply_async(..., tenant="acme"). One tenant never replays, conflicts with or blocks another's key.
+    tenant: KeySpec = None
+    #: Keep the message's arguments in the run row until it completes, so a job whose message a broker lost
+    #: can be sent again. None: only on the embedded (filesystem://) broker, which loses in-flight messages.
+    store_message: bool | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,19 +90,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         if not isinstance(self.lease, int | float) or self.lease < MIN_LEASE_SECONDS:
             raise ConfigurationError(f"{self.name}: lease={self.lease!r}; give seconds >= {MIN_LEASE_SECONDS}")
+        if self.max_lease is not None and (not isinstance(self.max_lease, int | float) or self.max_lease <= 0):
+            raise ConfigurationError(f"{self.name}: max_lease={self.max_lease!r}; give seconds > 0, or None")
         if self.name and (self.name.startswith("tasks.") or "." not in self.name):
             logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
         _ = self._keys, self._concurrency_keys
 
     @cached_property
     def _keys(self) -> KeyBuilder:
-        return KeyBuilder(self.run, self.name or "", self.idempotency_key, self.fingerprint)
+        return KeyBuilder(self.run, self.name or "", self.idempotency_key, self.fingerprint, self.tenant)
 
     @cached_property
     def _concurrency_keys(self) -> KeyBuilder | None:
         if self.concurrency_key is None:
             return None
-        return KeyBuilder(self.run, self.name or "", self.concurrency_key, None)
+        return KeyBuilder(self.run, self.name or "", self.concurrency_key, None, what="concurrency_key")
 
     @property
     def store(self) -> RunStore:
@@ -104,31 +116,59 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.__dict__["_store"] = cached
         return cached
 
-    def identity_of(self, args: Any = (), kwargs: Any = None, idempotency_key: str | None = None) -> Identity:
-        """Return the key and payload fingerprint this task derives for the given call."""
-        return self._keys.identity(tuple(args or ()), dict(kwargs or {}), idempotency_key)
+    def identity_of(
+        self,
+        args: Any = (),
+        kwargs: Any = None,
+        idempotency_key: str | None = None,
+        tenant: str | None = None,
+        *,
+        digests: bool = True,
+    ) -> Identity:
+        """Return the key, tenant and payload fingerprint this task derives for the given call.
+
+        Per-field digests are keyed with ONCELERY_DIGEST_KEY, else with the secret the claims database
+        generated (`digests=False` skips them, and the database).
+        """
+        digest_key = (digest_secret(self.app.conf) or self.store.digest_key()) if digests else None
+        return self._keys.identity(tuple(args or ()), dict(kwargs or {}), idempotency_key, tenant, digest_key)
 
     # -- producer side ---------------------------------------------------------------------------
 
     def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
-        """Send the task; `idempotency_key=` travels as a header (Celery drops unknown options)."""
+        """Send the task; refuse at once what a worker would refuse (bad key, non-JSON payload).
+
+        `idempotency_key=` and `tenant=` travel as headers (Celery drops unknown options).
+        """
         key = options.pop("idempotency_key", None)
+        tenant = options.pop("tenant", None)
+        headers = dict(options.get("headers") or {})
         if key is not None:
-            validate_key(key)
-            options["headers"] = {**(options.get("headers") or {}), HEADER_KEY: key}
-        elif self.idempotency_key is not None:
-            self._validate_key_at_call_time(args, kwargs)
+            headers[HEADER_KEY] = validate_key(key)
+        if tenant is not None:
+            headers[HEADER_TENANT] = validate_key(tenant, "tenant")
+        if headers:
+            options["headers"] = headers
+        self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
         return super().apply_async(args, kwargs, *a, **options)
 
-    def _validate_key_at_call_time(self, args: Any, kwargs: Any) -> None:
-        # Fail in the caller, not in a worker at 3 a.m.; chain links get their first argument from
-        # the previous link in the worker, so an incomplete argument list is checked there instead.
+    def _check_at_call_time(
+        self, args: Any, kwargs: Any, key: str | None, tenant: str | None, serializer: str | None
+    ) -> None:
+        # The worker sees the arguments after a round trip through the serializer (kombu's JSON turns a
+        # UUID, datetime or Decimal back into that object): derive the identity from the same values here,
+        # so what every delivery would refuse is refused in the caller, not acked in a worker at 3 a.m.
+        content_type, encoding, body = dumps(
+            (list(args or ()), dict(kwargs or {})), serializer=serializer or self.serializer
+        )
+        accept = prepare_accept_content(self.app.conf.accept_content)
+        seen_args, seen_kwargs = loads(body, content_type, encoding, accept=accept)
         try:
-            arguments = self._keys.bind(tuple(args or ()), dict(kwargs or {}))
+            self._keys.bind(seen_args, seen_kwargs)
         except ConfigurationError:
+            # A chain link gets its first argument from the previous link, in the worker: checked there.
             return
-        if isinstance(self.idempotency_key, str):
-            validate_key(self.idempotency_key.format(**arguments))
+        self.identity_of(seen_args, seen_kwargs, key, tenant, digests=False)
 
     # -- worker side -----------------------------------------------------------------------------
 
@@ -147,15 +187,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
             _task_stack.pop()
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
-        explicit_key = (self.request.headers or {}).get(HEADER_KEY)
-        ident = self._keys.identity(args, kwargs, explicit_key)
-        entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
-        message = {
-            "args": list(args),
-            "kwargs": kwargs,
-            "headers": {HEADER_KEY: explicit_key} if explicit_key else {},
-        }
+        headers = self.request.headers or {}
+        explicit = {name: headers[name] for name in (HEADER_KEY, HEADER_TENANT) if headers.get(name)}
+        try:
+            ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
+            entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+        except OnceleryError as exc:
+            # No run can hold a delivery without an identity; it can never succeed, so count and say why.
+            logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
+            self.store.record_outcome(self.name, Outcome.FAILED)
+            raise
+        message = None
+        if self._keeps_messages():
+            message = {"args": list(args), "kwargs": kwargs, "headers": explicit}
         return Delivery(self, ident, entity, message, direct, self._send_again).run(args, kwargs)
+
+    def _keeps_messages(self) -> bool:
+        if self.store_message is not None:
+            return bool(self.store_message)
+        return str(self.app.conf.broker_url or "").startswith("filesystem://")
 
     def _send_again(self, exc: BaseException | None) -> Any:
         """Re-send this message with backoff, without spending the task's max_retries, and ack this one."""

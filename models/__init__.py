@@ -5,6 +5,15 @@ on their own migration branch, so `oncelery db upgrade` never creates them in a 
 """
 
 from oncelery.models.base import Base
-from oncelery.models.runs import DeliveryOutcome, Outcome, RunStatus, StepResult, TaskRun
+from oncelery.models.runs import DIGEST_KEY_SECRET, DeliveryOutcome, Outcome, RunStatus, Secret, StepResult, TaskRun
 
-__all__ = ["Base", "DeliveryOutcome", "Outcome", "RunStatus", "StepResult", "TaskRun"]
+__all__ = [
+    "DIGEST_KEY_SECRET",
+    "Base",
+    "DeliveryOutcome",
+    "Outcome",
+    "RunStatus",
+    "Secret",
+    "StepResult",
+    "TaskRun",
+]

@@ -36,7 +36,7 @@ FRAMEWORK = Branch(
     "oncelery",
     "oncelery.models:migrations",
     "oncelery_alembic_version",
-    frozenset({"task_runs", "step_results", "delivery_outcomes"}),
+    frozenset({"task_runs", "step_results", "delivery_outcomes", "oncelery_secrets"}),
 )
 JOBS = Branch(
     "jobs",

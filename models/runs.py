@@ -61,12 +61,14 @@ def _enum(cls: type[enum.Enum], name: str) -> Enum:
 
 
 class TaskRun(Base):
-    """One row per (task_name, idempotency_key): the claim, its lease and fencing token, and the result."""
+    """One row per (task_name, tenant, idempotency_key): the claim, its lease and fencing token, the result."""
 
     __tablename__ = "task_runs"
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     task_name: Mapped[str] = mapped_column(String(255), nullable=False)
+    # The key's namespace ("" without tenants): one tenant never replays, conflicts with or blocks another's.
+    tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
     idempotency_key: Mapped[str] = mapped_column(String(255), nullable=False)
     fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
     # sha256 per fingerprinted argument, so a conflict can name the fields that differ.
@@ -77,6 +79,10 @@ class TaskRun(Base):
     owner: Mapped[str | None] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    # Celery retries of this run (its body called self.retry or autoretry fired), counted per run, not per
+    # message, and the database-clock moment before which no delivery may take the FAILED run over.
+    retries: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     result: Mapped[Any] = mapped_column(Json, nullable=True)
     error: Mapped[str | None] = mapped_column(Text)
     concurrency_key: Mapped[str | None] = mapped_column(String(255))
@@ -92,11 +98,12 @@ class TaskRun(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
-        UniqueConstraint("task_name", "idempotency_key"),
+        UniqueConstraint("task_name", "tenant", "idempotency_key"),
         CheckConstraint("fencing_token >= 1", name="token_positive"),
-        # One RUNNING run per entity: enforced by the database, not by a lock in Python.
+        # One RUNNING run per entity (of a tenant): enforced by the database, not by a lock in Python.
         Index(
             "uq_task_runs_running_concurrency_key",
+            "tenant",
             "concurrency_key",
             unique=True,
             postgresql_where=text("status = 'RUNNING'"),
@@ -135,7 +142,21 @@ class DeliveryOutcome(Base):
     __tablename__ = "delivery_outcomes"
 
     task_name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(255), primary_key=True, default="", server_default="")
     outcome: Mapped[Outcome] = mapped_column(_enum(Outcome, "outcome"), primary_key=True)
     # Several rows per (task, outcome), summed on read: concurrent workers rarely queue on one counter row.
     shard: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
     count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+
+
+class Secret(Base):
+    """Deployment secrets Oncelery generates for itself (e.g. the key of per-field payload digests)."""
+
+    __tablename__ = "oncelery_secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(255), nullable=False)
+
+
+#: The name of the secret that keys per-field digests when ONCELERY_DIGEST_KEY is not set.
+DIGEST_KEY_SECRET = "digest_key"

@@ -23,7 +23,7 @@ from tests.services import run_to_completion, unique_queue, wait_for
 
 ONCELERY = str(Path(sys.executable).parent / "oncelery")
 TASK = "oncelery.startup_job"
-FRAMEWORK_TABLES = {"task_runs", "step_results", "delivery_outcomes", "oncelery_alembic_version"}
+FRAMEWORK_TABLES = {"task_runs", "step_results", "delivery_outcomes", "oncelery_secrets", "oncelery_alembic_version"}
 JOBS_TABLES = {"article_scores", "llm_calls", "oncelery_jobs_alembic_version"}
 
 APP_SOURCE = f"""
