@@ -178,7 +178,10 @@ class KeyBuilder:
         if isinstance(spec, str):
             return spec.format(**{name: encode_key_value(value) for name, value in arguments.items()})
         if callable(spec):
-            return str(spec(*args, **kwargs))
+            try:
+                return str(spec(*args, **kwargs))
+            except Exception as exc:  # a user's callable: its failure becomes a typed error naming it
+                raise ConfigurationError(f"The key callable {spec!r} failed on these arguments: {exc!r}") from exc
         return None
 
 

@@ -5,6 +5,7 @@ The task decides *what happens* on each claim decision; `RunStore` decides *how*
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -98,13 +99,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @cached_property
     def _keys(self) -> KeyBuilder:
-        return KeyBuilder(self.run, self.name or "", self.idempotency_key, self.fingerprint, self.tenant)
+        return KeyBuilder(
+            self.run, self.name or "", self._option("idempotency_key"), self.fingerprint, self._option("tenant")
+        )
 
     @cached_property
     def _concurrency_keys(self) -> KeyBuilder | None:
         if self.concurrency_key is None:
             return None
-        return KeyBuilder(self.run, self.name or "", self.concurrency_key, None, what="concurrency_key")
+        return KeyBuilder(self.run, self.name or "", self._option("concurrency_key"), None, what="concurrency_key")
+
+    def _option(self, name: str) -> Any:
+        # Celery keeps task options as class attributes, so a function given as an option (a callable key)
+        # comes back bound to the task; it is documented to take the task's arguments only: unbind it.
+        value = getattr(self, name)
+        if inspect.ismethod(value) and value.__self__ is self:
+            return value.__func__
+        return value
 
     @property
     def store(self) -> RunStore:
