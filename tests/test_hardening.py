@@ -280,3 +280,23 @@ def test_retries_are_counted_per_run_not_per_message(db_url: str) -> None:
     # The run has spent one retry; a fresh message (request.retries == 0) runs with the run's count.
     assert flaky(1) == 1
     assert attempts == [1]
+
+
+# -- 7. a worker that meets an identity error says so ------------------------------------------------
+
+
+def test_a_worker_records_an_outcome_for_a_message_without_an_identity(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    """A message the caller-side check never saw (sent by name) with a key too long: counted, with the reason."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_noident", idempotency_key="k:{doc}")
+    def job(self: IdempotentTask, doc: str) -> str:
+        return doc
+
+    with worker_factory(app):
+        result = app.send_task("oncelery.t_noident", args=["x" * 300])
+        with pytest.raises(Exception, match="255"):
+            result.get(timeout=60)
+    assert job.outcome_counts() == {"failed": 1}
+    assert Runs(db_url).list(task_name="oncelery.t_noident") == []
