@@ -48,7 +48,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import Pool
 
-from oncelery import IdempotentTask
+from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/13"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
@@ -73,18 +73,13 @@ def stats_url() -> str:
 
 app = Celery("oncelery_bench")
 app.conf.update(
+    # The delivery semantics Oncelery is deployed with (what celeryconfig.py deploys).
+    **CELERY_DELIVERY_DEFAULTS,
     broker_url=broker_url(),
     # Measure the queue, not a result backend.
     result_backend=None,
     task_ignore_result=True,
     task_store_errors_even_if_ignored=False,
-    # The delivery semantics Oncelery is deployed with (celeryconfig.py defaults).
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    worker_prefetch_multiplier=1,
-    task_serializer="json",
-    accept_content=["json"],
-    result_serializer="json",
     # No events: Flower is not part of the measurement.
     worker_send_task_events=False,
     task_send_sent_event=False,

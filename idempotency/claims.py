@@ -185,8 +185,9 @@ class RunStore:
                     return ClaimResult(Decision.COMPLETED, run=run)
                 if run.status is RunStatus.RUNNING and run.lease_live:
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
-                if run.status is RunStatus.FAILED and run.retry_wait:
+                if run.status is RunStatus.FAILED and run.retry_wait and run.celery_task_id != celery_task_id:
                     # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
+                    # (The retry itself carries the run's task id: it may go, even a moment early.)
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
                 row, _ = self.db.one(self.sql.takeover, params, durable=False)
             except IntegrityError:

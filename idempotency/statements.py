@@ -153,7 +153,8 @@ class Statements:
                 # A different payload never takes a run over: that is a conflict, decided by the caller.
                 c.fingerprint == bindparam("p_fingerprint"),
                 or_(
-                    and_(c.status == RunStatus.FAILED, retry_due(now)),
+                    # Celery's own retry (the same task id) is due when it arrives; duplicates wait it out.
+                    and_(c.status == RunStatus.FAILED, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))),
                     and_(c.status == RunStatus.RUNNING, lease_expired(now)),
                 ),
             )

@@ -14,6 +14,7 @@ from celery.contrib.testing.worker import start_worker
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from oncelery import CELERY_DELIVERY_DEFAULTS
 from oncelery.models.migrate import JOBS, upgrade
 from oncelery.store import dispose_engines, get_engine
 from tests import services
@@ -29,16 +30,22 @@ ORDERED_TABLES = [
 ]
 
 
+def migrated(url: str) -> Engine:
+    """Return this process's engine for `url`, migrated to head (framework and jobs), with the test tables."""
+    engine = get_engine(url)
+    upgrade(engine)
+    upgrade(engine, branch=JOBS)
+    services.test_metadata.create_all(engine)
+    return engine
+
+
 @pytest.fixture(scope="session")
 def pg_session_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this test session, migrated to head."""
     services.need("PostgreSQL", services.postgres_available(), "start it (see README: Services)")
     services.recreate_pg_database()
     url = services.pg_url()
-    engine = get_engine(url)
-    upgrade(engine)
-    upgrade(engine, branch=JOBS)
-    services.test_metadata.create_all(engine)
+    migrated(url)
     yield url
     dispose_engines()
     services.drop_pg_database()
@@ -49,10 +56,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """The claims database URL, once per store: a fresh SQLite file, and a truncated PostgreSQL database."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'claims.db'}"
-        engine = get_engine(url)
-        upgrade(engine)
-        upgrade(engine, branch=JOBS)
-        services.test_metadata.create_all(engine)
+        engine = migrated(url)
         yield url
         engine.dispose()
         return
@@ -81,16 +85,11 @@ def app(db_url: str, redis_url: str) -> Iterator[Celery]:
     """A Celery app on the real Redis broker, a unique queue, and `db_url` as the claims database."""
     celery_app = Celery(f"test-{os.getpid()}")
     celery_app.conf.update(
+        **CELERY_DELIVERY_DEFAULTS,
         broker_url=redis_url,
         result_backend=redis_url,
         oncelery_database_url=db_url,
         task_default_queue=services.unique_queue(),
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )

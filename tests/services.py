@@ -1,17 +1,26 @@
-"""Real-service addresses for the tests, and the rule: skip locally without a service, fail in CI."""
+"""Real-service addresses for the tests, and the rule: skip locally without a service, fail in CI; the one
+copy of the helpers for the subprocesses the tests start (commands, `celery worker`s) and for waiting.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis
 from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
@@ -20,6 +29,8 @@ PG_ADMIN_URL = os.environ.get("ONCELERY_TEST_PG_ADMIN_URL", "postgresql+psycopg:
 PG_TEST_DB = os.environ.setdefault("ONCELERY_TEST_PG_DB", f"oncelery_test_{os.getpid()}")
 REDIS_URL = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# The `oncelery` console script of this virtualenv.
+ONCELERY = str(Path(sys.executable).parent / "oncelery")
 
 
 def need(service: str, reachable: bool, how: str) -> None:
@@ -84,20 +95,21 @@ def recreate_pg_database() -> None:
 # Test-only tables: effects written through `self.effects()`, and executions counted outside any
 # transaction of the run (so a rolled-back zombie still shows it ran).
 test_metadata = MetaData()
-effects_table = Table(
-    "test_effects",
-    test_metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("key", String(255), nullable=False),
-    Column("pid", Integer, nullable=False),
-)
-executions_table = Table(
-    "test_executions",
-    test_metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("key", String(255), nullable=False),
-    Column("pid", Integer, nullable=False),
-)
+
+
+def _key_pid_table(name: str) -> Table:
+    """A test table of (id, key, pid) rows: one row per effect or execution, naming the process."""
+    return Table(
+        name,
+        test_metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("key", String(255), nullable=False),
+        Column("pid", Integer, nullable=False),
+    )
+
+
+effects_table = _key_pid_table("test_effects")
+executions_table = _key_pid_table("test_executions")
 
 
 def count_rows(engine: Engine, table: Table, key: str | None = None) -> int:
@@ -122,6 +134,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: floa
 def unique_queue() -> str:
     """Return a queue name no other test uses (so leftover messages never cross tests)."""
     return f"oncelery-test-{uuid.uuid4().hex[:12]}"
+
+
+def results_url(broker_url: str) -> str:
+    """Return the Redis URL of the result backend: the database after the broker's."""
+    parts = urlsplit(broker_url)
+    return urlunsplit(parts._replace(path=f"/{int(parts.path.lstrip('/') or 0) + 1}"))
+
+
+def delete_queue_keys(redis_url: str, queue: str) -> None:
+    """Delete every Redis key that names `queue` (its list, its unacked bookkeeping), so nothing outlives the test."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        leftovers = list(client.scan_iter(match=f"*{queue}*"))
+        if leftovers:
+            client.delete(*leftovers)
+    finally:
+        client.close()
 
 
 def redis_cli(*args: str) -> str:
@@ -160,3 +189,85 @@ def run_to_completion(
         on_timeout(out)
         pytest.fail(f"{argv[1:]} timed out after {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
     return proc.returncode, out, err
+
+
+# -- subprocesses ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Done:
+    """A finished command: exit code, output, and (for `oncelery process --summary-json`) its summary."""
+
+    code: int
+    out: str
+    err: str
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any ONCELERY_*/CELERY_* setting (so the embedded defaults apply), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONCELERY_", "CELERY_"))}
+    env.update(extra)
+    return env
+
+
+def proc_state(pid: int) -> str:
+    """Return the kernel's one-letter state of `pid` ('T' when stopped, 'Z' when exited), or '' if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int) -> bool:
+    """Return whether `pid` is a process that has not exited (a zombie has)."""
+    return proc_state(pid) not in ("", "Z")
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to the process group `pgid` (a session a test started), if any process of it is left."""
+    with suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def stop_sessions(procs: Sequence[subprocess.Popen[Any]], grace: float = 30.0) -> list[int | None]:
+    """Stop processes that each lead a session of their own (`start_new_session=True`), by their PIDs.
+
+    SIGCONT to each session (a stopped process cannot act on SIGTERM) and SIGTERM to each leader (a warm
+    shutdown), at most `grace` seconds in all for them to exit, then SIGKILL of every session's process
+    group, which also reaps pool children orphaned by a SIGKILL of their parent. Returns the exit codes.
+    """
+    for proc in procs:
+        signal_group(proc.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)  # nothing if it has already been reaped
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for proc in procs:
+        signal_group(proc.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    return [proc.returncode for proc in procs]
+
+
+def worker_pids(out: str) -> list[int]:
+    """Return the PIDs of every worker a command (`oncelery demo`/`process`) reported starting, restarts too."""
+    return [int(pid) for pid in re.findall(r"started a worker: pid (\d+)", out)]
+
+
+def live_workers(out: str) -> list[int]:
+    """Return the PIDs of the workers reported in `out` that are still running."""
+    return [pid for pid in worker_pids(out) if alive(pid)]
+
+
+def kill_reported_workers(out: str) -> None:
+    """SIGKILL the process group of every reported worker still alive (each leads its own session)."""
+    for pid in live_workers(out):
+        try:
+            ours = b"celery" in Path(f"/proc/{pid}/cmdline").read_bytes()  # not a reused PID
+        except OSError:
+            continue
+        if ours:
+            signal_group(pid, signal.SIGKILL)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,63 +21,29 @@ from oncelery.claims import RunStore
 from oncelery.keys import Identity
 from oncelery.models import RunStatus, TaskRun
 from tests import services
-from tests.services import run_to_completion
+from tests.services import (
+    ONCELERY,
+    Done,
+    clean_env,
+    kill_reported_workers,
+    live_workers,
+    run_to_completion,
+    worker_pids,
+)
 
-ONCELERY = str(Path(sys.executable).parent / "oncelery")
 CLI_TIMEOUT = 60.0
 DEMO_TIMEOUT = 150.0
-
-
-@dataclass
-class Done:
-    """A finished command: exit code and output."""
-
-    code: int
-    out: str
-    err: str
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any ONCELERY_*/CELERY_* setting (so the embedded defaults apply), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONCELERY_", "CELERY_"))}
-    env.update(extra)
-    return env
 
 
 def run(argv: list[str], cwd: Path, env: Mapping[str, str] | None = None, timeout: float = CLI_TIMEOUT) -> Done:
     """Run `argv` to completion; on timeout SIGTERM it (the demo then stops its worker), then SIGKILL, and fail."""
     env = dict(env) if env is not None else clean_env()
-    return Done(*run_to_completion(argv, cwd, env, timeout, _kill_demo_worker))
+    return Done(*run_to_completion(argv, cwd, env, timeout, kill_reported_workers))
 
 
 def oncelery(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = CLI_TIMEOUT) -> Done:
     """Run the `oncelery` console script of this virtualenv."""
     return run([ONCELERY, *args], cwd, env, timeout)
-
-
-def _demo_worker_pid(out: str) -> int | None:
-    match = re.search(r"started a worker: pid (\d+)", out)
-    return int(match.group(1)) if match else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-
-
-def _kill_demo_worker(out: str) -> None:
-    pid = _demo_worker_pid(out)
-    if pid is None or not _alive(pid):
-        return
-    try:
-        ours = b"celery" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return
-    if ours:
-        os.killpg(pid, signal.SIGKILL)  # it leads its own session (tasks.local_worker)
 
 
 def sqlite_url(path: Path) -> str:
@@ -246,10 +211,9 @@ def test_demo_on_the_embedded_default_runs_each_document_once(tmp_path: Path) ->
         assert done.code == 0, f"{done.out}\n{done.err}"
         assert "exactly once: 10 bodies ran for 15 deliveries of 10 documents" in done.out
     finally:
-        _kill_demo_worker(done.out)
+        kill_reported_workers(done.out)
 
-    pid = _demo_worker_pid(done.out)
-    assert pid is not None and not _alive(pid), "the demo left its worker running"
+    assert len(worker_pids(done.out)) == 1 and live_workers(done.out) == [], "the demo left its worker running"
     engine = create_engine(sqlite_url(tmp_path / "oncelery.db"))
     try:
         with engine.connect() as conn:
@@ -291,12 +255,12 @@ def test_a_terminated_demo_stops_its_worker(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(timeout=10)
         reader.join(timeout=10)
-        _kill_demo_worker("".join(lines))
+        kill_reported_workers("".join(lines))
         err = proc.stderr.read() if proc.stderr is not None else ""
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
     assert code != 0
     assert "interrupted" in err
-    pid = _demo_worker_pid("".join(lines))
-    assert pid is not None and not _alive(pid), "the demo left its worker running"
+    out = "".join(lines)
+    assert len(worker_pids(out)) == 1 and live_workers(out) == [], "the demo left its worker running"

@@ -12,13 +12,11 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -27,10 +25,21 @@ from celery.result import AsyncResult
 from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 
+from oncelery import CELERY_DELIVERY_DEFAULTS
 from oncelery.claims import RunStore
 from oncelery.models import RunStatus
 from oncelery.store import get_engine
-from tests.services import count_rows, effects_table, executions_table, unique_queue, wait_for
+from tests.services import (
+    count_rows,
+    delete_queue_keys,
+    effects_table,
+    executions_table,
+    proc_state,
+    results_url,
+    stop_sessions,
+    unique_queue,
+    wait_for,
+)
 
 pytestmark = pytest.mark.crash
 
@@ -41,13 +50,6 @@ PLAIN_TASK = "oncelery.crash_plain"
 STARTUP_TIMEOUT = 60.0
 JOB_TIMEOUT = 60.0
 STOP_GRACE = 5.0
-
-
-def results_url(broker_url: str) -> str:
-    """Return the Redis URL of the result backend: the database after the broker's."""
-    parts = urlsplit(broker_url)
-    db = int(parts.path.lstrip("/") or 0)
-    return urlunsplit(parts._replace(path=f"/{db + 1}"))
 
 
 def run_key(key: str) -> str:
@@ -103,13 +105,10 @@ class Cluster:
         self.workers: list[Worker] = []
         self.sender = Celery(f"crash-sender-{os.getpid()}")
         self.sender.conf.update(
+            **CELERY_DELIVERY_DEFAULTS,  # the workers' serializers and accepted content
             broker_url=self.broker_url,
             result_backend=self.backend_url,
             task_default_queue=self.queue,
-            task_serializer="json",
-            result_serializer="json",
-            accept_content=["json"],
-            result_accept_content=["json"],
             broker_connection_retry_on_startup=True,
         )
         self.store = RunStore(db_url)
@@ -156,29 +155,12 @@ class Cluster:
             wait_for(w.is_ready, timeout=STARTUP_TIMEOUT, interval=0.1, what=f"worker {w.name} to be ready")
 
     def close(self) -> None:
-        """Stop every worker by PID: SIGCONT, SIGTERM, a bounded wait, then SIGKILL of its process group."""
-        for w in self.workers:
-            _signal_group(w.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            _signal(w.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for w in self.workers:
-            with suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for w in self.workers:
-            # Also reaps pool children orphaned by a SIGKILL of their parent during the test.
-            _signal_group(w.pid, signal.SIGKILL)
-            with suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=30)
+        """Stop every worker by PID (SIGCONT, SIGTERM, a bounded wait, SIGKILL of its group); delete its Redis keys."""
+        stop_sessions([w.proc for w in self.workers], grace=STOP_GRACE)
         for w in self.workers:
             print(f"===== worker {w.name} pid={w.pid} rc={w.proc.returncode} =====\n{w.log()}")
         self.sender.close()
-        client = redis.Redis.from_url(self.broker_url)
-        try:
-            leftovers = list(client.scan_iter(match=f"*{self.queue}*"))
-            if leftovers:
-                client.delete(*leftovers)
-        finally:
-            client.close()
+        delete_queue_keys(self.broker_url, self.queue)
 
     # -- jobs and observations -----------------------------------------------------------------------
 
@@ -231,25 +213,6 @@ def cluster(tmp_path: Path, db_url: str, redis_url: str, **settings: float) -> I
         c.close()
 
 
-def _signal(pid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _proc_state(pid: int) -> str:
-    """Return the kernel's one-letter state of `pid` ('T' when stopped), or '' if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 def _database_idle(db_url: str) -> bool:
     """Return whether no other session is inside a database transaction (holds a lock) right now."""
     url = make_url(db_url)
@@ -283,14 +246,14 @@ def freeze_between_transactions(pid: int, db_url: str) -> None:
 
     def attempt() -> bool:
         os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: _proc_state(pid) in ("T", "t"), timeout=10, interval=0.01, what=f"{pid} to stop")
+        wait_for(lambda: proc_state(pid) in ("T", "t"), timeout=60, interval=0.01, what=f"{pid} to stop")
         if _database_idle(db_url):
             return True
         os.kill(pid, signal.SIGCONT)
-        time.sleep(0.02)  # let it finish the transaction it is in before the next try
         return False
 
-    wait_for(attempt, timeout=30, interval=0.01, what=f"a moment when {pid} holds no database lock")
+    # Between tries (the interval) it runs on and finishes the transaction it was in.
+    wait_for(attempt, timeout=60, interval=0.03, what=f"a moment when {pid} holds no database lock")
 
 
 # -- 1. duplicate deliveries across two worker processes --------------------------------------------------

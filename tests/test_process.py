@@ -7,71 +7,34 @@ in the command's output and SIGKILLs any that are still alive, however the test 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-import redis
 from sqlalchemy import create_engine, func, select, text
 
 from oncelery.models import RunStatus, TaskRun
 from oncelery.models.jobs import ArticleScore, LLMCall
-from tests.services import run_to_completion, unique_queue
+from tests.services import (
+    ONCELERY,
+    Done,
+    clean_env,
+    delete_queue_keys,
+    kill_reported_workers,
+    live_workers,
+    results_url,
+    run_to_completion,
+    unique_queue,
+    worker_pids,
+)
 from tests.test_articles import SAMPLES, expected, load_articles
 
-ONCELERY = str(Path(sys.executable).parent / "oncelery")
 TASK = "oncelery.score_article"
 STEPS = 3
 RUN_TIMEOUT = 150.0  # seconds for one command; the runs below take 10-40 s on a 2-core machine
-
-
-@dataclass
-class Done:
-    """A finished command: exit code, output, and its summary (--summary-json)."""
-
-    code: int
-    out: str
-    err: str
-    summary: dict[str, Any]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any ONCELERY_*/CELERY_* setting (the embedded defaults apply), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONCELERY_", "CELERY_"))}
-    env.update(extra)
-    return env
-
-
-def worker_pids(out: str) -> list[int]:
-    """Return the PIDs of every worker the command reported starting (the first and each restart)."""
-    return [int(pid) for pid in re.findall(r"started a worker: pid (\d+)", out)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def kill_workers(out: str) -> None:
-    """SIGKILL the process group of every reported worker that is still alive (each leads its own session)."""
-    for pid in worker_pids(out):
-        try:
-            ours = alive(pid) and b"celery" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if ours:
-            os.killpg(pid, signal.SIGKILL)
 
 
 def process(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = RUN_TIMEOUT) -> Done:
@@ -79,14 +42,10 @@ def process(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout
     summary_path = cwd / "summary.json"
     argv = [ONCELERY, "process", str(SAMPLES), *args, "--summary-json", str(summary_path)]
     env = dict(env) if env is not None else clean_env()
-    code, out, err = run_to_completion(argv, cwd, env, timeout, kill_workers)
-    kill_workers(out)  # normally none is left: checked by each test through `leftover_workers`
+    code, out, err = run_to_completion(argv, cwd, env, timeout, kill_reported_workers)
+    kill_reported_workers(out)  # normally none is left: checked by each test through `live_workers`
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return Done(code, out, err, summary)
-
-
-def leftover_workers(done: Done) -> list[int]:
-    return [pid for pid in worker_pids(done.out) if alive(pid)]
 
 
 def database_state(url: str) -> dict[str, Any]:
@@ -143,7 +102,7 @@ def check_exactly_once(state: dict[str, Any], articles: list[dict[str, Any]]) ->
 def test_hundred_articles_with_duplicates_on_the_embedded_default(tmp_path: Path) -> None:
     done = process("--limit", "100", "--duplicates", "0.3", cwd=tmp_path)
     assert done.code == 0, f"{done.out}\n{done.err}"
-    assert leftover_workers(done) == [], "the command left its worker running"
+    assert live_workers(done.out) == [], "the command left its worker running"
 
     state = database_state(f"sqlite:///{tmp_path / 'oncelery.db'}")
     assert state["calls"] == state["ok_calls"] == 300  # 100 x 3 exactly: no duplicate ever called the model
@@ -177,7 +136,7 @@ def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None
         timeout=200,
     )
     assert done.code == 0, f"{done.out}\n{done.err}"
-    assert leftover_workers(done) == [], "the command left a worker running"
+    assert live_workers(done.out) == [], "the command left a worker running"
     kills = done.summary["worker_kills"]
     assert kills >= 2 and len(re.findall(r"^kill \d+: SIGKILLed", done.out, re.M)) == kills, done.out
     assert done.summary["jobs_interrupted"] >= 1
@@ -208,12 +167,6 @@ def test_a_malformed_line_names_its_number_and_sends_nothing(tmp_path: Path) -> 
 # -- Redis + PostgreSQL ----------------------------------------------------------------------------------
 
 
-def results_url(broker_url: str) -> str:
-    """The Redis database after the broker's, for results."""
-    parts = urlsplit(broker_url)
-    return urlunsplit(parts._replace(path=f"/{int(parts.path.lstrip('/') or 0) + 1}"))
-
-
 def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, pg_session_url: str) -> None:
     engine = create_engine(pg_session_url)
     try:
@@ -234,15 +187,9 @@ def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, p
             "--limit", "30", "--duplicates", "0.3", "--start-worker", "--queue", queue, cwd=tmp_path, env=env
         )
     finally:
-        client = redis.Redis.from_url(redis_url)
-        try:
-            leftovers = list(client.scan_iter(match=f"*{queue}*"))
-            if leftovers:
-                client.delete(*leftovers)
-        finally:
-            client.close()
+        delete_queue_keys(redis_url, queue)
     assert done.code == 0, f"{done.out}\n{done.err}"
-    assert leftover_workers(done) == []
+    assert live_workers(done.out) == []
     assert f"queue {queue}" in done.out
 
     state = database_state(pg_session_url)

@@ -254,9 +254,12 @@ def test_one_running_job_per_entity(app: Celery, worker_factory: Any, db_url: st
             t.start()
         for t in threads:
             t.join(30)
-        while not all(r.ready() for r in results.values()):
+
+        def sampled_all_ready() -> bool:
             sample()
-            time.sleep(0.02)
+            return all(r.ready() for r in results.values())
+
+        wait_for(sampled_all_ready, timeout=60, interval=0.02, what="both rescore jobs of article 9 to finish")
         assert sorted(r.get(timeout=60) for r in results.values()) == [1, 2]
 
     assert max(running_seen) == 1  # never both RUNNING

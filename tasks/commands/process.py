@@ -126,11 +126,13 @@ def process(
     if queue:
         app.conf.task_default_queue = queue  # before the first send: Celery reads it when routing
     calls = [(a.id, a.version, a.text, temperature) for a in articles]
-    idents = [_identity(score_article, a, args) for a, args in zip(articles, calls, strict=True)]
-    keys = [ident.key for ident in idents]
+    # Keys first (a bad article id is reported before any database is touched), then, with the database
+    # ready, the full identities whose keyed field digests name a conflict's fields.
+    keys = [_identity(score_article, a, args, digests=False).key for a, args in zip(articles, calls, strict=True)]
     url = resolve_database_url(ctx, app, embedded=True)
     for line in prepare_database(url):
         click.echo(line)
+    idents = [_identity(score_article, a, args) for a, args in zip(articles, calls, strict=True)]
     runs = Runs(url)
     _refuse_conflicts(runs, score_article.name, articles, idents)
     order = plan_deliveries(len(articles), duplicates, seed="oncelery-process-plan")
@@ -194,9 +196,9 @@ def process(
     _verdict(summary, finished is not None, timeout, str(app.conf.task_default_queue))
 
 
-def _identity(task: Any, article: Article, args: tuple[Any, ...]) -> Identity:
+def _identity(task: Any, article: Article, args: tuple[Any, ...], digests: bool = True) -> Identity:
     try:
-        return cast(Identity, task.identity_of(args))
+        return cast(Identity, task.identity_of(args, digests=digests))
     except InvalidKey as exc:
         raise click.ClickException(f"line {article.line}: article id {article.id!r} makes a bad key: {exc}") from exc
 

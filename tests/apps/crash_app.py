@@ -10,7 +10,8 @@ The test that starts a worker sets:
     ONCELERY_UNACKED_RESTORE_INTERVAL  seconds between the worker's re-delivery sweeps (default 1)
     ONCELERY_CRASH_LEASE               the idempotent task's lease in seconds (default 60)
 
-Delivery settings are celeryconfig.py's: late ack, reject on worker lost, prefetch 1, JSON only.
+Delivery settings are oncelery.CELERY_DELIVERY_DEFAULTS (what celeryconfig.py deploys): late ack, reject on
+worker lost, prefetch 1, JSON only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import insert
 
-from oncelery import ConfigurationError, IdempotentTask
+from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, IdempotentTask
 from oncelery.store import get_engine
 from tests.services import effects_table, executions_table
 
@@ -62,19 +63,13 @@ def create_app(environ: Mapping[str, str]) -> Celery:
         raise ConfigurationError(f"tests.apps.crash_app needs the environment variables {', '.join(missing)}")
     app = Celery("oncelery-crash")
     app.conf.update(
+        **CELERY_DELIVERY_DEFAULTS,
         broker_url=environ[ENV_BROKER_URL],
         result_backend=environ[ENV_RESULT_BACKEND],
         oncelery_database_url=environ[ENV_DATABASE_URL],
         broker_transport_options=transport_options(environ),
         task_default_queue=environ[ENV_QUEUE],
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
-        worker_prefetch_multiplier=1,
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
         broker_connection_retry_on_startup=True,
         timezone="UTC",
         enable_utc=True,
