@@ -6,8 +6,6 @@ Real `celery worker` subprocesses on the real Redis broker; every process starte
 
 from __future__ import annotations
 
-import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,9 +17,8 @@ from sqlalchemy.engine import make_url
 
 from oncelery import Runs, RunStatus
 from tests import services
-from tests.services import run_to_completion, unique_queue, wait_for
+from tests.services import ONCELERY, clean_env, run_to_completion, stop_sessions, unique_queue, wait_for
 
-ONCELERY = str(Path(sys.executable).parent / "oncelery")
 TASK = "oncelery.startup_job"
 FRAMEWORK_TABLES = {"task_runs", "step_results", "delivery_outcomes", "oncelery_secrets", "oncelery_alembic_version"}
 JOBS_TABLES = {"article_scores", "llm_calls", "oncelery_jobs_alembic_version"}
@@ -42,13 +39,6 @@ if os.environ.get("STARTUP_DB"):
 def job(self, n):
     return n * 2
 """
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any ONCELERY_*/CELERY_* setting, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONCELERY_", "CELERY_"))}
-    env.update(extra)
-    return env
 
 
 def queue_length(queue: str) -> int:
@@ -87,24 +77,13 @@ def start_worker(cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         log.close()
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a worker by its PID: SIGTERM (warm shutdown), then SIGKILL of its session after 30 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 def refused(cwd: Path, env: dict[str, str]) -> str:
     """Start a worker that must exit by itself with an error; return its log."""
     proc = start_worker(cwd, env)
     try:
         code = proc.wait(timeout=90)
     finally:
-        stop(proc)
+        stop_sessions([proc])
     log = (cwd / "worker.log").read_text()
     assert code != 0, log
     return log
@@ -148,7 +127,7 @@ def test_a_worker_on_a_database_without_schema_refuses_then_one_with_it_runs_the
             what="the queued job to complete once the schema exists",
         )
     finally:
-        stop(worker)
+        stop_sessions([worker])
     assert [run.result for run in done] == [42]
     assert queue_length(queue) == 0
 
