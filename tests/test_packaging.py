@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -65,15 +64,6 @@ class Venv:
         return self.root / "bin" / name
 
 
-@dataclass(frozen=True)
-class Done:
-    """A finished command: exit code and output."""
-
-    code: int
-    out: str
-    err: str
-
-
 def _ignore_non_source(src: Path) -> Callable[[str, list[str]], Iterable[str]]:
     def ignore(directory: str, names: list[str]) -> set[str]:
         skipped = {n for n in names if n == "__pycache__" or n.endswith((".pyc", ".egg-info"))}
@@ -84,10 +74,10 @@ def _ignore_non_source(src: Path) -> Callable[[str, list[str]], Iterable[str]]:
     return ignore
 
 
-def run(argv: list[str | Path], cwd: Path, env: Mapping[str, str], timeout: float = COMMAND_TIMEOUT) -> Done:
+def run(argv: list[str | Path], cwd: Path, env: Mapping[str, str], timeout: float = COMMAND_TIMEOUT) -> services.Done:
     """Run `argv` to completion in its own session (stopped and failed on timeout)."""
     code, out, err = services.run_to_completion([str(a) for a in argv], cwd, dict(env), timeout, lambda _out: None)
-    return Done(code, out, err)
+    return services.Done(code, out, err)
 
 
 def venv_env(root: Path, **extra: str) -> dict[str, str]:
@@ -283,18 +273,6 @@ print("sent")
 """
 
 
-def stop_worker(proc: subprocess.Popen[bytes]) -> int:
-    """SIGTERM the worker (a warm shutdown), wait, then SIGKILL the session it leads; return its exit code."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            return proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started for it
-            return proc.wait(timeout=10)
-    return proc.returncode
-
-
 def table_rows(out: str) -> dict[str, str]:
     """Return the two-column rows of a plain-text table (first cell -> second cell)."""
     return {cells[0]: cells[1] for cells in (line.split() for line in out.splitlines()) if len(cells) == 2}
@@ -372,7 +350,7 @@ def test_a_user_project_runs_on_the_installed_wheel(fresh_venv: Venv, tmp_path: 
 
         services.wait_for(both_markers, timeout=MARKER_TIMEOUT, what=f"both tasks' markers (log: {worker_log})")
     finally:
-        stopped = stop_worker(worker)
+        stopped = services.stop_sessions([worker], grace=STOP_TIMEOUT)[0]
     # A warm shutdown: the worker finished (and recorded) its tasks before exiting.
     assert stopped == 0, f"the worker exited with {stopped}:\n{worker_log.read_text()}"
 
