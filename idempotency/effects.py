@@ -11,6 +11,7 @@ Session into an external transaction" recipe). So:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from oncelery.store import translated
 
 if TYPE_CHECKING:
     from oncelery.claims import RunStore
+
+logger = logging.getLogger(__name__)
 
 
 class EffectsScope:
@@ -51,13 +54,17 @@ class EffectsScope:
         conn = self._begin()
         session = Session(bind=conn, join_transaction_mode="create_savepoint", expire_on_commit=False)
         try:
-            yield session
-            fault_point("effects_flush")
+            # The body's own statements are store calls too: a disconnect or lock timeout in them is a
+            # StoreUnavailable (the job is sent again), never mistaken for the body failing.
             with translated(self.store.url):
+                yield session
+                fault_point("effects_flush")
                 session.commit()  # flushes, then RELEASEs the block's savepoint: the outer transaction stays open
         except BaseException:
-            with translated(self.store.url):
+            try:
                 session.rollback()  # back to the block's savepoint only
+            except Exception as exc:  # a dead connection cannot roll back; the error in flight is what counts
+                logger.debug("effects rollback failed: %s", exc)
             raise
         finally:
             session.close()

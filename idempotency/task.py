@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from oncelery.claims import RunStore
 from oncelery.delivery import Delivery, RunContext
-from oncelery.errors import ConfigurationError, OnceleryError
+from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
 from oncelery.models import Outcome
 from oncelery.settings import (
@@ -200,14 +200,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
         headers = self.request.headers or {}
         explicit = {name: headers[name] for name in (HEADER_KEY, HEADER_TENANT) if headers.get(name)}
+        resend = not direct and not self.request.is_eager
         try:
-            ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
-            entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
-        except OnceleryError as exc:
-            # No run can hold a delivery without an identity; it can never succeed, so count and say why.
-            logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
-            self.store.record_outcome(self.name, Outcome.FAILED)
-            raise
+            try:
+                ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
+                entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+            except StoreError:
+                raise  # the digest secret could not be read: a store fault, not a bad message
+            except OnceleryError as exc:
+                # No run can hold a delivery without an identity; it can never succeed: count it and say why.
+                logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
+                self.store.record_outcome(self.name, Outcome.FAILED)
+                raise
+        except StoreError as exc:
+            if not resend:
+                raise
+            logger.warning("%s: claims database failed before the claim: %s; sending the job again", self.name, exc)
+            return self._send_again(exc)
         message = None
         if self._keeps_messages():
             message = {"args": list(args), "kwargs": kwargs, "headers": explicit}
