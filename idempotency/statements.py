@@ -84,9 +84,26 @@ class Statements:
                 retries=RUNS.c.retries + 1,
             )
         )
+        self.demote_expired_entity = self._demote_expired_entity(now)
+        o = OUTCOMES.c
+        self.count_outcome = (
+            insert(OUTCOMES)
+            .values(
+                task_name=bindparam("p_task"),
+                tenant=bindparam("p_tenant"),
+                outcome=bindparam("p_outcome"),
+                shard=bindparam("p_shard"),
+                count=1,
+            )
+            .on_conflict_do_update(index_elements=_OUTCOME_KEY, set_={"count": o.count + 1})
+        )
+        self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
+
+    @staticmethod
+    def _demote_expired_entity(now: ColumnElement[Any]) -> Any:
         # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
         # holder's fenced writes now fail, and its own redelivery can take it over later).
-        self.demote_expired_entity = (
+        return (
             update(RUNS)
             .where(
                 RUNS.c.tenant == bindparam("p_tenant"),
@@ -101,19 +118,6 @@ class Statements:
                 lease_expires_at=None,
             )
         )
-        o = OUTCOMES.c
-        self.count_outcome = (
-            insert(OUTCOMES)
-            .values(
-                task_name=bindparam("p_task"),
-                tenant=bindparam("p_tenant"),
-                outcome=bindparam("p_outcome"),
-                shard=bindparam("p_shard"),
-                count=1,
-            )
-            .on_conflict_do_update(index_elements=_OUTCOME_KEY, set_={"count": o.count + 1})
-        )
-        self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
 
     @staticmethod
     def _insert_claim(insert: Any, until: ColumnElement[Any]) -> Any:

@@ -166,24 +166,8 @@ def demo(
             if worker is not None:
                 worker.stop()
 
-    after = runs.outcome_counts(demo_score.name)
-    delta = {o.value: after.get(o.value, 0) - before.get(o.value, 0) for o in Outcome}
-    wall = finished - started
-    busy = finished - first if first is not None and finished > first else None
-    rows: list[tuple[str, Any]] = [
-        ("documents", jobs),
-        ("deliveries sent", len(order)),
-        ("executed", delta["executed"]),
-        ("replayed (duplicates absorbed)", delta["replayed"]),
-        ("in_progress waits", delta["in_progress"]),
-        ("failed", delta["failed"]),
-        ("wall time", f"{wall:.2f} s"),
-        ("jobs/s (after the first result)", f"{jobs / busy:.1f}" if busy else "-"),
-    ]
-    if already:
-        rows.insert(1, ("completed before this run", already))
-    click.echo(format_table(("metric", "value"), rows))
-
+    delta = {o.value: n - before.get(o.value, 0) for o, n in _counts(runs, demo_score.name).items()}
+    _report(delta, jobs, len(order), already, first, started, finished)
     expected = jobs - already
     if not settled:
         raise click.ClickException(f"timed out after {timeout:.0f}s; see `oncelery runs list`")
@@ -191,6 +175,31 @@ def demo(
         raise click.ClickException(f"expected {expected} executions and no failures; see `oncelery runs list`")
     earlier = f" ({already} completed by an earlier run)" if already else ""
     click.echo(f"exactly once: {expected} bodies ran for {len(order)} deliveries of {jobs} documents{earlier}")
+
+
+def _counts(runs: Runs, task_name: str) -> dict[Outcome, int]:
+    counts = runs.outcome_counts(task_name)
+    return {o: counts.get(o.value, 0) for o in Outcome}
+
+
+def _report(
+    delta: dict[str, int], jobs: int, sent: int, already: int, first: float | None, started: float, finished: float
+) -> None:
+    """Print the demo's table: deliveries, what each became, and the time it took."""
+    busy = finished - first if first is not None and finished > first else None
+    rows: list[tuple[str, Any]] = [
+        ("documents", jobs),
+        ("deliveries sent", sent),
+        ("executed", delta["executed"]),
+        ("replayed (duplicates absorbed)", delta["replayed"]),
+        ("in_progress waits", delta["in_progress"]),
+        ("failed", delta["failed"]),
+        ("wall time", f"{finished - started:.2f} s"),
+        ("jobs/s (after the first result)", f"{jobs / busy:.1f}" if busy else "-"),
+    ]
+    if already:
+        rows.insert(1, ("completed before this run", already))
+    click.echo(format_table(("metric", "value"), rows))
 
 
 def _wait(

@@ -126,49 +126,18 @@ def process(
     if queue:
         app.conf.task_default_queue = queue  # before the first send: Celery reads it when routing
     calls = [(a.id, a.version, a.text, temperature) for a in articles]
-    # Keys first (a bad article id is reported before any database is touched), then, with the database
-    # ready, the full identities whose keyed field digests name a conflict's fields.
-    keys = [_identity(score_article, a, args, digests=False).key for a, args in zip(articles, calls, strict=True)]
-    url = resolve_database_url(ctx, app, embedded=True)
-    for line in prepare_database(url):
-        click.echo(line)
-    idents = [_identity(score_article, a, args) for a, args in zip(articles, calls, strict=True)]
+    url, keys = _prepare(ctx, app, score_article, articles, calls)
     runs = Runs(url)
-    _refuse_conflicts(runs, score_article.name, articles, idents)
     order = plan_deliveries(len(articles), duplicates, seed="oncelery-process-plan")
     before = take_snapshot(runs, score_article.name, keys)
     console = Console(highlight=False, soft_wrap=True)
     if not console.is_terminal:
         console.width = max(console.width, NON_TTY_WIDTH)  # a CI log is not 80 columns wide
     click.echo(f"broker {maybe_sanitize_url(broker)}, queue {app.conf.task_default_queue}")
-
-    worker: LocalWorker | None = None
-    watch: Watch | None = None
-    with sigterm_as_interrupt():
-        try:
-            if start_worker:
-                lease_env = {ENV_LEASE: str(lease)} if lease else {}
-                worker = start_local_worker(url, LOG_NAME, concurrency, queue, WORKER_APP, lease_env)
-                click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
-            else:
-                click.echo("no local worker: the broker's workers will run the jobs (--start-worker starts one)")
-            watch = Watch(app, score_article, runs, keys, calls, before.outcomes, worker, console, kill_worker_every)
-            fresh = watch.pending_keys()
-            watch.start()
-            for i in order:
-                score_article.delay(*calls[i])
-            watch.sent_first, watch.sent_duplicates = len(articles), len(order) - len(articles)
-            finished = watch.run_until_done(timeout, quiet_seconds)
-            if finished is not None:
-                answered = watch.settle(timeout, finished)
-                finished = finished if fresh else answered  # a re-run scores nothing: time its answers
-        except KeyboardInterrupt:
-            raise click.ClickException("interrupted") from None
-        finally:
-            if worker is not None:
-                worker.stop()
-            if watch is not None:
-                watch.close()
+    watch = Watch(app, score_article, runs, keys, calls, before.outcomes, None, console, kill_worker_every)
+    fresh = watch.pending_keys()
+    worker_options = (concurrency, queue, lease) if start_worker else None
+    finished = _deliver(url, watch, score_article, calls, order, worker_options, timeout, quiet_seconds, fresh)
 
     rows, missing = scored(url, [(a.id, a.version) for a in articles])
     summary = summarize(
@@ -194,6 +163,62 @@ def process(
     if summary_json is not None:
         write_json(summary_json, summary)
     _verdict(summary, finished is not None, timeout, str(app.conf.task_default_queue))
+
+
+def _prepare(
+    ctx: click.Context, app: Any, task: Any, articles: list[Article], calls: list[tuple[Any, ...]]
+) -> tuple[str, list[str]]:
+    """Check every key, migrate the database, refuse reused keys with other arguments; return (url, keys)."""
+    # Keys first (a bad article id is reported before any database is touched), then, with the database
+    # ready, the full identities whose keyed field digests name a conflict's fields.
+    keys = [_identity(task, a, args, digests=False).key for a, args in zip(articles, calls, strict=True)]
+    url = resolve_database_url(ctx, app, embedded=True)
+    for line in prepare_database(url):
+        click.echo(line)
+    idents = [_identity(task, a, args) for a, args in zip(articles, calls, strict=True)]
+    _refuse_conflicts(Runs(url), task.name, articles, idents)
+    return url, keys
+
+
+def _deliver(
+    url: str,
+    watch: Watch,
+    task: Any,
+    calls: list[tuple[Any, ...]],
+    order: list[int],
+    worker_options: tuple[int, str | None, float | None] | None,
+    timeout: float,
+    quiet_seconds: float,
+    fresh: list[str],
+) -> float | None:
+    """Start the worker (if asked), send every delivery, follow them to the end; return when the last finished."""
+    worker: LocalWorker | None = None
+    # A SIGTERM to this command unwinds through `finally` like Ctrl-C, so its worker is never orphaned.
+    with sigterm_as_interrupt():
+        try:
+            if worker_options is not None:
+                concurrency, queue, lease = worker_options
+                lease_env = {ENV_LEASE: str(lease)} if lease else {}
+                worker = start_local_worker(url, LOG_NAME, concurrency, queue, WORKER_APP, lease_env)
+                click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
+            else:
+                click.echo("no local worker: the broker's workers will run the jobs (--start-worker starts one)")
+            watch.worker = worker
+            watch.start()
+            for i in order:
+                task.delay(*calls[i])
+            watch.sent_first, watch.sent_duplicates = len(calls), len(order) - len(calls)
+            finished = watch.run_until_done(timeout, quiet_seconds)
+            if finished is not None:
+                answered = watch.settle(timeout, finished)
+                finished = finished if fresh else answered  # a re-run scores nothing: time its answers
+            return finished
+        except KeyboardInterrupt:
+            raise click.ClickException("interrupted") from None
+        finally:
+            if worker is not None:
+                worker.stop()
+            watch.close()
 
 
 def _identity(task: Any, article: Article, args: tuple[Any, ...], digests: bool = True) -> Identity:
