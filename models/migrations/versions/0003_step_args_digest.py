@@ -1,6 +1,10 @@
 """step arguments digest
 
-Revision ID: 0002
+(No revision 0002: an earlier, unreleased build used that id for the demo tables, which now live on the
+jobs branch; a database left at that 0002 fails to upgrade with "Can't locate revision" instead of being
+migrated wrongly. Recreate such a demo database.)
+
+Revision ID: 0003
 Revises: 0001
 Create Date: 2026-11-30 11:00:00
 """
@@ -10,7 +14,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
+revision = "0003"
 down_revision = "0001"
 branch_labels = None
 depends_on = None

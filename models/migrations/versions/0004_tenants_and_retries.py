@@ -1,7 +1,7 @@
 """tenants and retries
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-11-30 10:48:44.862190
 """
 
@@ -12,8 +12,8 @@ import secrets
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003"
-down_revision = "0002"
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
