@@ -39,9 +39,20 @@ from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus, Secret
 from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView
 from oncelery.statements import Statements, statements
-from oncelery.store import Database, rowcount, translated
+from oncelery.store import rowcount, translated
 
 SECRETS = cast(Table, Secret.__table__)
+# Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
+MAX_ERROR_CHARS = 10_000
+
+
+def clean_error(text: str) -> str:
+    """Return error text that every database can store: no NUL characters, at most MAX_ERROR_CHARS."""
+    text = text.replace("\x00", "\\x00")
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 20] + "\n...[truncated]"
+    return text
+
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
@@ -105,8 +116,8 @@ class RunStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.db = Database(url)
         self.runs = Runs(url)
+        self.db = self.runs.db  # one handle: the reads and the claims share its dialect and engines
         self._digest_key: bytes | None = None
 
     @property
@@ -275,7 +286,7 @@ class RunStore:
         `retry_in`: Celery retries the run after that many seconds; until then (database clock) no duplicate
         may take it over, and the retry is counted on the run.
         """
-        params = {**self.fence_params(claim), "p_error": error[:10_000]}
+        params = {**self.fence_params(claim), "p_error": clean_error(error)}
         stmt = self.sql.fail
         if retry_in is not None:
             stmt = self.sql.fail_for_retry

@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
-MAX_ERROR_CHARS = 10_000
-
 
 @dataclass
 class RunContext:
@@ -53,12 +50,20 @@ class RunContext:
     effects: EffectsScope
 
 
-def clean_error(text: str) -> str:
-    """Return error text that every database can store: no NUL characters, at most MAX_ERROR_CHARS."""
-    text = text.replace("\x00", "\\x00")
-    if len(text) > MAX_ERROR_CHARS:
-        text = text[: MAX_ERROR_CHARS - 20] + "\n...[truncated]"
-    return text
+def can_resend(task: IdempotentTask, direct: bool) -> bool:
+    """Whether a delivery can be sent again through the broker: not a direct call, not an eager one."""
+    return not direct and not bool(getattr(task.request, "is_eager", False))
+
+
+def after_store_fault(
+    exc: StoreError, what: str, resend: bool, send_again: Callable[[BaseException | None], Any]
+) -> Any:
+    """A store fault: re-send the message (never ack it as a failure); a direct or eager caller gets it."""
+    if not resend:
+        raise exc
+    log = logger.error if isinstance(exc, SchemaMissing) else logger.warning
+    log("claims database failed %s: %s; sending the job again", what, exc)
+    return send_again(exc)
 
 
 class Delivery:
@@ -82,7 +87,7 @@ class Delivery:
         # Eager (task_always_eager, .apply()): there is no broker to send the job again through, and
         # re-sending would run it again on this very stack (unbounded recursion).
         self.eager = bool(getattr(task.request, "is_eager", False))
-        self.resend = not direct and not self.eager
+        self.resend = can_resend(task, direct)
         self.send_again = send_again
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -230,18 +235,14 @@ class Delivery:
         return encoded
 
     def _store_failed(self, exc: StoreError, doing: str) -> Any:
-        """A store fault: re-send the message (never ack it as a failure); a direct or eager caller gets it."""
-        if not self.resend:
-            raise exc
-        log = logger.error if isinstance(exc, SchemaMissing) else logger.warning
-        log("claims database failed %s %s[%s]: %s; sending the job again", doing, self.task.name, self.ident.key, exc)
-        return self.send_again(exc)
+        what = f"{doing} {self.task.name}[{self.ident.key}]"
+        return after_store_fault(exc, what, self.resend, self.send_again)
 
     def _record_failure(self, claim: Claim, error: str, retry_in: float | None = None) -> StoreError | None:
         """Record the run FAILED; return the store error that prevented it (the caller re-sends), else None."""
         try:
             fault_point("record_failure", task=self.task.name, key=claim.key)
-            self.store.fail(claim, clean_error(error), retry_in=retry_in)
+            self.store.fail(claim, error, retry_in=retry_in)
         except StoreError as exc:
             logger.error("could not record failure of %s[%s]: %s", self.task.name, claim.key, exc)
             return exc
@@ -249,6 +250,7 @@ class Delivery:
 
     def _count(self, outcome: Outcome) -> None:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
+        fault_point("count_outcome", task=self.task.name, key=self.ident.key, outcome=outcome.value)
         self.store.record_outcome(self.task.name, outcome, self.ident.tenant)
 
 

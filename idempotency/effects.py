@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, RootTransaction
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from oncelery.faults import fault_point
@@ -34,14 +34,13 @@ class EffectsScope:
     def __init__(self, store: RunStore) -> None:
         self.store = store
         self.connection: Connection | None = None
-        self._txn: RootTransaction | None = None
 
     def _begin(self) -> Connection:
         if self.connection is None:
             with translated(self.store.url):
                 conn = self.store.engine.connect()
                 try:
-                    self._txn = conn.begin()
+                    conn.begin()  # committed by Connection.commit() in RunStore.complete
                 except BaseException:
                     conn.close()
                     raise
@@ -71,7 +70,7 @@ class EffectsScope:
 
     def discard(self) -> None:
         """Roll back every block and return the connection (after a failure, a lost lease, a store fault)."""
-        conn, self.connection, self._txn = self.connection, None, None
+        conn, self.connection = self.connection, None
         if conn is not None:
             try:
                 conn.rollback()
@@ -80,6 +79,6 @@ class EffectsScope:
 
     def close(self) -> None:
         """Return the connection after the completion committed (or rolled back) its transaction."""
-        conn, self.connection, self._txn = self.connection, None, None
+        conn, self.connection = self.connection, None
         if conn is not None:
             conn.close()

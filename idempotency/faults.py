@@ -21,6 +21,7 @@ POINTS = (
     "effects_flush",  # before an effects() block is flushed
     "complete",  # before the completion (and the effects commit)
     "record_failure",  # before a failed run is recorded
+    "count_outcome",  # before a replay, conflict, in-progress wait or lost lease is counted
 )
 
 _hooks: dict[str, Callable[[str, dict[str, Any]], None]] = {}

@@ -162,6 +162,7 @@ class Database:
     def __init__(self, url: str) -> None:
         self.url = url
         self._dialect: Dialect | None = None
+        self._file_seen = False  # once the file exists, reads stop checking (no stat per read)
 
     @property
     def dialect(self) -> Dialect:
@@ -225,7 +226,7 @@ class Database:
 
     def require_file(self) -> None:
         """Raise StoreUnavailable if this is a SQLite file that does not exist (reads never create one)."""
-        if self.dialect.name != "sqlite":
+        if self._file_seen or self.dialect.name != "sqlite":
             return
         database = make_url(self.url).database
         if database and database != ":memory:" and not database.startswith("file:") and not Path(database).exists():
@@ -234,3 +235,4 @@ class Database:
                 f"ONCELERY_DATABASE_URL to the database your workers use",
                 url=safe_url(self.url),
             )
+        self._file_seen = True

@@ -20,7 +20,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 from sqlalchemy.orm import Session
 
 from oncelery.claims import RunStore
-from oncelery.delivery import Delivery, RunContext
+from oncelery.delivery import Delivery, RunContext, after_store_fault, can_resend
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
 from oncelery.models import Outcome
@@ -200,27 +200,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
         headers = self.request.headers or {}
         explicit = {name: headers[name] for name in (HEADER_KEY, HEADER_TENANT) if headers.get(name)}
-        resend = not direct and not self.request.is_eager
         try:
-            try:
-                ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
-                entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
-            except StoreError:
-                raise  # the digest secret could not be read: a store fault, not a bad message
-            except OnceleryError as exc:
-                # No run can hold a delivery without an identity; it can never succeed: count it and say why.
-                logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
-                self.store.record_outcome(self.name, Outcome.FAILED)
-                raise
-        except StoreError as exc:
-            if not resend:
-                raise
-            logger.warning("%s: claims database failed before the claim: %s; sending the job again", self.name, exc)
-            return self._send_again(exc)
+            ident, entity = self._identify(args, kwargs, explicit)
+        except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
+            return after_store_fault(exc, f"before claiming {self.name}", can_resend(self, direct), self._send_again)
         message = None
         if self._keeps_messages():
             message = {"args": list(args), "kwargs": kwargs, "headers": explicit}
         return Delivery(self, ident, entity, message, direct, self._send_again).run(args, kwargs)
+
+    def _identify(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str]
+    ) -> tuple[Identity, str | None]:
+        """The delivery's identity and entity; one that cannot be derived is counted as failed, with why."""
+        try:
+            ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
+            entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+        except StoreError:
+            raise
+        except OnceleryError as exc:
+            # No run can hold a delivery without an identity; it can never succeed: count it and say why.
+            logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
+            self.store.record_outcome(self.name, Outcome.FAILED)
+            raise
+        return ident, entity
 
     def _keeps_messages(self) -> bool:
         if self.store_message is not None:

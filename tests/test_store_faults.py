@@ -441,6 +441,30 @@ def test_a_store_fault_at_each_stage_ends_once(
     print(f"{stage}/{fault}: outcomes={counts} hits={hook.hits} killed={killed}")
 
 
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_store_fault_counting_a_replay_ends_once(fault: str, pg_db: Db, pg_app: Celery, logs: LogLines) -> None:
+    """A duplicate answered from the stored result meets the fault as it counts its outcome: counted once."""
+    n = 8
+    job = define_job(pg_app, pg_db, f"oncelery.t_fault_count_{fault}")
+    killed: list[int] = []
+    hook = Once(fault_of(fault, pg_db, killed), job_key(n))
+
+    with running_worker(pg_app, concurrency=4):
+        assert_once(pg_db, job, n, job.delay(n), logs)
+        with fault_injected("count_outcome", hook):
+            again = job.delay(n)
+            wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the fault at 'count_outcome'")
+            assert again.get(timeout=JOB_TIMEOUT) == expected(n), report(pg_db, job.name, job_key(n), logs)
+
+    assert hook.error is None, f"the fault could not be injected: {hook.error!r}"
+    assert killed and killed[0] != 0, f"no backend to kill: {killed}"
+    counts = pg_db.counts(job.name)
+    detail = report(pg_db, job.name, job_key(n), logs)
+    assert counts.get("replayed") == 1 and counts.get("executed", 0) + counts.get("resumed", 0) == 1, detail
+    assert counts.get("failed", 0) == 0, detail
+    assert pg_db.rows(effects_table, job_key(n)) == 1, detail
+
+
 # -- 2. the server stopped while a job completes, started again after the next claim fails -------------------
 
 
