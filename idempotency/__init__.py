@@ -4,7 +4,9 @@ This module is the public surface: everything a user (and Oncelery's own jobs in
 Every other module of the package is an implementation detail.
 """
 
+from oncelery import outbox
 from oncelery import startup as _startup  # noqa: F401  (registers the worker's startup check)
+from oncelery.deadletters import DeadLetters, LetterView, ReplayReport
 from oncelery.errors import (
     ClaimError,
     ConfigurationError,
@@ -15,14 +17,18 @@ from oncelery.errors import (
     OnceleryError,
     PayloadNotJSON,
     ResultNotJSON,
+    RunIsDead,
     SchemaMissing,
+    StaleVersion,
     StepMismatch,
     StoreError,
     StoreUnavailable,
 )
 from oncelery.keys import Identity, differing_fields
 from oncelery.models import Outcome, RunStatus
+from oncelery.outbox import Relay, RelayRound, install_relay_task
 from oncelery.pipeline import pipeline
+from oncelery.retention import PurgeReport, parse_age, purge
 from oncelery.runs import Runs, RunView, StepView
 from oncelery.schema import check_schema, schema_revision, upgrade_schema
 from oncelery.settings import (
@@ -45,20 +51,28 @@ __all__ = [
     "ClaimError",
     "ConfigurationError",
     "Database",
+    "DeadLetters",
     "IdempotencyConflict",
     "IdempotentTask",
     "Identity",
     "InProgress",
     "InvalidKey",
     "LeaseLost",
+    "LetterView",
     "OnceleryError",
     "Outcome",
     "PayloadNotJSON",
+    "PurgeReport",
+    "Relay",
+    "RelayRound",
+    "ReplayReport",
     "ResultNotJSON",
+    "RunIsDead",
     "RunStatus",
     "RunView",
     "Runs",
     "SchemaMissing",
+    "StaleVersion",
     "StepInfo",
     "StepMismatch",
     "StepView",
@@ -70,7 +84,11 @@ __all__ = [
     "data_dir",
     "differing_fields",
     "embedded_database_url",
+    "install_relay_task",
+    "outbox",
+    "parse_age",
     "pipeline",
+    "purge",
     "require_database_url",
     "schema_revision",
     "step_seed",

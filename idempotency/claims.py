@@ -33,12 +33,12 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from oncelery.errors import LeaseLost, ResultNotJSON, StoreError
+from oncelery.errors import LeaseLost, ResultNotJSON, StaleVersion, StoreError
 from oncelery.keys import Identity
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus, Secret
 from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView
-from oncelery.statements import Statements, statements
+from oncelery.statements import LETTERS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
 
 SECRETS = cast(Table, Secret.__table__)
@@ -66,6 +66,7 @@ class Decision(Enum):
     IN_PROGRESS = "in_progress"  # a live holder runs this key
     ENTITY_BUSY = "entity_busy"  # another key of the same concurrency_key is RUNNING
     CONFLICT = "conflict"  # same key, different payload fingerprint
+    DEAD = "dead"  # DEAD (dead-lettered): no delivery runs it until `oncelery dlq replay`
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,37 @@ class ClaimResult:
     decision: Decision
     claim: Claim | None = None
     run: RunView | None = None
+    killed: bool = False  # DEAD because this claim found its max_deliveries-th lost delivery
+
+
+@dataclass(frozen=True)
+class EntityVersionOf:
+    """The version an event carries for its entity (entity_version=): applied only forward."""
+
+    entity: str
+    version: int
+
+    def params(self) -> dict[str, Any]:
+        """The statement parameters of this entity and version."""
+        return {"p_entity": self.entity, "p_version": self.version}
+
+
+@dataclass(frozen=True)
+class Death:
+    """Why a run goes DEAD, and what `oncelery dlq replay` sends again (the message's args and key headers)."""
+
+    reason: str
+    traceback: str | None = None
+    message: Any = None
+    error: str | None = None  # the letter's one-line error (default: the run's error)
+
+
+# Dead-letter reasons (dead_letters.reason).
+RETRIES_EXHAUSTED = "retries_exhausted"
+NEVER_SUCCEEDS = "never_succeeds"
+MAX_DELIVERIES = "max_deliveries"
+CONFLICT = "conflict"
+BAD_MESSAGE = "bad_message"
 
 
 def encode_result(value: Any, what: str) -> Any:
@@ -164,8 +196,14 @@ class RunStore:
         concurrency_key: str | None = None,
         celery_task_id: str | None = None,
         message: Any = None,
+        max_deliveries: int | None = None,
+        letter: Any = None,
     ) -> ClaimResult:
-        """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it."""
+        """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it.
+
+        A RUNNING run whose holder vanished for the `max_deliveries`-th time (a poison message) goes DEAD,
+        with `letter` (the message) in its dead letter, instead of being run again.
+        """
         for _ in range(_MAX_CLAIM_ROUNDS):
             owner = uuid.uuid4().hex
             params = {
@@ -194,8 +232,14 @@ class RunStore:
                     return ClaimResult(Decision.CONFLICT, run=run)
                 if run.status is RunStatus.COMPLETED:
                     return ClaimResult(Decision.COMPLETED, run=run)
+                if run.status is RunStatus.DEAD:
+                    return ClaimResult(Decision.DEAD, run=run)
                 if run.status is RunStatus.RUNNING and run.lease_live:
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
+                if run.status is RunStatus.RUNNING and max_deliveries and run.lost + 1 >= max_deliveries:
+                    if self._kill_lost(run, max_deliveries, letter):
+                        return ClaimResult(Decision.DEAD, run=run, killed=True)
+                    continue  # taken over (or killed) by someone else between our statements: look again
                 if run.status is RunStatus.FAILED and run.retry_wait and run.celery_task_id != celery_task_id:
                     # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
                     # (The retry itself carries the run's task id: it may go, even a moment early.)
@@ -224,6 +268,56 @@ class RunStore:
             # Another claimant took it between our read and our takeover: look again.
         raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
 
+    def _kill_lost(self, run: RunView, max_deliveries: int, letter: Any) -> bool:
+        """Make a poison run DEAD (guarded by the token seen and its expiry), with its dead letter."""
+        error = (
+            f"the worker running {run.task_name}[{run.key}] was lost on {run.lost + 1} deliveries "
+            f"(max_deliveries={max_deliveries}): killed by the OS (OOM, segfault, SIGKILL) or cut off; "
+            f"fix the cause, then `oncelery dlq replay`"
+        )
+        params = {"p_run_id": run.run_id, "p_token": run.token, "p_error": error}
+        with self.db.begin() as conn:
+            if rowcount(conn.execute(self.sql.kill_lost, params)) != 1:
+                return False
+            self._write_letter(conn, run.run_id, error, Death(MAX_DELIVERIES, None, letter))
+        return True
+
+    def _write_letter(self, conn: Connection, run_id: int, error: str, death: Death) -> None:
+        params = {
+            "p_run_id": run_id,
+            "p_reason": death.reason,
+            "p_error": clean_error(death.error or error),
+            "p_traceback": clean_error(death.traceback) if death.traceback else None,
+            "p_letter": death.message,
+        }
+        conn.execute(self.sql.letter, params)
+
+    def letter_without_run(
+        self, task_name: str, tenant: str, reason: str, error: str, message: Any, key: str | None = None
+    ) -> None:
+        """Dead-letter a message that has no run of its own (a bad message, a conflict), counted `dead`."""
+        row = {
+            "task_name": task_name,
+            "tenant": tenant,
+            "idempotency_key": key,
+            "reason": reason,
+            "error": clean_error(error),
+            "attempts": 1,
+            "message": message,
+        }
+        with self.db.begin() as conn:
+            conn.execute(LETTERS.insert().values(**row))
+            if reason != CONFLICT:  # a conflict is counted as such; the first payload's run stands
+                record_outcome_txn(conn, self.dialect, task_name, Outcome.DEAD, tenant)
+
+    def applied_version(self, task_name: str, tenant: str, entity: str) -> int | None:
+        """The last applied version of `entity` for this task and tenant, or None before the first."""
+        v = VERSIONS.c
+        stmt = select(v.version).where(v.task_name == task_name, v.tenant == tenant, v.entity == entity)
+        with self.db.read() as conn:
+            value = conn.execute(stmt).scalar_one_or_none()
+        return None if value is None else int(value)
+
     # -- holder's writes (all fenced) ----------------------------------------------------------------
 
     def heartbeat(self, claim: Claim) -> bool:
@@ -232,9 +326,22 @@ class RunStore:
         return self.db.one(self.sql.heartbeat, params, durable=False)[1] == 1
 
     def complete_txn(
-        self, conn: Connection | Session, claim: Claim, result: Any, outcome: Outcome = Outcome.EXECUTED
+        self,
+        conn: Connection | Session,
+        claim: Claim,
+        result: Any,
+        outcome: Outcome = Outcome.EXECUTED,
+        version: EntityVersionOf | None = None,
     ) -> None:
-        """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write)."""
+        """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write).
+
+        With `version`, the entity's applied version moves to it in the same transaction, or StaleVersion
+        is raised (nothing written) if a newer version was applied first.
+        """
+        if version is not None:
+            vparams = {"p_task": claim.task_name, "p_tenant": claim.tenant, **version.params()}
+            if conn.execute(self.sql.advance_version, vparams).first() is None:
+                raise StaleVersion.of(version.entity, version.version)
         params = {
             **self.fence_params(claim),
             "p_result": result,
@@ -255,11 +362,12 @@ class RunStore:
         result: Any,
         effects: Connection | Session | None = None,
         outcome: Outcome = Outcome.EXECUTED,
+        version: EntityVersionOf | None = None,
     ) -> None:
         """Commit the run's completion (and the open `effects` transaction) atomically, fenced by the token."""
         if effects is None:
             sql = self.sql
-            if sql.complete_and_count is not None:
+            if sql.complete_and_count is not None and version is None:
                 # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
                 params = {
                     **self.fence_params(claim),
@@ -270,29 +378,42 @@ class RunStore:
                     raise lease_lost(claim)
                 return
             with self.db.begin() as conn:
-                self.complete_txn(conn, claim, result, outcome)
+                self.complete_txn(conn, claim, result, outcome, version)
             return
         with translated(self.url):
             try:
-                self.complete_txn(effects, claim, result, outcome)
+                self.complete_txn(effects, claim, result, outcome, version)
                 effects.commit()
             except BaseException:
                 effects.rollback()
                 raise
 
-    def fail(self, claim: Claim, error: str, outcome: Outcome = Outcome.FAILED, retry_in: float | None = None) -> bool:
+    def fail(
+        self,
+        claim: Claim,
+        error: str,
+        outcome: Outcome = Outcome.FAILED,
+        retry_in: float | None = None,
+        death: Death | None = None,
+    ) -> bool:
         """Record the run FAILED with `error` iff the claim is still ours; return whether it was.
 
         `retry_in`: Celery retries the run after that many seconds; until then (database clock) no duplicate
-        may take it over, and the retry is counted on the run.
+        may take it over, and the retry is counted on the run. `death`: the run goes DEAD instead, with its
+        dead letter in the same transaction, and the outcome counted is `dead`.
         """
-        params = {**self.fence_params(claim), "p_error": clean_error(error)}
+        error = clean_error(error)
+        params = {**self.fence_params(claim), "p_error": error}
         stmt = self.sql.fail
-        if retry_in is not None:
+        if death is not None:
+            stmt, outcome = self.sql.fail_dead, Outcome.DEAD
+        elif retry_in is not None:
             stmt = self.sql.fail_for_retry
             params["p_delay"] = self.db.dialect.lease_param(max(0.0, retry_in))
         with self.db.begin() as conn:
             ok = rowcount(conn.execute(stmt, params)) == 1
+            if ok and death is not None:
+                self._write_letter(conn, claim.run_id, error, death)
             counted = outcome if ok else Outcome.LEASE_LOST
             record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
         return ok

@@ -62,9 +62,14 @@ def build_group() -> click.Group:
         """Oncelery: exactly-once effects for Celery tasks. Inspect and migrate the claims database."""
         ctx.meta[_URL_META] = database_url
 
+    from oncelery.cli_ops import dlq, purge_command, relay  # they build on this module's helpers
+
     group.add_command(db)
     group.add_command(runs)
     group.add_command(outcomes)
+    group.add_command(relay)
+    group.add_command(dlq)
+    group.add_command(purge_command)
     return group
 
 

@@ -6,6 +6,8 @@
 | COMPLETED               | return the stored result; the body is not called           | replayed               |
 | CONFLICT                | raise IdempotencyConflict (never retried)                  | conflict               |
 | IN_PROGRESS/ENTITY_BUSY | on_in_progress: re-send with backoff, skip, or raise       | in_progress            |
+| DEAD                    | raise RunIsDead (acked; `oncelery dlq replay` runs it)     | dead                   |
+| (before claiming) stale | a version not newer than the entity's applied one: ack     | stale                  |
 | store unavailable       | re-send the message (never acked as a failure)             | (none: not settled)    |
 | lease lost on finishing | roll back, re-send: the next delivery replays the taker's  | lease_lost             |
 
@@ -24,9 +26,31 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
 
-from oncelery.claims import Claim, ClaimResult, Decision, RunStore, encode_result
+from oncelery.claims import (
+    CONFLICT,
+    NEVER_SUCCEEDS,
+    RETRIES_EXHAUSTED,
+    Claim,
+    ClaimResult,
+    Death,
+    Decision,
+    EntityVersionOf,
+    RunStore,
+    encode_result,
+)
 from oncelery.effects import EffectsScope
-from oncelery.errors import IdempotencyConflict, InProgress, LeaseLost, SchemaMissing, StoreError
+from oncelery.errors import (
+    ConfigurationError,
+    IdempotencyConflict,
+    InProgress,
+    LeaseLost,
+    ResultNotJSON,
+    RunIsDead,
+    SchemaMissing,
+    StaleVersion,
+    StepMismatch,
+    StoreError,
+)
 from oncelery.faults import fault_point
 from oncelery.keys import Identity, differing_fields
 from oncelery.leases import Heartbeat
@@ -38,6 +62,9 @@ if TYPE_CHECKING:
     from oncelery.task import IdempotentTask
 
 logger = logging.getLogger(__name__)
+
+# Errors that no retry of the same message can fix: the run goes DEAD at once (with a dead letter).
+NEVER_SUCCEED: tuple[type[BaseException], ...] = (StepMismatch, ResultNotJSON, ConfigurationError)
 
 
 @dataclass
@@ -77,8 +104,12 @@ class Delivery:
         message: Any,
         direct: bool,
         send_again: Callable[[BaseException | None], Any],
+        letter: Any = None,
+        version: EntityVersionOf | None = None,
     ) -> None:
         self.task = task
+        self.letter = letter  # what a dead letter keeps to replay: the arguments and key headers
+        self.version = version
         self.store: RunStore = task.store
         self.ident = ident
         self.entity = entity
@@ -94,11 +125,23 @@ class Delivery:
         """Deliver once: loop only while a direct (no broker) caller waits for another holder."""
         deadline = time.monotonic() + DIRECT_WAIT_TIMEOUT
         waited = 0
+        try:
+            if self.version is not None and self._stale(self.version):
+                return None
+        except StoreError as exc:
+            return self._store_failed(exc, "checking the version of")
         while True:
             try:
                 fault_point("claim", task=self.task.name, key=self.ident.key)
                 res = self.store.claim(
-                    self.task.name, self.ident, float(self.task.lease), self.entity, self.task.request.id, self.message
+                    self.task.name,
+                    self.ident,
+                    float(self.task.lease),
+                    self.entity,
+                    self.task.request.id,
+                    self.message,
+                    max_deliveries=self.task.max_deliveries,
+                    letter=self.letter,
                 )
                 answer = self._decide(res, args, kwargs, deadline)
             except StoreError as exc:
@@ -117,8 +160,14 @@ class Delivery:
         if res.decision is Decision.COMPLETED and res.run is not None:
             return self._replay(res)
         if res.decision is Decision.CONFLICT:
+            conflict = self._conflict(res)
+            self.store.letter_without_run(
+                self.task.name, self.ident.tenant, CONFLICT, str(conflict), self.letter, self.ident.key
+            )
             self._count(Outcome.CONFLICT)
-            raise self._conflict(res)
+            raise conflict
+        if res.decision is Decision.DEAD:
+            return self._dead(res)
         return self._busy(res, deadline)
 
     # -- the decisions ---------------------------------------------------------------------------
@@ -127,6 +176,29 @@ class Delivery:
         self._count(Outcome.REPLAYED)
         logger.info("replayed %s[%s] from its stored result", self.task.name, self.ident.key)
         return res.run.result if res.run is not None else None
+
+    def _stale(self, version: EntityVersionOf) -> bool:
+        """Whether the entity already applied this version or a newer one: then count `stale` (acked)."""
+        applied = self.store.applied_version(self.task.name, self.ident.tenant, version.entity)
+        if applied is None or version.version > applied:
+            return False
+        self._count(Outcome.STALE)
+        stale = StaleVersion.of(version.entity, version.version, applied)
+        logger.info("%s[%s]: %s", self.task.name, self.ident.key, stale)
+        return True
+
+    def _dead(self, res: ClaimResult) -> Any:
+        self._count(Outcome.DEAD)
+        how = "is DEAD"
+        if res.killed:
+            how = f"lost its worker on {self.task.max_deliveries} deliveries (a poison message) and is now DEAD"
+            logger.error("%s[%s] %s", self.task.name, self.ident.key, how)
+        raise RunIsDead(
+            f"{self.task.name}[{self.ident.key}] {how}: it is not run again; see `oncelery dlq show "
+            f"{self.ident.key}`, fix the cause, then `oncelery dlq replay {self.ident.key}`",
+            task_name=self.task.name,
+            key=self.ident.key,
+        )
 
     def _conflict(self, res: ClaimResult) -> IdempotencyConflict:
         stored = res.run.field_digests if res.run is not None else {}
@@ -194,7 +266,15 @@ class Delivery:
                 encoded = encode_result(result, f"The result of {task.name}[{claim.key}]")
                 outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
                 fault_point("complete", task=task.name, key=claim.key)
-                store.complete(claim, encoded, ctx.effects.connection, outcome)
+                try:
+                    store.complete(claim, encoded, ctx.effects.connection, outcome, self.version)
+                except StaleVersion as stale:
+                    # A newer version of the entity was applied while this one ran: its effects roll back,
+                    # and the run completes with no result, counted `stale` (never applied out of order).
+                    ctx.effects.discard()
+                    logger.info("%s[%s]: %s", task.name, claim.key, stale)
+                    encoded = None
+                    store.complete(claim, None, None, Outcome.STALE)
             finally:
                 # Stopped only after the commit: on SQLite a renewal may wait for the effects
                 # transaction's write lock, which the commit releases (joining first would deadlock).
@@ -223,7 +303,10 @@ class Delivery:
             raise
         except BaseException as exc:
             ctx.effects.discard()
-            failure = self._record_failure(claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}")
+            death = self._death(exc)
+            failure = self._record_failure(
+                claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}", death=death
+            )
             if failure is not None and self.resend:
                 # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
                 # again instead; it is taken over (and run again) once this holder's lease expires.
@@ -238,11 +321,26 @@ class Delivery:
         what = f"{doing} {self.task.name}[{self.ident.key}]"
         return after_store_fault(exc, what, self.resend, self.send_again)
 
-    def _record_failure(self, claim: Claim, error: str, retry_in: float | None = None) -> StoreError | None:
-        """Record the run FAILED; return the store error that prevented it (the caller re-sends), else None."""
+    def _death(self, exc: BaseException) -> Death | None:
+        """A Death if this final failure can never succeed or spent the last retry, else None (FAILED)."""
+        task = self.task
+        if isinstance(exc, NEVER_SUCCEED + tuple(task.dead_on)):
+            reason = NEVER_SUCCEEDS
+        elif task.max_retries is not None and int(task.request.retries or 0) >= task.max_retries:
+            # Celery re-raises the error of the last allowed retry (or MaxRetriesExceededError): it is final.
+            reason = RETRIES_EXHAUSTED
+        else:
+            return None
+        tb = traceback.format_exc(limit=50)
+        return Death(reason, tb, self.letter, f"{type(exc).__name__}: {exc}")
+
+    def _record_failure(
+        self, claim: Claim, error: str, retry_in: float | None = None, death: Death | None = None
+    ) -> StoreError | None:
+        """Record the run FAILED (or DEAD); return the store error that prevented it (re-send), else None."""
         try:
             fault_point("record_failure", task=self.task.name, key=claim.key)
-            self.store.fail(claim, error, retry_in=retry_in)
+            self.store.fail(claim, error, retry_in=retry_in, death=death)
         except StoreError as exc:
             logger.error("could not record failure of %s[%s]: %s", self.task.name, claim.key, exc)
             return exc

@@ -68,6 +68,25 @@ class LeaseLost(ClaimError):
         )
 
 
+class RunIsDead(ClaimError):
+    """Raised for a delivery of a DEAD run: it is not run again until `oncelery dlq replay` (after a fix)."""
+
+
+class StaleVersion(ClaimError):
+    """Raised when an event's version is not newer than its entity's applied one: it is acked, not applied."""
+
+    @classmethod
+    def of(cls, entity: str, version: int, applied: int | None = None) -> StaleVersion:
+        """The message of a stale event: which entity, which version, and the applied one if known."""
+        seen = f" (applied: {applied})" if applied is not None else ""
+        return cls(
+            f"version {version} of entity {entity!r} is not newer than its applied version{seen}; "
+            f"the event is acked without running",
+            entity=entity,
+            version=version,
+        )
+
+
 class ResultNotJSON(OnceleryError):
     """Raised when a task's result or a step's result cannot be stored as JSON; nothing is committed."""
 

@@ -22,6 +22,7 @@ POINTS = (
     "complete",  # before the completion (and the effects commit)
     "record_failure",  # before a failed run is recorded
     "count_outcome",  # before a replay, conflict, in-progress wait or lost lease is counted
+    "relay_published",  # after the relay published a batch, before it marks the rows sent
 )
 
 _hooks: dict[str, Callable[[str, dict[str, Any]], None]] = {}

@@ -49,6 +49,7 @@ class RunView:
     retries: int = 0
     not_before: datetime | None = None
     retry_wait: bool = False  # FAILED, and Celery's retry countdown has not passed (database clock)
+    lost: int = 0  # deliveries whose holder vanished (counted towards max_deliveries)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def _view(row: Any) -> RunView:
         retries=row.retries,
         not_before=row.not_before,
         retry_wait=bool(row.retry_wait),
+        lost=row.lost,
     )
 
 

@@ -34,6 +34,8 @@ HEADER_PIPELINE = "oncelery_pipeline"
 MAX_KEY_LENGTH = 255  # the width of task_runs.idempotency_key
 DEFAULT_LEASE_SECONDS = 60.0
 MIN_LEASE_SECONDS = 0.2
+# Deliveries lost with their worker (SIGKILL, OOM, segfault) before a run is dead-lettered as poison.
+DEFAULT_MAX_DELIVERIES = 5
 # A holder renews its lease this many times per lease period, so one slow renewal is survivable.
 HEARTBEATS_PER_LEASE = 3
 # Waiting for a live holder: exponential backoff between these bounds (seconds).

@@ -9,16 +9,18 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, cast
 
-from sqlalchemy import JSON, Integer, String, Table, and_, bindparam, literal, or_, select, update
+from sqlalchemy import JSON, Integer, String, Table, and_, bindparam, case, func, literal, or_, select, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.dialects import dialect as get_dialect
 from oncelery.leases import lease_expired
-from oncelery.models import DeliveryOutcome, RunStatus, TaskRun
+from oncelery.models import DeadLetter, DeliveryOutcome, EntityVersion, RunStatus, TaskRun
 
 RUNS = cast(Table, TaskRun.__table__)
 OUTCOMES = cast(Table, DeliveryOutcome.__table__)
+LETTERS = cast(Table, DeadLetter.__table__)
+VERSIONS = cast(Table, EntityVersion.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
 _OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
 
@@ -65,11 +67,54 @@ class Statements:
                 message=None,  # kept only until the run completes (G9): it was there for recovery
             )
         )
+        first_failed = func.coalesce(RUNS.c.first_failed_at, now)
         self.fail = (
             update(RUNS)
             .where(_fenced())
-            .values(status=RunStatus.FAILED, error=bindparam("p_error"), updated_at=now, lease_expires_at=None)
+            .values(
+                status=RunStatus.FAILED,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                first_failed_at=first_failed,
+            )
         )
+        # A failure that can never succeed, or the last retry's: DEAD until `oncelery dlq replay`.
+        self.fail_dead = (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.DEAD,
+                error=bindparam("p_error"),
+                updated_at=now,
+                finished_at=now,
+                lease_expires_at=None,
+                not_before=None,
+                first_failed_at=first_failed,
+            )
+        )
+        # A poison message: the run lost its holder max_deliveries times (the worker died on every delivery).
+        # Guarded by the token the claimant saw and the expiry, so a live holder or a taker is never killed.
+        self.kill_lost = (
+            update(RUNS)
+            .where(
+                RUNS.c.id == bindparam("p_run_id"),
+                RUNS.c.fencing_token == bindparam("p_token"),
+                RUNS.c.status == RunStatus.RUNNING,
+                lease_expired(now),
+            )
+            .values(
+                status=RunStatus.DEAD,
+                error=bindparam("p_error"),
+                lost=RUNS.c.lost + 1,
+                updated_at=now,
+                finished_at=now,
+                lease_expires_at=None,
+                first_failed_at=first_failed,
+            )
+        )
+        self.letter = self._letter(insert, now)
+        self.advance_version = self._advance_version(insert, now)
         # A failure Celery will retry after a countdown: no duplicate may take the run over before then
         # (database clock), and the retry is counted on the run, whichever message carries it.
         self.fail_for_retry = (
@@ -82,6 +127,7 @@ class Statements:
                 lease_expires_at=None,
                 not_before=dia.lease_until("p_delay"),
                 retries=RUNS.c.retries + 1,
+                first_failed_at=first_failed,
             )
         )
         self.demote_expired_entity = self._demote_expired_entity(now)
@@ -116,6 +162,7 @@ class Statements:
                 error="lease expired while another run of its entity waited; demoted so the entity is not blocked",
                 updated_at=now,
                 lease_expires_at=None,
+                lost=RUNS.c.lost + 1,  # its holder vanished: a lost delivery, as for a takeover
             )
         )
 
@@ -168,6 +215,8 @@ class Statements:
                 owner=bindparam("p_owner"),
                 lease_expires_at=until,
                 attempts=c.attempts + 1,
+                # Taking over a RUNNING run means its holder vanished (SIGKILL, OOM): a lost delivery.
+                lost=c.lost + case((c.status == RunStatus.RUNNING, 1), else_=0),
                 updated_at=now,
                 error=None,
                 not_before=None,
@@ -177,6 +226,73 @@ class Statements:
             )
             .returning(c.id, c.fencing_token, c.attempts, c.retries)
         )
+
+    @staticmethod
+    def _letter(insert: Any, now: ColumnElement[Any]) -> Any:
+        # The dead letter of a run, written in the transaction that makes it DEAD: one row per run, its
+        # first failure kept and the rest refreshed if it dies again after a replay. INSERT ... SELECT takes
+        # the task, key, attempts and first failure from the run itself (the WHERE also lets SQLite parse
+        # the ON CONFLICT clause).
+        c = RUNS.c
+        rows = select(
+            c.id,
+            c.task_name,
+            c.tenant,
+            c.idempotency_key,
+            bindparam("p_reason", type_=String),
+            bindparam("p_error", type_=String),
+            bindparam("p_traceback", type_=String),
+            c.attempts,
+            bindparam("p_letter", type_=JSON),
+            func.coalesce(c.first_failed_at, now),
+            now,
+        ).where(c.id == bindparam("p_run_id"))
+        cols = [
+            "run_id",
+            "task_name",
+            "tenant",
+            "idempotency_key",
+            "reason",
+            "error",
+            "traceback",
+            "attempts",
+            "message",
+            "first_failed_at",
+            "last_failed_at",
+        ]
+        stmt = insert(LETTERS).from_select(cols, rows)
+        x = stmt.excluded
+        return stmt.on_conflict_do_update(
+            index_elements=["run_id"],
+            set_={
+                "reason": x.reason,
+                "error": x.error,
+                "traceback": x.traceback,
+                "attempts": x.attempts,
+                "message": x.message,
+                "last_failed_at": x.last_failed_at,
+                "replayed_at": None,
+            },
+        )
+
+    @staticmethod
+    def _advance_version(insert: Any, now: ColumnElement[Any]) -> Any:
+        # The entity's applied version moves forward only: a row comes back iff this version is newer than
+        # the stored one (or the first). Run in the completion transaction, its row lock also orders two
+        # completions of one entity.
+        stmt = insert(VERSIONS).values(
+            task_name=bindparam("p_task"),
+            tenant=bindparam("p_tenant"),
+            entity=bindparam("p_entity"),
+            version=bindparam("p_version"),
+            updated_at=now,
+        )
+        x = stmt.excluded
+        return stmt.on_conflict_do_update(
+            index_elements=["task_name", "tenant", "entity"],
+            set_={"version": x.version, "updated_at": now},
+            where=VERSIONS.c.version < x.version,
+        ).returning(VERSIONS.c.version)
 
     def _complete_and_count(self) -> Any:
         # PostgreSQL: the fenced completion and the outcome counter in ONE statement (one round trip):

@@ -19,13 +19,13 @@ from celery.exceptions import Retry
 from kombu.serialization import dumps, loads, prepare_accept_content
 from sqlalchemy.orm import Session
 
-from oncelery.claims import RunStore
+from oncelery.claims import BAD_MESSAGE, EntityVersionOf, RunStore
 from oncelery.delivery import Delivery, RunContext, after_store_fault, can_resend
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
-from oncelery.models import Outcome
 from oncelery.settings import (
     DEFAULT_LEASE_SECONDS,
+    DEFAULT_MAX_DELIVERIES,
     HEADER_KEY,
     HEADER_TENANT,
     HEADER_WAITS,
@@ -76,6 +76,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: Keep the message's arguments in the run row until it completes, so a job whose message a broker lost
     #: can be sent again. None: only on the embedded (filesystem://) broker, which loses in-flight messages.
     store_message: bool | None = None
+    #: Deliveries whose worker vanished mid-body (SIGKILL, OOM, segfault) after which the run goes DEAD with
+    #: a dead letter instead of running again: Celery re-queues such a poison message for ever under
+    #: task_reject_on_worker_lost. None: no bound.
+    max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
+    #: Exception types that can never succeed on the same input (e.g. a validation error): the run goes DEAD
+    #: at once. StepMismatch, ResultNotJSON and ConfigurationError always do.
+    dead_on: tuple[type[BaseException], ...] = ()
+    #: Name of the argument carrying the event's version (an int). An event whose version is not newer than
+    #: its entity's last applied one is acked without running (outcome `stale`); completion applies it.
+    entity_version: str | None = None
+    #: Template or callable naming the entity that entity_version orders; default: concurrency_key.
+    entity: KeySpec = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,6 +105,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise ConfigurationError(f"{self.name}: lease={self.lease!r}; give seconds >= {MIN_LEASE_SECONDS}")
         if self.max_lease is not None and (not isinstance(self.max_lease, int | float) or self.max_lease <= 0):
             raise ConfigurationError(f"{self.name}: max_lease={self.max_lease!r}; give seconds > 0, or None")
+        if self.max_deliveries is not None and (
+            not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1
+        ):
+            raise ConfigurationError(f"{self.name}: max_deliveries={self.max_deliveries!r}; give an int >= 1, or None")
+        bad = [t for t in self.dead_on if not (isinstance(t, type) and issubclass(t, BaseException))]
+        if bad:
+            raise ConfigurationError(f"{self.name}: dead_on={self.dead_on!r}; give a tuple of exception classes")
+        self._check_versioning()
         if self.name and (self.name.startswith("tasks.") or "." not in self.name):
             logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
         _ = self._keys, self._concurrency_keys
@@ -108,6 +128,40 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if self.concurrency_key is None:
             return None
         return KeyBuilder(self.run, self.name or "", self._option("concurrency_key"), None, what="concurrency_key")
+
+    def _check_versioning(self) -> None:
+        if self.entity_version is None:
+            if self.entity is not None:
+                raise ConfigurationError(f"{self.name}: entity= orders events only with entity_version=; set both")
+            return
+        params = list(inspect.signature(self.run).parameters)
+        if self.entity_version not in params:
+            raise ConfigurationError(
+                f"{self.name}: entity_version={self.entity_version!r} is not a parameter of the task {params}"
+            )
+        if self.entity is None and self.concurrency_key is None:
+            raise ConfigurationError(
+                f"{self.name}: entity_version needs an entity: set concurrency_key= or entity= "
+                f"(a template such as 'article:{{article_id}}')"
+            )
+        _ = self._entity_keys
+
+    @cached_property
+    def _entity_keys(self) -> KeyBuilder:
+        spec = "entity" if self.entity is not None else "concurrency_key"
+        return KeyBuilder(self.run, self.name or "", self._option(spec), None, what=spec)
+
+    def version_of(self, args: Any = (), kwargs: Any = None) -> EntityVersionOf | None:
+        """The entity and version this call carries (entity_version=), or None if the task is not versioned."""
+        if self.entity_version is None:
+            return None
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        version = self._keys.bind(args, kwargs).get(self.entity_version)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ConfigurationError(
+                f"{self.name}: entity_version argument {self.entity_version!r} must be an int, got {version!r}"
+            )
+        return EntityVersionOf(self._entity_keys.identity(args, kwargs).key, version)
 
     def _option(self, name: str) -> Any:
         # Celery keeps task options as class attributes, so a function given as an option (a callable key)
@@ -180,6 +234,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # A chain link gets its first argument from the previous link, in the worker: checked there.
             return
         self.identity_of(seen_args, seen_kwargs, key, tenant, digests=False)
+        self.version_of(seen_args, seen_kwargs)
 
     # -- worker side -----------------------------------------------------------------------------
 
@@ -200,30 +255,35 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
         headers = self.request.headers or {}
         explicit = {name: headers[name] for name in (HEADER_KEY, HEADER_TENANT) if headers.get(name)}
+        # What a replay from the dead-letter queue (or a sweeper) sends again: the arguments and key headers.
+        message: dict[str, Any] = {"args": list(args), "kwargs": kwargs, "headers": explicit}
+        queue = (self.request.delivery_info or {}).get("routing_key")
+        if queue:
+            message["queue"] = queue
         try:
-            ident, entity = self._identify(args, kwargs, explicit)
+            ident, entity, version = self._identify(args, kwargs, explicit, message)
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
             return after_store_fault(exc, f"before claiming {self.name}", can_resend(self, direct), self._send_again)
-        message = None
-        if self._keeps_messages():
-            message = {"args": list(args), "kwargs": kwargs, "headers": explicit}
-        return Delivery(self, ident, entity, message, direct, self._send_again).run(args, kwargs)
+        kept = message if self._keeps_messages() else None
+        delivery = Delivery(self, ident, entity, kept, direct, self._send_again, letter=message, version=version)
+        return delivery.run(args, kwargs)
 
     def _identify(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str]
-    ) -> tuple[Identity, str | None]:
-        """The delivery's identity and entity; one that cannot be derived is counted as failed, with why."""
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any
+    ) -> tuple[Identity, str | None, EntityVersionOf | None]:
+        """The delivery's identity, entity and version; a message without them is dead-lettered, with why."""
         try:
             ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
             entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+            version = self.version_of(args, kwargs)
         except StoreError:
             raise
         except OnceleryError as exc:
-            # No run can hold a delivery without an identity; it can never succeed: count it and say why.
+            # No run can hold a delivery without an identity; it can never succeed: dead-letter it, say why.
             logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
-            self.store.record_outcome(self.name, Outcome.FAILED)
+            self.store.letter_without_run(self.name, explicit.get(HEADER_TENANT, ""), BAD_MESSAGE, str(exc), message)
             raise
-        return ident, entity
+        return ident, entity, version
 
     def _keeps_messages(self) -> bool:
         if self.store_message is not None:

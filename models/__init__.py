@@ -5,12 +5,28 @@ on their own migration branch, so `oncelery db upgrade` never creates them in a 
 """
 
 from oncelery.models.base import Base
-from oncelery.models.runs import DIGEST_KEY_SECRET, DeliveryOutcome, Outcome, RunStatus, Secret, StepResult, TaskRun
+from oncelery.models.runs import (
+    DIGEST_KEY_SECRET,
+    DeadLetter,
+    DeliveryOutcome,
+    EntityVersion,
+    OutboxMessage,
+    OutboxStatus,
+    Outcome,
+    RunStatus,
+    Secret,
+    StepResult,
+    TaskRun,
+)
 
 __all__ = [
     "DIGEST_KEY_SECRET",
     "Base",
+    "DeadLetter",
     "DeliveryOutcome",
+    "EntityVersion",
+    "OutboxMessage",
+    "OutboxStatus",
     "Outcome",
     "RunStatus",
     "Secret",

@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     CheckConstraint,
     DateTime,
     Enum,
@@ -25,11 +26,16 @@ from oncelery.models.base import Base, BigId, Json
 
 
 class RunStatus(enum.Enum):
-    """Lifecycle of a run: RUNNING (claimed, lease live or expired) -> COMPLETED | FAILED."""
+    """Lifecycle of a run: RUNNING (claimed, lease live or expired) -> COMPLETED | FAILED | DEAD.
+
+    DEAD is final until `oncelery dlq replay`: no delivery runs it again (retries exhausted, an error that can
+    never succeed, or a worker lost on every delivery).
+    """
 
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
+    DEAD = "DEAD"
 
 
 class Outcome(enum.Enum):
@@ -83,6 +89,12 @@ class TaskRun(Base):
     # message, and the database-clock moment before which no delivery may take the FAILED run over.
     retries: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Deliveries whose holder vanished (lease expired while RUNNING: SIGKILL, OOM, segfault): a run that loses
+    # max_deliveries of them is a poison message and goes DEAD instead of killing another worker.
+    lost: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    first_failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # When the relay's sweeper last re-sent this run's stored message (so it re-sends once per interval).
+    swept_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     result: Mapped[Any] = mapped_column(Json, nullable=True)
     error: Mapped[str | None] = mapped_column(Text)
     concurrency_key: Mapped[str | None] = mapped_column(String(255))
@@ -110,6 +122,13 @@ class TaskRun(Base):
             sqlite_where=text("status = 'RUNNING'"),
         ),
         Index("ix_task_runs_status_updated_at", "status", "updated_at"),
+        # The sweeper's scan: expired RUNNING runs only (a partial index stays tiny on a table of millions).
+        Index(
+            "ix_task_runs_running_lease",
+            "lease_expires_at",
+            postgresql_where=text("status = 'RUNNING'"),
+            sqlite_where=text("status = 'RUNNING'"),
+        ),
     )
 
 
@@ -147,6 +166,93 @@ class DeliveryOutcome(Base):
     # Several rows per (task, outcome), summed on read: concurrent workers rarely queue on one counter row.
     shard: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
     count: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+
+
+class OutboxStatus(enum.Enum):
+    """Lifecycle of an outbox row: PENDING -> SENT -> DONE (its run completed), or DEAD (never published)."""
+
+    PENDING = "PENDING"
+    SENT = "SENT"
+    DONE = "DONE"
+    DEAD = "DEAD"
+
+
+class OutboxMessage(Base):
+    """A job written in the caller's transaction: published by the relay iff that transaction committed."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    task_name: Mapped[str] = mapped_column(String(255), nullable=False)
+    args: Mapped[Any] = mapped_column(Json, nullable=False)
+    kwargs: Mapped[Any] = mapped_column(Json, nullable=False)
+    # apply_async options that survive JSON (queue, routing_key, priority, countdown, expires as seconds).
+    options: Mapped[Any] = mapped_column(Json, nullable=False)
+    # Chosen at enqueue time, so the caller can follow the job with AsyncResult before it is even published.
+    celery_task_id: Mapped[str] = mapped_column(String(255), nullable=False, unique=True)
+    # The key every publish carries (the row's identity unless the call or the task gives one): a re-publish
+    # is absorbed by the claim. NULL for a task that is not an IdempotentTask (published, never re-published).
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
+    status: Mapped[OutboxStatus] = mapped_column(_enum(OutboxStatus, "outbox_status"), nullable=False)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    publishes: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    next_attempt_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_outbox_status_next_attempt_at", "status", "next_attempt_at"),)
+
+
+class DeadLetter(Base):
+    """A run (or a message without one) that will never succeed as it is: why, how often, and how to replay it."""
+
+    __tablename__ = "dead_letters"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # NULL for a message that never had a run (its identity could not be derived, or it conflicted).
+    run_id: Mapped[int | None] = mapped_column(
+        BigId, ForeignKey("task_runs.id", ondelete="CASCADE"), nullable=True, unique=True
+    )
+    task_name: Mapped[str] = mapped_column(String(255), nullable=False)
+    tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    # retries_exhausted | never_succeeds | max_deliveries | conflict | bad_message
+    reason: Mapped[str] = mapped_column(String(32), nullable=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    traceback: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    # The message (args, kwargs, key headers) a replay sends again.
+    message: Mapped[Any] = mapped_column(Json, nullable=True)
+    first_failed_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    last_failed_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    replayed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    replays: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+
+    __table_args__ = (Index("ix_dead_letters_task_name_last_failed_at", "task_name", "last_failed_at"),)
+
+
+class EntityVersion(Base):
+    """The last applied version per (task, tenant, entity): written in the completion transaction, only forward."""
+
+    __tablename__ = "entity_versions"
+
+    task_name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(255), primary_key=True, default="", server_default="")
+    entity: Mapped[str] = mapped_column(String(255), primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
 
 
 class Secret(Base):

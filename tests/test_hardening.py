@@ -17,6 +17,7 @@ from sqlalchemy import insert, text
 
 from oncelery import IdempotentTask, LeaseLost, Runs, RunStatus, StepMismatch
 from oncelery.claims import RunStore
+from oncelery.deadletters import DeadLetters
 from oncelery.keys import Identity
 from tests.services import count_rows, effects_table, wait_for
 
@@ -85,7 +86,7 @@ def test_a_caught_step_failure_keeps_later_checkpoints_in_their_slots(
 
 def test_a_replay_with_other_arguments_at_a_position_is_refused_or_rerun(db_url: str) -> None:
     """A loop whose items changed order never returns another item's checkpoint."""
-    app = Celery("args-digest")
+    app = Celery("args-digest", broker="memory://")  # the replay's message is published, never consumed
     app.conf.oncelery_database_url = db_url
     seen: list[str] = []
     order = {"items": ["a", "b"], "fail": True, "rerun": False}
@@ -107,7 +108,11 @@ def test_a_replay_with_other_arguments_at_a_position_is_refused_or_rerun(db_url:
     order.update(items=["b", "a"], fail=False)
     with pytest.raises(StepMismatch, match="arguments"):
         loop(1)
+    # A StepMismatch can never succeed on the same code: the run is DEAD until the code is fixed and replayed.
+    letters = DeadLetters(db_url).list(task_name="oncelery.t_args")
+    assert [(letter.reason, letter.run_status) for letter in letters] == [("never_succeeds", RunStatus.DEAD)]
     order.update(rerun=True)
+    assert [letter.key for letter in DeadLetters(db_url).replay(app, letters).replayed] == ["loop:1"]
     assert loop(1) == ["B", "A"]  # re-run with the new arguments, never ["A", "B"] from the old slots
     assert seen == ["a", "b", "b", "a"]
 

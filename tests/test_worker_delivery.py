@@ -134,7 +134,7 @@ def test_non_json_result_is_a_typed_error_and_nothing_commits(app: Celery, db_ur
         bad(1)
     store = RunStore(db_url)
     run = store.get("oncelery.t_nonjson", "nj:1")
-    assert run is not None and run.status is RunStatus.FAILED and "JSON" in (run.error or "")
+    assert run is not None and run.status is RunStatus.DEAD and "JSON" in (run.error or "")
     assert count_rows(store.engine, effects_table, "nj") == 0
 
 
