@@ -158,11 +158,12 @@ class Relay:
         self._now = dia.now()
         self._locking = dia.name == "postgresql"
 
-    def run_once(self) -> RelayRound:
-        """One round: publish pending rows, re-publish unfinished sent rows, sweep lost runs."""
+    def run_once(self, republish: bool = True) -> RelayRound:
+        """One round: publish pending rows, re-publish unfinished sent rows (if `republish`), sweep lost runs."""
         done = RelayRound()
         self.publish_pending(done)
-        self.republish_unfinished(done)
+        if republish:
+            self.republish_unfinished(done)
         if self.sweep_interval is not None:
             from oncelery.sweeper import sweep_lost_runs
 

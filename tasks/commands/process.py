@@ -1,10 +1,10 @@
 """`oncelery process FILE.jsonl`: score every article exactly once on the configured broker and database.
 
-The command is the producer of at-least-once delivery. It sends each article with `score_article.delay()`
-(optionally duplicates, and SIGKILLs of its own worker, to show the guarantees hold), then does the
-producer's half: an article whose run has not COMPLETED once the queue has drained and nothing has moved
-for a while, and that no live holder has claimed, is sent again. The claim absorbs any copy that was not
-needed; a job lost with a killed worker is never lost for the user.
+The command writes every delivery of `score_article` (optionally duplicates, and SIGKILLs of its own worker,
+to show the guarantees hold) to the transactional outbox in one transaction, and an in-process relay
+publishes them. The producer never re-sends: the relay's sweeper re-sends a job whose worker was lost (from
+its run's stored message), and the outbox re-publishes one lost before it was claimed. The claim absorbs
+any copy that was not needed; a job lost with a killed worker is never lost for the user.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import click
 from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 
-from oncelery import Identity, InvalidKey, Runs, differing_fields
+from oncelery import Database, Identity, InvalidKey, Relay, Runs, differing_fields, outbox
 from oncelery.cli import resolve_database_url
 from oncelery.tasks.commands.article_file import Article, load_articles
 from oncelery.tasks.commands.local_worker import LocalWorker
@@ -134,7 +134,9 @@ def process(
     if not console.is_terminal:
         console.width = max(console.width, NON_TTY_WIDTH)  # a CI log is not 80 columns wide
     click.echo(f"broker {maybe_sanitize_url(broker)}, queue {app.conf.task_default_queue}")
-    watch = Watch(app, score_article, runs, keys, calls, before.outcomes, None, console, kill_worker_every)
+    # The relay re-publishes an unstarted row, or re-sends a lost run, after `quiet_seconds` without progress.
+    relay = Relay(app, url, republish_after=quiet_seconds, sweep_interval=quiet_seconds)
+    watch = Watch(app, score_article, runs, keys, calls, before.outcomes, None, console, kill_worker_every, relay)
     fresh = watch.pending_keys()
     worker_options = (concurrency, queue, lease) if start_worker else None
     finished = _deliver(url, watch, score_article, calls, order, worker_options, timeout, quiet_seconds, fresh)
@@ -205,9 +207,13 @@ def _deliver(
                 click.echo("no local worker: the broker's workers will run the jobs (--start-worker starts one)")
             watch.worker = worker
             watch.start()
-            for i in order:
-                task.delay(*calls[i])
+            # One transaction writes every delivery to the outbox (all or none); the relay publishes them.
+            with Database(url).begin() as conn:
+                for i in order:
+                    outbox.enqueue(conn, task, *calls[i])
             watch.sent_first, watch.sent_duplicates = len(calls), len(order) - len(calls)
+            while watch.relay is not None and watch.relay.publish_pending().published:
+                pass
             finished = watch.run_until_done(timeout, quiet_seconds)
             if finished is not None:
                 answered = watch.settle(timeout, finished)

@@ -1,11 +1,13 @@
-"""The producer's loop of `oncelery process`: progress, worker kills, and re-sending what a dead worker lost.
+"""The loop of `oncelery process`: progress, worker kills, and the relay that recovers what a dead worker lost.
 
-Re-sending is safe because the claim absorbs every copy that is not needed; it is necessary because a
-broker may lose a message with its worker (the embedded filesystem broker deletes a message when a worker
-takes it, so a SIGKILLed worker's jobs are gone). The rule: once nothing has moved for `quiet` seconds and
-the queue is empty, every unfinished article that no live holder has claimed (no run yet, a FAILED run, or
-a RUNNING run whose lease expired by the database clock) is sent again. An article held by a killed worker
-is left alone until its lease expires; then it is sent again and the new delivery takes the run over.
+The producer never re-sends. Every delivery was written to the outbox (the durable record of intent), and
+an in-process `oncelery.Relay` publishes it, then recovers what a broker loses with its worker (the embedded
+filesystem broker deletes a message when a worker takes it, so a SIGKILLed worker's jobs are gone):
+- its sweeper re-sends the stored message of a run whose holder vanished, once the lease has expired by
+  the database clock;
+- once nothing has moved for `quiet` seconds and the queue is empty, it re-publishes each outbox row whose
+  run never started or whose holder vanished (a message lost before it was claimed).
+The claim absorbs every copy that was not needed.
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ from celery import Celery
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from oncelery import WAIT_BACKOFF_CAP, Outcome, Runs, RunStatus
+from oncelery import WAIT_BACKOFF_CAP, Outcome, Relay, Runs, RunStatus
 from oncelery.tasks.commands.local_worker import LocalWorker
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 LINE_EVERY = 2.0  # seconds between progress lines when the output is not a terminal
-MAX_RESENDS = 5  # per article; the wait before its next re-send doubles each time (a failing job is not spun)
 KILL_AIM_SECONDS = 1.0  # how long a kill waits for a moment when exactly one job is mid-pipeline
 # A waiting delivery re-checks at least every WAIT_BACKOFF_CAP seconds: this long without a new outcome
 # means no delivery is left in flight.
@@ -51,6 +52,7 @@ class Watch:
         worker: LocalWorker | None,
         console: Console,
         kill_every: int | None,
+        relay: Relay | None = None,
     ) -> None:
         self.app, self.task, self.runs = app, task, runs
         self.keys, self.calls = list(keys), list(calls)
@@ -58,11 +60,10 @@ class Watch:
         self.outcomes_before = outcomes_before
         self.worker, self.console = worker, console
         self.kill_every = kill_every
+        self.relay = relay
         self.sent_first = self.sent_duplicates = self.sent_again = 0
         self.kills = self.interrupted = 0
         self.dead: set[tuple[str, int]] = set()  # (key, token) of claims whose holder this command killed
-        self.resends: dict[str, int] = {}
-        self.resend_after: dict[str, float] = {}
         self.started = 0.0
         self.first_result: float | None = None
         self.completed_before = runs.statuses(task.name, self.keys).get(RunStatus.COMPLETED, 0)
@@ -118,8 +119,7 @@ class Watch:
             if self.next_kill is not None and completed - self.completed_before >= self.next_kill:
                 self._kill(completed)
                 moved = time.monotonic()
-            elif now - moved >= quiet and self._queue_empty():
-                self._resend(quiet)
+            elif self._recover(republish=now - moved >= quiet and self._queue_empty()):
                 moved = time.monotonic()
             if now > deadline:
                 self._show(completed, counts, now, final=True)
@@ -192,32 +192,19 @@ class Watch:
         running = self.runs.list(task_name=self.task.name, status=RunStatus.RUNNING, keys=self.keys, limit=None)
         return [(run.key, run.token) for run in running]
 
-    def _resend(self, quiet: float) -> None:
-        """Send again every unfinished article that no live holder has claimed (each at most MAX_RESENDS times)."""
-        pending = self.pending_keys()
-        if not pending:
-            return
-        held = self.runs.held(self.task.name, pending)
-        now = time.monotonic()
-        unheld = [k for k in pending if k not in held]
-        spent = [k for k in unheld if self.resends.get(k, 0) >= MAX_RESENDS]
-        due = [k for k in unheld if k not in spent and now >= self.resend_after.get(k, 0.0)]
-        notes = [
-            f"{len(held)} held until a lease expires" if held else "",
-            f"{len(spent)} no longer re-sent" if spent else "",
-        ]
-        self.status = ", ".join(n for n in notes if n)
-        if not due:
-            return
-        for key in due:
-            self.task.delay(*self.calls[self.index[key]])
-            self.resends[key] = self.resends.get(key, 0) + 1
-            self.resend_after[key] = now + quiet * 2 ** self.resends[key]
-        self.sent_again += len(due)
-        self._say(
-            f"re-sent {len(due)} unfinished article(s) that no live worker holds "
-            f"(lost with a killed worker, or failed); the claim absorbs any extra copy"
-        )
+    def _recover(self, republish: bool) -> bool:
+        """One relay round: publish, sweep lost runs, and (when quiet) re-publish unstarted rows; True if it sent."""
+        if self.relay is None:
+            return False
+        done = self.relay.run_once(republish=republish)
+        again = done.republished + done.swept
+        if again:
+            self.sent_again += again
+            self._say(
+                f"the relay re-sent {again} job(s) lost with a killed worker ({done.swept} swept from their runs, "
+                f"{done.republished} re-published from the outbox); the claim absorbs any extra copy"
+            )
+        return bool(again or done.published)
 
     def _queue_empty(self) -> bool:
         """Return whether the queue holds no message (True when the broker cannot tell)."""
