@@ -34,6 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from oncelery.errors import LeaseLost, ResultNotJSON, StaleVersion, StoreError
+from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus, Secret
 from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
@@ -276,6 +277,7 @@ class RunStore:
             f"fix the cause, then `oncelery dlq replay`"
         )
         params = {"p_run_id": run.run_id, "p_token": run.token, "p_error": error}
+        fault_point("dead_letter", task=run.task_name, key=run.key)
         with self.db.begin() as conn:
             if rowcount(conn.execute(self.sql.kill_lost, params)) != 1:
                 return False

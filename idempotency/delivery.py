@@ -161,6 +161,7 @@ class Delivery:
             return self._replay(res)
         if res.decision is Decision.CONFLICT:
             conflict = self._conflict(res)
+            fault_point("dead_letter", task=self.task.name, key=self.ident.key)
             self.store.letter_without_run(
                 self.task.name, self.ident.tenant, CONFLICT, str(conflict), self.letter, self.ident.key
             )
@@ -179,6 +180,7 @@ class Delivery:
 
     def _stale(self, version: EntityVersionOf) -> bool:
         """Whether the entity already applied this version or a newer one: then count `stale` (acked)."""
+        fault_point("version_check", task=self.task.name, key=self.ident.key)
         applied = self.store.applied_version(self.task.name, self.ident.tenant, version.entity)
         if applied is None or version.version > applied:
             return False

@@ -15,6 +15,7 @@ from typing import Any
 
 #: Every point, in delivery order.
 POINTS = (
+    "version_check",  # before a versioned event reads its entity's applied version
     "claim",  # before the claim statement
     "load_checkpoints",  # before a taken-over run loads its steps
     "step_save",  # before a step's checkpoint is written
@@ -22,6 +23,7 @@ POINTS = (
     "complete",  # before the completion (and the effects commit)
     "record_failure",  # before a failed run is recorded
     "count_outcome",  # before a replay, conflict, in-progress wait or lost lease is counted
+    "dead_letter",  # before a poison run is made DEAD, or a run-less message is dead-lettered
     "relay_published",  # after the relay published a batch, before it marks the rows sent
 )
 
