@@ -219,6 +219,7 @@ def _echo_run(run: RunView, steps: Sequence[StepView], show_payload: bool = Fals
         ("owner", run.owner),
         ("attempts", run.attempts),
         ("retries", run.retries),
+        ("lost", run.lost),
         ("not_before", run.not_before),
         ("lease_expires_at", run.lease_expires_at),
         ("concurrency_key", run.concurrency_key),

@@ -249,9 +249,10 @@ def _letter_json(x: LetterView, payload: bool) -> dict[str, Any]:
 def dlq_show(ctx: click.Context, ref: str, show_payload: bool) -> None:
     """Show a dead letter (by id or key): why it died, its error, traceback, attempts and failures."""
     letters = DeadLetters(resolve_database_url(ctx))
-    found = _select(letters, [ref], None, None, None, False) or (
-        letters.list(keys=[ref], include_replayed=True, limit=None) if not ref.isdigit() else []
-    )
+    if ref.isdigit():
+        found = letters.list(ids=[int(ref)], include_replayed=True, limit=None)
+    else:
+        found = letters.list(keys=[ref], include_replayed=True, limit=None)
     if not found:
         raise click.ClickException(f"No dead letter {ref!r}: see `oncelery dlq list`")
     for i, x in enumerate(found):
