@@ -15,13 +15,14 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
 
@@ -50,16 +51,6 @@ BULK_TIMEOUT = 120.0
 STOP_TIMEOUT = 60.0
 BULK_JOBS = 1000
 FLUSHED_JOBS = 50
-
-
-@pytest.fixture(autouse=True)
-def clean_outbox(db_url: str) -> None:
-    """Start from an empty outbox: conftest truncates the PostgreSQL tables it lists, and `outbox` is not one.
-
-    Without this a relay of one test would publish (or re-publish) the rows another test left behind.
-    """
-    with get_engine(db_url).begin() as conn:
-        conn.execute(delete(OutboxMessage))
 
 
 @pytest.fixture
@@ -301,7 +292,7 @@ def test_two_relays_publish_a_thousand_rows_once_each(
         with worker_factory(app, concurrency=4):
             relays = [start_relay(name, db_url, queue, tmp_path) for name in ("a", "b")]
             for proc, log in relays:
-                wait_for(lambda: relay_started(proc, log), timeout=JOB_TIMEOUT, what=f"relay {proc.pid} to start")
+                wait_for(partial(relay_started, proc, log), timeout=JOB_TIMEOUT, what=f"relay {proc.pid} to start")
             # Both relays are polling when the 1,000 rows commit at once: they race for the same rows.
             with engine.begin() as conn:
                 for n in range(BULK_JOBS):

@@ -172,7 +172,9 @@ def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, p
     try:
         with engine.begin() as conn:
             conn.execute(
-                text("TRUNCATE article_scores, llm_calls, step_results, delivery_outcomes, task_runs RESTART IDENTITY")
+                text(
+                    "TRUNCATE article_scores, llm_calls, step_results, dead_letters, outbox, delivery_outcomes, task_runs RESTART IDENTITY"
+                )
             )
     finally:
         engine.dispose()
