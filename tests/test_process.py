@@ -173,7 +173,8 @@ def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, p
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "TRUNCATE article_scores, llm_calls, step_results, dead_letters, outbox, delivery_outcomes, task_runs RESTART IDENTITY"
+                    "TRUNCATE article_scores, llm_calls, step_results, dead_letters, outbox, delivery_outcomes, "
+                    "task_runs RESTART IDENTITY"
                 )
             )
     finally:
