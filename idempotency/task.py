@@ -16,11 +16,12 @@ from typing import Any
 from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Retry
+from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
 from sqlalchemy.orm import Session
 
 from oncelery.claims import BAD_MESSAGE, EntityVersionOf, RunStore
-from oncelery.delivery import Delivery, RunContext, after_store_fault, can_resend
+from oncelery.delivery import NEVER_SUCCEED, Delivery, RunContext, after_store_fault, can_resend
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
 from oncelery.settings import (
@@ -302,6 +303,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         sig.apply_async()
         # Retry makes the worker ack this delivery and mark the task RETRY, without occupying a slot.
         raise Retry(exc=exc, when=delay, sig=sig)
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: BaseException | None = None, *a: Any, **kw: Any) -> Any:
+        """Celery's retry, except that an error which can never succeed is raised at once (the run goes DEAD).
+
+        Covers autoretry_for=(Exception,) too: a dead_on error (or StepMismatch, ResultNotJSON, a
+        ConfigurationError) is not retried max_retries times for nothing.
+        """
+        if exc is not None and isinstance(exc, NEVER_SUCCEED + tuple(self.dead_on)):
+            raise_with_context(exc)
+        return super().retry(args, kwargs, exc, *a, **kw)
 
     def attach(self, ctx: RunContext) -> None:
         """Make `ctx` the live run of this delivery (what step() and effects() use)."""

@@ -1,6 +1,6 @@
-"""A Celery app for the dead-letter tests' subprocesses (`celery worker`, `oncelery dlq replay --app`), from the environment.
+"""A Celery app for the dead-letter tests' subprocesses (`celery worker`, `oncelery dlq replay --app`).
 
-The test that starts a process sets:
+Configured only from the environment; the test that starts a process sets:
 
     ONCELERY_DATABASE_URL              the claims database (a SQLite file or the PostgreSQL test database)
     ONCELERY_BROKER_URL                the Redis broker (the test Redis database)
@@ -9,10 +9,13 @@ The test that starts a process sets:
     ONCELERY_POISON_LEASE              the poison task's lease in seconds (default 1)
 
 Delivery settings are oncelery.CELERY_DELIVERY_DEFAULTS: late ack, reject on worker lost, prefetch 1, JSON only.
+SIGUSR2 makes any of the worker's processes (pool children inherit it) write every thread's stack to its log,
+so a test that times out can show where a process was stuck.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -67,6 +70,7 @@ def create_app(environ: Mapping[str, str]) -> Celery:
 
 
 app = create_app(os.environ)
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 DATABASE_URL = os.environ[ENV_DATABASE_URL]
 LEASE = float(os.environ.get(ENV_LEASE) or 1)
 
