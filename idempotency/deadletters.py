@@ -24,6 +24,8 @@ from oncelery.statements import RUNS
 from oncelery.store import Database
 
 LETTERS = cast(Table, DeadLetter.__table__)
+# Message options that continue a pipeline after the replayed link (kept with the message by the task).
+CONTINUATION = ("chain", "link", "link_error")
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,9 @@ class DeadLetters:
                 options["tenant"] = letter.tenant
             if queue or message.get("queue"):
                 options["queue"] = queue or message["queue"]
+            for option in CONTINUATION:
+                if message.get(option):
+                    options[option] = message[option]
             sig = app.signature(letter.task_name, list(message.get("args") or ()), dict(message.get("kwargs") or {}))
             sig = sig.set(**options)
             now = self.db.dialect.now()

@@ -328,7 +328,7 @@ class Delivery:
         task = self.task
         if isinstance(exc, NEVER_SUCCEED + tuple(task.dead_on)):
             reason = NEVER_SUCCEEDS
-        elif task.max_retries is not None and int(task.request.retries or 0) >= task.max_retries:
+        elif (limit := _max_retries(task)) is not None and int(task.request.retries or 0) >= limit:
             # Celery re-raises the error of the last allowed retry (or MaxRetriesExceededError): it is final.
             reason = RETRIES_EXHAUSTED
         else:
@@ -355,6 +355,15 @@ class Delivery:
 
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again
+
+
+def _max_retries(task: IdempotentTask) -> int | None:
+    """The retry limit Celery enforces: autoretry's retry_kwargs["max_retries"] wins over the task's."""
+    retry_kwargs = getattr(task, "retry_kwargs", None) or {}
+    if "max_retries" in retry_kwargs:
+        value = retry_kwargs["max_retries"]
+        return None if value is None else int(value)
+    return None if task.max_retries is None else int(task.max_retries)
 
 
 def _seconds_until(when: Any) -> float:

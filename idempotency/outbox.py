@@ -37,7 +37,18 @@ logger = logging.getLogger(__name__)
 
 OUTBOX = cast(Table, OutboxMessage.__table__)
 # apply_async options an outbox row can carry (JSON values, meaningful at publish time).
-ALLOWED_OPTIONS = ("queue", "routing_key", "exchange", "priority", "countdown", "expires", "headers")
+ALLOWED_OPTIONS = (
+    "queue",
+    "routing_key",
+    "exchange",
+    "priority",
+    "countdown",
+    "expires",
+    "headers",
+    "link",
+    "link_error",
+    "chain",  # a chain link's continuation (what a dead-letter replay of a pipeline link carries)
+)
 KEY_PREFIX = "outbox:"
 
 __all__ = ["Relay", "RelayRound", "enqueue", "install_relay_task"]

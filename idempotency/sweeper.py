@@ -68,8 +68,9 @@ def _resend(app: Celery, row: Any) -> int:
     if row.tenant:
         headers[HEADER_TENANT] = row.tenant
     options: dict[str, Any] = {}
-    if message.get("queue"):
-        options["queue"] = message["queue"]
+    for option in ("queue", "chain", "link", "link_error"):  # where it ran, and what follows it in a pipeline
+        if message.get(option):
+            options[option] = message[option]
     try:
         app.send_task(
             row.task_name,

@@ -258,9 +258,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         explicit = {name: headers[name] for name in (HEADER_KEY, HEADER_TENANT) if headers.get(name)}
         # What a replay from the dead-letter queue (or a sweeper) sends again: the arguments and key headers.
         message: dict[str, Any] = {"args": list(args), "kwargs": kwargs, "headers": explicit}
-        queue = (self.request.delivery_info or {}).get("routing_key")
+        req = self.request
+        queue = (req.delivery_info or {}).get("routing_key")
         if queue:
             message["queue"] = queue
+        # A chain link's continuation: a replayed or swept link goes on down its pipeline.
+        for option, value in (("chain", req.chain), ("link", req.callbacks), ("link_error", req.errbacks)):
+            if value:
+                message[option] = value
         try:
             ident, entity, version = self._identify(args, kwargs, explicit, message)
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message

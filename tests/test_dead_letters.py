@@ -345,6 +345,7 @@ def test_poison_message_goes_dead_after_max_deliveries(tmp_path: Path, db_url: s
     assert IdempotentTask.max_deliveries == 5  # the default bound
     key = f"poison-{uuid.uuid4().hex[:8]}"
     jobs = [f"job-{i}-{uuid.uuid4().hex[:6]}" for i in range(20)]
+    job_keys = [f"job:{job}" for job in jobs]
     queue = unique_queue()
     backend_url = results_url(redis_url)
     env = app_env(db_url, redis_url, backend_url, queue)
@@ -362,16 +363,23 @@ def test_poison_message_goes_dead_after_max_deliveries(tmp_path: Path, db_url: s
         with poison_worker(tmp_path, env, queue, redis_url) as worker:
             wait_for(worker.is_ready, timeout=TIMEOUT, interval=0.1, what="the worker to be ready")
             poison = sender.send_task(POISON_TASK, args=[key])
-            results = [sender.send_task(ORDINARY_TASK, args=[job]) for job in jobs]
+            for job in jobs:
+                sender.send_task(ORDINARY_TASK, args=[job])
 
-            values = [r.get(timeout=TIMEOUT) for r in results]
-            with pytest.raises(RunIsDead, match="poison message"):
-                poison.get(timeout=TIMEOUT)
+            # Waits on the database (the source of truth), not on the result backend.
+            wait_for(
+                lambda: Runs(db_url).keys_in(ORDINARY_TASK, RunStatus.COMPLETED, job_keys) == set(job_keys),
+                timeout=TIMEOUT,
+                what="the 20 ordinary jobs to complete",
+            )
             wait_for(
                 lambda: run_status(db_url, POISON_TASK, f"poison:{key}") is RunStatus.DEAD,
                 timeout=TIMEOUT,
                 what="the poison run to be DEAD",
             )
+            # The delivery that found it lost once too often was answered RunIsDead (acked, FAILURE).
+            wait_for(lambda: poison.state == "FAILURE", timeout=TIMEOUT, what="the poison message's FAILURE")
+            assert isinstance(poison.result, RunIsDead) and "poison message" in str(poison.result)
             assert worker.proc.poll() is None  # only pool processes died; the worker lived on
 
         # The body started once per delivery that reached it, each in a fresh pool process, then never again.
@@ -398,12 +406,13 @@ def test_poison_message_goes_dead_after_max_deliveries(tmp_path: Path, db_url: s
         assert not {"executed", "resumed", "failed"} & set(poison_counts)
 
         # Every ordinary job on the same queue completed, its body executed once.
-        assert sorted(v["key"] for v in values) == sorted(jobs)
+        runs = {r.key: r for r in Runs(db_url).list(task_name=ORDINARY_TASK, limit=None)}
+        assert sorted(runs) == sorted(job_keys)
         for job in jobs:
+            run = runs[f"job:{job}"]
+            assert run.status is RunStatus.COMPLETED and run.token == 1 and run.result["key"] == job
             assert count_rows(engine, executions_table, job) == 1, job
             assert count_rows(engine, effects_table, job) == 1, job
-        runs = Runs(db_url).list(task_name=ORDINARY_TASK, limit=None)
-        assert len(runs) == 20 and all(r.status is RunStatus.COMPLETED for r in runs)
         assert Runs(db_url).outcome_counts(ORDINARY_TASK).get("executed") == 20
     finally:
         close_app(sender)
@@ -507,3 +516,31 @@ def test_bad_message_is_a_run_less_dead_letter(app: Celery, worker_factory: Any,
     report = DeadLetters(db_url).replay(app, [letter])
     assert report.replayed == [] and len(report.skipped) == 1
     assert "no run to replay" in report.skipped[0][1]
+
+
+def test_autoretry_max_retries_in_retry_kwargs_is_the_limit_that_makes_a_run_dead(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    """Celery's documented autoretry limit (retry_kwargs["max_retries"]) decides when retries are exhausted."""
+    calls: list[int] = []
+    name = "oncelery.t_dl_kwargs_limit"
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name=name,
+        idempotency_key="rk:{n}",
+        autoretry_for=(RuntimeError,),
+        retry_kwargs={"countdown": 0.1, "max_retries": 1},
+    )
+    def flaky(self: IdempotentTask, n: int) -> int:
+        calls.append(n)
+        raise RuntimeError("still broken")
+
+    with worker_factory(app, concurrency=2), pytest.raises(RuntimeError, match="still broken"):
+        flaky.delay(5).get(timeout=TIMEOUT)
+    assert calls == [5, 5]  # the first try and the one retry retry_kwargs allows
+    run = Runs(db_url).get(name, "rk:5")
+    assert run is not None and run.status is RunStatus.DEAD and run.attempts == 2
+    assert only_letter(db_url, name).reason == "retries_exhausted"

@@ -8,8 +8,9 @@ advances the entity's version. The outbox relay is a database client too: it ser
 and a server restart.
 
 A real in-process Celery worker (threads pool, real Redis) runs the jobs against the throwaway PostgreSQL
-cluster of tests/pg_cluster.py (backends terminated, or the server restarted, right at the point), and one
-SQLite test holds the write lock past busy_timeout, as tests/test_store_faults.py does.
+cluster of tests/pg_cluster.py (backends terminated, or the server restarted, right at the point). SQLite's
+one fault (a write lock held past busy_timeout, 30 s per test) is exercised by tests/test_store_faults.py on
+the shared paths (claim, completion, failure record) that these points lead into.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from sqlalchemy import insert, text
 
 from oncelery import IdempotencyConflict, IdempotentTask, LeaseLost, Relay, RelayRound, RunIsDead, RunStatus, outbox
 from oncelery.faults import fault_injected
-from oncelery.settings import SQLITE_BUSY_TIMEOUT_MS
 from tests.conftest import running_worker
 from tests.pg_cluster import pg_cluster  # noqa: F401  (the module's throwaway cluster)
 from tests.services import effects_table, executions_table, wait_for
@@ -48,8 +48,6 @@ from tests.test_store_faults import (  # noqa: F401  (fixtures are used by name)
     pg_db,
     report,
     retrying,
-    sqlite_app,
-    sqlite_db,
 )
 
 VERSION = 3
@@ -591,81 +589,3 @@ def test_the_relay_serves_through_killed_backends_and_a_restart(pg_db: Db, pg_ap
     assert len(effects) == RELAY_JOBS and set(effects.values()) == {1}, {k: c for k, c in effects.items() if c != 1}
     assert counts.get("executed", 0) + counts.get("resumed", 0) == RELAY_JOBS, counts
     assert counts.get("failed", 0) == 0 and counts.get("dead", 0) == 0, counts
-
-
-# -- 7. SQLite: the write lock held from the version check, and at the DEAD failure --------------------------
-
-
-@pytest.mark.timeout(180)
-def test_sqlite_lock_held_at_the_version_check_and_the_dead_failure(
-    sqlite_db: Db, sqlite_app: Celery, logs: LogLines
-) -> None:
-    """SQLite's one database fault (test_store_faults): another connection holding the write lock past
-    busy_timeout. One ~35 s test: both jobs wait out the same held lock, concurrently.
-
-    At "version_check" the lock cannot fault the version read itself (a WAL reader never waits for the
-    writer): the claim right after it waits out busy_timeout and fails, and the job is sent again. At the
-    last "record_failure" the DEAD transaction waits it out and fails; the copy takes the run over and
-    records it DEAD with its one letter.
-    """
-    path = sqlite_db.url.removeprefix("sqlite:///")
-    lock = WriteLock(path)
-    versioned = define_versioned(sqlite_app, sqlite_db, "oncelery.t_edge_sqlite_version")
-    doomed = define_doomed(sqlite_app, sqlite_db, "oncelery.t_edge_sqlite_dead")
-    n_v, n_d = 21, 22
-    key_v, key_d = job_key(n_v), job_key(n_d)
-    hold_at_version = Once(lock.hold)
-    hold_at_dead = Once(lock.hold)
-    busy = SQLITE_BUSY_TIMEOUT_MS / 1000
-
-    try:
-        with (
-            running_worker(sqlite_app, concurrency=4),
-            fault_injected("version_check", only_for(versioned.name, key_v, hold_at_version)),
-            fault_injected("record_failure", on_retried_run(sqlite_db, doomed.name, key_d, hold_at_dead)),
-        ):
-            r_dead = doomed.delay(n_d)
-            wait_for(hold_at_dead.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at the DEAD failure")
-            r_version = versioned.delay(n_v, VERSION)
-            wait_for(hold_at_version.injected.is_set, timeout=JOB_TIMEOUT, what="the version check")
-            wait_for(
-                lambda: (
-                    logs.has("could not record failure of", f"{doomed.name}[{key_d}]")
-                    and logs.has("claims database failed delivering", f"{versioned.name}[{key_v}]")
-                ),
-                timeout=busy + 60,
-                interval=0.1,
-                what="both deliveries to give up on the lock",
-            )
-            held = lock.release()
-            assert held >= busy, f"the lock was held {held:.1f}s, less than busy_timeout {busy}s"
-            counts_v = assert_once(sqlite_db, versioned, n_v, r_version, logs)
-            wait_for(
-                lambda: status_of(sqlite_db, doomed.name, key_d) == RunStatus.DEAD.value,
-                timeout=JOB_TIMEOUT,
-                interval=0.1,
-                what="the doomed run to go DEAD",
-            )
-            with pytest.raises(RuntimeError, match=f"refuses job {n_d}"):
-                r_dead.get(timeout=JOB_TIMEOUT)
-    finally:
-        lock.release()
-
-    assert hold_at_version.error is None and hold_at_dead.error is None
-    detail_v = report(sqlite_db, versioned.name, key_v, logs)
-    assert not logs.has("checking the version of", f"[{key_v}]"), detail_v  # the read never waited
-    assert applied_version(sqlite_db, versioned.name, f"e:{n_v}") == VERSION, detail_v
-    assert counts_v.get("stale", 0) == 0, detail_v
-
-    detail_d = report(sqlite_db, doomed.name, key_d, logs)
-    assert logs.has("claims database failed recording the failure of", f"[{key_d}]"), detail_d
-    run = run_row(sqlite_db, doomed.name, key_d)
-    assert run is not None and run.status == RunStatus.DEAD.value and run.retries == 1 and run.lost == 1, run
-    found = letters(sqlite_db, doomed.name, key_d)
-    assert len(found) == 1, f"dead letters: {found}\n{detail_d}"
-    assert found[0].reason == "retries_exhausted" and found[0].run_id == run.id, f"{found}\n{detail_d}"
-    counts_d = sqlite_db.counts(doomed.name)
-    assert counts_d.get("dead") == 1 and counts_d.get("failed") == 1, detail_d
-    assert set(counts_d) <= {"dead", "failed", "in_progress"}, detail_d
-    assert sqlite_db.rows(executions_table, key_d) == 3, detail_d
-    print(f"sqlite: held={held:.1f}s versioned={counts_v} doomed={counts_d}")

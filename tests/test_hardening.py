@@ -303,5 +303,8 @@ def test_a_worker_records_an_outcome_for_a_message_without_an_identity(
         result = app.send_task("oncelery.t_noident", args=["x" * 300])
         with pytest.raises(Exception, match="255"):
             result.get(timeout=60)
-    assert job.outcome_counts() == {"failed": 1}
+    # It can never succeed: dead-lettered without a run (nothing to replay until the message is fixed).
+    assert job.outcome_counts() == {"dead": 1}
     assert Runs(db_url).list(task_name="oncelery.t_noident") == []
+    letters = DeadLetters(db_url).list(task_name="oncelery.t_noident")
+    assert [(x.reason, x.run_id, x.message["args"]) for x in letters] == [("bad_message", None, ["x" * 300])]

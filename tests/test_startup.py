@@ -20,7 +20,16 @@ from tests import services
 from tests.services import ONCELERY, clean_env, run_to_completion, stop_sessions, unique_queue, wait_for
 
 TASK = "oncelery.startup_job"
-FRAMEWORK_TABLES = {"task_runs", "step_results", "delivery_outcomes", "oncelery_secrets", "oncelery_alembic_version"}
+FRAMEWORK_TABLES = {
+    "task_runs",
+    "step_results",
+    "delivery_outcomes",
+    "oncelery_secrets",
+    "outbox",
+    "dead_letters",
+    "entity_versions",
+    "oncelery_alembic_version",
+}
 JOBS_TABLES = {"article_scores", "llm_calls", "oncelery_jobs_alembic_version"}
 
 APP_SOURCE = f"""

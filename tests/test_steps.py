@@ -15,12 +15,22 @@ import pytest
 from celery import Celery
 from sqlalchemy import func, select
 
-from oncelery import IdempotentTask, LeaseLost, ResultNotJSON, StepMismatch, current_step, pipeline, step_seed
+from oncelery import (
+    DeadLetters,
+    IdempotentTask,
+    LeaseLost,
+    ResultNotJSON,
+    RunIsDead,
+    StepMismatch,
+    current_step,
+    pipeline,
+    step_seed,
+)
 from oncelery.claims import RunStore
 from oncelery.keys import Identity
 from oncelery.models import RunStatus, TaskRun
 from oncelery.steps import StepRunner, load_checkpoints
-from tests.services import wait_for
+from tests.services import delete_queue_keys, wait_for
 from tests.test_store_contract import expire_lease
 
 
@@ -60,7 +70,7 @@ def test_retry_replays_finished_steps_and_executes_only_the_failed_one(
     assert three_steps.outcome_counts() == {"failed": 1, "resumed": 1}
 
 
-def test_changed_step_order_raises_step_mismatch_and_run_stays_failed(app: Celery, db_url: str) -> None:
+def test_changed_step_order_raises_step_mismatch_and_the_run_goes_dead(app: Celery, db_url: str) -> None:
     order = ["extract", "summarize"]
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_mismatch", idempotency_key="m:{n}")
@@ -77,7 +87,9 @@ def test_changed_step_order_raises_step_mismatch_and_run_stays_failed(app: Celer
     with pytest.raises(StepMismatch, match="'summarize' in this code but 'extract' in the checkpoint"):
         evolving(1)
     run = RunStore(db_url).get("oncelery.t_mismatch", "m:1")
-    assert run is not None and run.status is RunStatus.FAILED and "StepMismatch" in (run.error or "")
+    assert run is not None and run.status is RunStatus.DEAD and "StepMismatch" in (run.error or "")
+    with pytest.raises(RunIsDead, match="dlq replay"):  # no delivery runs it again until it is replayed
+        evolving(1)
 
 
 def test_stale_holder_cannot_write_a_step(db_url: str) -> None:
@@ -204,7 +216,13 @@ def test_chain_pipeline_resumes_from_the_failed_link(app: Celery, worker_factory
         with pytest.raises(RuntimeError):
             pipeline("article:42:v3", summarize.s(text), keywords.s(), score.s()).delay().get(timeout=60)
         assert calls == {"summarize": 1, "keywords": 1, "score": 2}  # score: first try + 1 retry
+        key = "article:42:v3/2:oncelery.t_link_score"
+        letters = DeadLetters(db_url).list(task_name="oncelery.t_link_score")
+        assert [(x.key, x.reason) for x in letters] == [(key, "retries_exhausted")]  # spent its retries: DEAD
         broken[0] = False
+        # The fix is in: replay the dead link; it runs once more and the run completes.
+        assert [x.key for x in DeadLetters(db_url).replay(app, letters).replayed] == [key]
+        wait_for(lambda: RunStore(db_url).get("oncelery.t_link_score", key).status is RunStatus.COMPLETED, 60)
         result = pipeline("article:42:v3", summarize.s(text), keywords.s(), score.s()).delay().get(timeout=60)
         # A fresh, never-failed pipeline under another key gives the same answer.
         reference = pipeline("article:43:v1", summarize.s(text), keywords.s(), score.s()).delay().get(timeout=60)
@@ -267,7 +285,7 @@ def test_one_running_job_per_entity(app: Celery, worker_factory: Any, db_url: st
     assert json.dumps(rescore.outcome_counts(), sort_keys=True).count("in_progress") == 1
 
 
-def test_step_meta_change_is_refused_or_rerun_with_later_steps(app: Celery, db_url: str) -> None:
+def test_step_meta_change_is_refused_or_rerun_with_later_steps(app: Celery, db_url: str, redis_url: str) -> None:
     model = {"model": "local-extractive", "version": "1", "prompt_hash": "abc"}
     calls: Counter[str] = Counter()
     fail = [True]
@@ -301,7 +319,10 @@ def test_step_meta_change_is_refused_or_rerun_with_later_steps(app: Celery, db_u
     model["version"] = "2"  # the model changed between attempts
     with pytest.raises(StepMismatch, match="version changed"):
         job(1)
-    rerun[0] = True
+    rerun[0] = True  # the fix: re-run a step whose model changed; then the dead run is replayed
+    replayed = DeadLetters(db_url).replay(app, DeadLetters(db_url).list(task_name="oncelery.t_meta"))
+    delete_queue_keys(redis_url, str(app.conf.task_default_queue))  # its message: this test calls the task itself
+    assert [x.key for x in replayed.replayed] == ["meta:1"]
     assert job(1) == "2:t!"
     # generate re-ran under the new model and polish, which consumed its old output, re-ran too.
     assert calls == {"generate": 2, "polish": 2}
@@ -323,3 +344,46 @@ def test_runnable_example_resumes(tmp_path: Path) -> None:
     ).stdout
     assert "step executions: {'summarize': 1, 'keywords': 1, 'score': 2}" in out
     assert "conflict:" in out
+
+
+def test_replaying_a_dead_middle_link_carries_on_down_the_pipeline(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    """A dead link keeps its chain continuation: `dlq replay` runs it and then the links after it."""
+    calls: Counter[str] = Counter()
+    broken = [True]
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_mid_first")
+    def first(self: IdempotentTask, text: str) -> str:
+        calls["first"] += 1
+        return text.upper()
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_mid_second", max_retries=0)
+    def second(self: IdempotentTask, text: str) -> str:
+        calls["second"] += 1
+        if broken[0]:
+            raise RuntimeError("second link's model is down")
+        return text + "!"
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_mid_third")
+    def third(self: IdempotentTask, text: str) -> str:
+        calls["third"] += 1
+        return text * 2
+
+    with worker_factory(app):
+        with pytest.raises(RuntimeError):
+            pipeline("mid:1", first.s("ab"), second.s(), third.s()).delay().get(timeout=60)
+        letters = DeadLetters(db_url).list(task_name="oncelery.t_mid_second")
+        assert [x.reason for x in letters] == ["retries_exhausted"] and "chain" in letters[0].message
+        broken[0] = False
+        assert len(DeadLetters(db_url).replay(app, letters).replayed) == 1
+        store = RunStore(db_url)
+
+        def third_done() -> bool:
+            run = store.get("oncelery.t_mid_third", "mid:1/2:oncelery.t_mid_third")
+            return run is not None and run.status is RunStatus.COMPLETED
+
+        wait_for(third_done, timeout=60, what="the link after the replayed one")
+    run = store.get("oncelery.t_mid_third", "mid:1/2:oncelery.t_mid_third")
+    assert run is not None and run.result == "AB!AB!"
+    assert calls == {"first": 1, "second": 2, "third": 1}
