@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.errors import ConfigurationError
-from oncelery.settings import SQLITE_BUSY_TIMEOUT_MS
+from oncelery.settings import sqlite_busy_timeout_ms
 
 # Engine modes: the default (transactions), "read" (never takes SQLite's writer lock), and "fast"
 # (autocommit claims and renewals that need not wait for a WAL flush on PostgreSQL).
@@ -125,7 +125,8 @@ class SQLite(Dialect):
 
     def create_engine(self, url: str, mode: str) -> Engine:
         read_only = mode == MODE_READ
-        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        busy_ms = sqlite_busy_timeout_ms()
+        engine = create_engine(url, connect_args={"timeout": busy_ms / 1000})
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -134,7 +135,7 @@ class SQLite(Dialect):
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
-            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cur.execute(f"PRAGMA busy_timeout={busy_ms}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 

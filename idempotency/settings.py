@@ -44,6 +44,22 @@ WAIT_BACKOFF_CAP = 10.0
 # How long a direct (in-process) call waits for another holder before giving up with InProgress.
 DIRECT_WAIT_TIMEOUT = 300.0
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# How long a SQLite statement waits for the write lock before it fails (and the job is sent again).
+ENV_SQLITE_BUSY_TIMEOUT = "ONCELERY_SQLITE_BUSY_TIMEOUT"
+
+
+def sqlite_busy_timeout_ms() -> int:
+    """SQLite's busy timeout in ms: $ONCELERY_SQLITE_BUSY_TIMEOUT (seconds) if set, else 30 s; read per engine."""
+    raw = os.environ.get(ENV_SQLITE_BUSY_TIMEOUT, "").strip()
+    if not raw:
+        return SQLITE_BUSY_TIMEOUT_MS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise ConfigurationError(f"{ENV_SQLITE_BUSY_TIMEOUT}={raw!r}: give seconds >= 0 (e.g. 30)")
+    return int(seconds * 1000)
 
 
 # Celery's delivery settings Oncelery is deployed with, written once: celeryconfig.py, the tests and the

@@ -35,7 +35,7 @@ from sqlalchemy.pool import NullPool
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, Runs, RunStatus, RunView, StoreError
 from oncelery.faults import fault_injected
 from oncelery.models.migrate import JOBS, upgrade
-from oncelery.settings import SQLITE_BUSY_TIMEOUT_MS
+from oncelery.settings import ENV_SQLITE_BUSY_TIMEOUT, sqlite_busy_timeout_ms
 from oncelery.store import dispose_engines, get_engine
 from tests import services
 from tests.conftest import close_app, running_worker
@@ -591,13 +591,15 @@ class WriteLock:
 
 @pytest.mark.timeout(180)
 def test_sqlite_lock_held_past_busy_timeout_at_claim_and_complete(
-    sqlite_db: Db, sqlite_app: Celery, logs: LogLines
+    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One ~35 s test: both jobs wait out the 30 s busy_timeout on the same held lock, concurrently.
+    """Both jobs wait out busy_timeout (5 s here, $ONCELERY_SQLITE_BUSY_TIMEOUT) on the same held lock.
 
     At "complete" the job has no effects() block: a body that writes effects holds the write lock itself
     from its first block to its completion (BEGIN IMMEDIATE), so its completion can never wait on a lock.
     """
+    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "5")
+    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
     path = sqlite_db.url.removeprefix("sqlite:///")
     lock = WriteLock(path)
     at_claim = define_job(sqlite_app, sqlite_db, "oncelery.t_lock_claim")
@@ -619,7 +621,8 @@ def test_sqlite_lock_held_past_busy_timeout_at_claim_and_complete(
             wait_for(hold_at_complete.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at complete")
             r_claim = at_claim.delay(n_claim)
             wait_for(hold_at_claim.injected.is_set, timeout=JOB_TIMEOUT, what="the claim to reach the lock")
-            busy = SQLITE_BUSY_TIMEOUT_MS / 1000
+            busy = sqlite_busy_timeout_ms() / 1000
+            assert busy == 5
             # Released only after the worker has seen both statements fail (each waited out busy_timeout).
             wait_for(
                 lambda: (
