@@ -184,10 +184,11 @@ def render(results: dict[tuple[str, str], list[dict[str, Any]]], ns: argparse.Na
         "  at a moment one article is mid-pipeline, and restarts it. At most the call in flight at each kill is",
         "  repeated (wasted ≤ kills). `--lease 10` makes a killed holder's article be taken over after 10 s",
         "  instead of the task's 60 s; the wall time of that mix is mostly that wait, not work.",
-        "  On the embedded broker a killed worker's fetched messages are gone; the command re-sends every",
-        "  unfinished article no live worker holds (the producer's half of at-least-once). Saved calls vary",
-        "  between runs of that mix: some duplicate copies die with the killed worker and are not delivered",
-        "  before the command ends (embedded broker: never; Redis: after the visibility timeout).",
+        "  On the embedded broker a killed worker's fetched messages are gone. The command never re-sends as",
+        "  the producer: deliveries go through the outbox, and its in-process relay re-sends a lost run from",
+        "  its stored message (the sweeper) or re-publishes an outbox row lost before its claim; *deliveries*",
+        "  counts those too. Saved calls vary between runs of that mix: some duplicate copies die with the",
+        "  killed worker and are not delivered before the command ends (Redis: after the visibility timeout).",
         "",
     ]
     return "\n".join(lines)
