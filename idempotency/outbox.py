@@ -228,6 +228,8 @@ class Relay:
             .order_by(o.id)
             .limit(self.batch)
         )
+        if not self._any(query):
+            return done
         with self.db.begin() as conn:
             rows = conn.execute(self._locked(query)).all()
             sent: list[int] = []
@@ -244,6 +246,11 @@ class Relay:
                 conn.execute(self._sent(), [{"p_id": i} for i in sent])
         done.published += len(sent)
         return done
+
+    def _any(self, query: Any, params: dict[str, Any] | None = None) -> bool:
+        """Whether `query` finds a row, read without a lock: an idle round never takes SQLite's writer lock."""
+        with self.db.read() as conn:
+            return conn.execute(query.limit(1), params or {}).first() is not None
 
     def _locked(self, query: Any) -> Any:
         # PostgreSQL: rows another relay holds are skipped, not waited for (no double publish).
@@ -339,6 +346,8 @@ class Relay:
         live = and_(r.status == RunStatus.RUNNING, r.lease_expires_at >= self._now)
         waiting = and_(r.status == RunStatus.FAILED, r.not_before >= cutoff)
         query = query.add_columns(finished.label("finished"), live.label("live"), waiting.label("waiting"))
+        if not self._any(query, params):
+            return done
         with self.db.begin() as conn:
             rows = conn.execute(self._locked(query), params).all()
             closed = [row.id for row in rows if row.idempotency_key is None or row.finished]

@@ -41,6 +41,10 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
         stored_message(r.message),
         or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
     )
+    params = {"p_age": dia.lease_param(-interval)}
+    with db.read() as conn:  # an idle sweep never takes SQLite's writer lock (workers are writing)
+        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
+            return 0
     ids = select(r.id).where(due).order_by(r.lease_expires_at).limit(batch)
     if dia.name == "postgresql":
         ids = ids.with_for_update(skip_locked=True)  # two relays never re-send the same run in one round
@@ -51,7 +55,7 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
         .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
     )
     with db.begin() as conn:
-        rows = conn.execute(stmt, {"p_age": dia.lease_param(-interval)}).all()
+        rows = conn.execute(stmt, params).all()
     sent = 0
     for row in rows:
         # Marked first, sent after the commit: a sweeper that dies in between re-sends after `interval`.
