@@ -268,10 +268,14 @@ def dlq_show(ctx: click.Context, ref: str, show_payload: bool) -> None:
         click.echo("\n".join("  " + line for line in (x.traceback or "-").splitlines()))
 
 
+def _selection(func: Any) -> Any:
+    """REFS (ids or keys), the filters, and --all: how replay and purge choose their letters."""
+    func = click.option("--all", "every", is_flag=True, help="Every letter not yet replayed (with the filters).")(func)
+    return click.argument("refs", nargs=-1)(_filters(func))
+
+
 @dlq.command("replay")
-@click.argument("refs", nargs=-1)
-@_filters
-@click.option("--all", "every", is_flag=True, help="Every letter not yet replayed (with the filters).")
+@_selection
 @click.option("--app", "app_path", metavar="MODULE[:APP]", default=None, help=_APP_HELP)
 @click.option("--queue", default=None, help="Send to this queue (default: the one it came from).")
 @click.pass_context
@@ -300,9 +304,7 @@ def dlq_replay(
 
 
 @dlq.command("purge")
-@click.argument("refs", nargs=-1)
-@_filters
-@click.option("--all", "every", is_flag=True, help="Every letter not yet replayed (with the filters).")
+@_selection
 @click.pass_context
 def dlq_purge(
     ctx: click.Context,
