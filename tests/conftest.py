@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.signals import before_task_publish
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -124,3 +125,18 @@ def running_worker(app: Celery, concurrency: int = 4, pool: str = "threads") -> 
 def worker_factory() -> Any:
     """Return `running_worker`, so tests can start a worker after defining their tasks."""
     return running_worker
+
+
+@pytest.fixture
+def published() -> Iterator[list[str]]:
+    """The names of the tasks published while the test runs (Celery's before_task_publish signal)."""
+    names: list[str] = []
+
+    def record(sender: str | None = None, **_: Any) -> None:
+        names.append(str(sender))
+
+    before_task_publish.connect(record, weak=False)
+    try:
+        yield names
+    finally:
+        before_task_publish.disconnect(record)

@@ -6,13 +6,11 @@ import datetime as dt
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery.signals import before_task_publish
 
 from oncelery import (
     ConfigurationError,
@@ -29,21 +27,6 @@ from oncelery.claims import RunStore
 from tests.services import wait_for
 
 # -- 6. the caller refuses what the worker would -----------------------------------------------------
-
-
-@pytest.fixture
-def published() -> Iterator[list[str]]:
-    """The names of the tasks published while the test runs (Celery's before_task_publish signal)."""
-    names: list[str] = []
-
-    def record(sender: str | None = None, **_: Any) -> None:
-        names.append(str(sender))
-
-    before_task_publish.connect(record, weak=False)
-    try:
-        yield names
-    finally:
-        before_task_publish.disconnect(record)
 
 
 def _offline_job(app: Celery, name: str, **options: Any) -> Any:

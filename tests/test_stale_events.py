@@ -11,12 +11,10 @@ from __future__ import annotations
 import random
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery.signals import before_task_publish
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, update
 from sqlalchemy.engine import Engine
 
@@ -243,21 +241,6 @@ def test_old_attempt_finishing_after_a_newer_one_is_rolled_back(
 
 
 # -- 3. bad input ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def published() -> Iterator[list[str]]:
-    """The names of the tasks published while the test runs (Celery's before_task_publish signal)."""
-    names: list[str] = []
-
-    def record(sender: str | None = None, **_: Any) -> None:
-        names.append(str(sender))
-
-    before_task_publish.connect(record, weak=False)
-    try:
-        yield names
-    finally:
-        before_task_publish.disconnect(record)
 
 
 # An integral float (3.0) is version 3: arguments are normalised to one JSON form (oncelery.keys).
