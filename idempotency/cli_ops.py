@@ -11,12 +11,27 @@ from typing import Any
 import click
 from celery import Celery
 
-from oncelery.cli import format_table, resolve_database_url
 from oncelery.deadletters import DeadLetters, LetterView
 from oncelery.errors import ConfigurationError
 from oncelery.outbox import Relay
 from oncelery.retention import parse_age, purge
 from oncelery.store import Database
+
+
+def resolve_database_url(ctx: click.Context, app: Any = None) -> str:
+    """The claims database of this command line (see oncelery.cli.resolve_database_url)."""
+    # Imported here: oncelery.cli adds this module's commands to its group when it is imported.
+    from oncelery.cli import resolve_database_url as resolve
+
+    return resolve(ctx, app)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Rows as the plain-text table of every oncelery command (see oncelery.cli.format_table)."""
+    from oncelery.cli import format_table as table
+
+    return table(headers, rows)
+
 
 _APP_HELP = (
     "The Celery app to publish with (module or module:attribute). Default: the app of `celery -A`, "

@@ -13,19 +13,15 @@ import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 from celery import Celery
-from sqlalchemy import Select, Table, delete, select, update
+from sqlalchemy import Select, delete, select, update
 
-from oncelery.models import DeadLetter, RunStatus
-from oncelery.outbox import Relay, enqueue
-from oncelery.statements import RUNS
+from oncelery.models import RunStatus
+from oncelery.outbox import CONTINUATION, Relay, enqueue
+from oncelery.statements import LETTERS, RUNS
 from oncelery.store import Database
-
-LETTERS = cast(Table, DeadLetter.__table__)
-# Message options that continue a pipeline after the replayed link (kept with the message by the task).
-CONTINUATION = ("chain", "link", "link_error")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ POINTS = (
     "complete",  # before the completion (and the effects commit)
     "record_failure",  # before a failed run is recorded
     "count_outcome",  # before a replay, conflict, in-progress wait or lost lease is counted
-    "dead_letter",  # before a poison run is made DEAD, or a run-less message is dead-lettered
+    "dead_letter",  # before a poison run is made DEAD, or a run-less message (conflict, bad) is dead-lettered
     "relay_published",  # after the relay published a batch, before it marks the rows sent
 )
 

@@ -19,23 +19,24 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from celery import Celery, Signature
-from sqlalchemy import Connection, Table, and_, bindparam, case, func, insert, select, update
+from sqlalchemy import Connection, and_, bindparam, case, insert, select, update
 from sqlalchemy.orm import Session
 
 from oncelery.errors import ConfigurationError
 from oncelery.faults import fault_point
 from oncelery.keys import validate_key
-from oncelery.models import OutboxMessage, OutboxStatus, RunStatus
+from oncelery.models import OutboxStatus, RunStatus
 from oncelery.settings import HEADER_KEY, HEADER_TENANT
-from oncelery.statements import RUNS
+from oncelery.statements import OUTBOX, RUNS
 from oncelery.store import Database
 
 logger = logging.getLogger(__name__)
 
-OUTBOX = cast(Table, OutboxMessage.__table__)
+# Message options that continue a pipeline after a link (kept with a run's message by the task).
+CONTINUATION = ("chain", "link", "link_error")
 # apply_async options an outbox row can carry (JSON values, meaningful at publish time).
 ALLOWED_OPTIONS = (
     "queue",
@@ -52,6 +53,44 @@ ALLOWED_OPTIONS = (
 KEY_PREFIX = "outbox:"
 
 __all__ = ["Relay", "RelayRound", "enqueue", "install_relay_task"]
+
+
+def send_keyed(
+    app: Celery,
+    task_name: str,
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    key: str | None,
+    tenant: str,
+    options: dict[str, Any],
+    retry: bool = True,
+) -> str | None:
+    """Send a stored job with its key and tenant as headers (a copy is absorbed by the claim).
+
+    Returns None once sent, else the error text (the caller keeps the job and tries again later). The one
+    way the relay, the sweeper and a dead-letter replay put a job back on the broker.
+    """
+    options = dict(options)
+    headers = dict(options.pop("headers", None) or {})
+    if key is not None:
+        headers[HEADER_KEY] = key
+        if tenant:
+            headers[HEADER_TENANT] = tenant
+    try:
+        app.send_task(
+            task_name,
+            args=list(args or ()),
+            kwargs=dict(kwargs or {}),
+            task_id=task_id,
+            headers=headers,
+            retry=retry,
+            **options,
+        )
+    except Exception as exc:  # any broker/transport error: the caller's job stays where it is
+        logger.warning("could not send %s[%s]: %s", task_name, key, exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def enqueue(session: Session | Connection, task: Any, *args: Any, **kwargs: Any) -> str:
@@ -291,27 +330,11 @@ class Relay:
         return int(dead)
 
     def _publish(self, row: Any) -> str | None:
-        """Send one row's job; return the error text if the broker refused it."""
+        """Send one row's job; return the error text if the broker refused it (the row stays, backed off)."""
         options = dict(row.options or {})
-        headers = dict(options.pop("headers", None) or {})
-        if row.idempotency_key is not None:
-            headers[HEADER_KEY] = row.idempotency_key
-            if row.tenant:
-                headers[HEADER_TENANT] = row.tenant
-        try:
-            self.app.send_task(
-                row.task_name,
-                args=list(row.args or ()),
-                kwargs=dict(row.kwargs or {}),
-                task_id=row.celery_task_id,
-                headers=headers,
-                retry=False,  # a broker that is down fails this row now; the relay backs off and tries again
-                **options,
-            )
-        except Exception as exc:  # any broker/transport error: the row stays, backed off
-            logger.warning("outbox row %s (%s): publish failed: %s", row.id, row.task_name, exc)
-            return f"{type(exc).__name__}: {exc}"
-        return None
+        # retry=False: a broker that is down fails this row now; the relay backs off and tries again.
+        job = (row.task_name, row.args, row.kwargs, row.celery_task_id)
+        return send_keyed(self.app, *job, row.idempotency_key, row.tenant, options, retry=False)
 
     # -- sent rows whose run has not finished --------------------------------------------------------
 
@@ -365,13 +388,6 @@ class Relay:
         done.done += len(closed)
         done.republished += len(sent)
         return done
-
-
-def pending_count(db: Database) -> dict[str, int]:
-    """Return the number of outbox rows per status (the backlog is PENDING + SENT)."""
-    o = OUTBOX.c
-    with db.read() as conn:
-        return {s.value: int(n) for s, n in conn.execute(select(o.status, func.count()).group_by(o.status))}
 
 
 def install_relay_task(app: Celery, every: float = 1.0, url: str | None = None, **relay_options: Any) -> Any:

@@ -13,21 +13,18 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Connection, Table, and_, column, delete, func, inspect, or_, select, table
+from sqlalchemy import Connection, and_, column, delete, func, inspect, or_, select, table
 from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
-from oncelery.models import DeadLetter, OutboxMessage, OutboxStatus, RunStatus, StepResult
-from oncelery.statements import RUNS
+from oncelery.models import OutboxStatus, RunStatus
+from oncelery.statements import LETTERS, OUTBOX, RUNS, STEPS
 from oncelery.store import Database
 
 logger = logging.getLogger(__name__)
 
-STEPS = cast(Table, StepResult.__table__)
-LETTERS = cast(Table, DeadLetter.__table__)
-OUTBOX = cast(Table, OutboxMessage.__table__)
 #: Tables that hold rows per run (by a `run_id` column) without a foreign key: the model-call cost ledger.
 LEDGER_TABLES = ("llm_calls",)
 DEFAULT_BATCH = 1000

@@ -9,17 +9,15 @@ import builtins
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Select, Table, and_, func, select
+from sqlalchemy import Select, and_, func, select
 
 from oncelery.leases import lease_live
-from oncelery.models import RunStatus, StepResult
+from oncelery.models import RunStatus
 from oncelery.outcomes import outcome_counts
-from oncelery.statements import RUNS
+from oncelery.statements import RUNS, STEPS
 from oncelery.store import Database
-
-_STEPS = cast(Table, StepResult.__table__)
 
 
 @dataclass(frozen=True)
@@ -186,17 +184,17 @@ class Runs:
 
     def steps(self, run_id: int) -> builtins.list[StepView]:
         """Return the run's checkpointed steps in position order."""
-        s = _STEPS.c
+        s = STEPS.c
         stmt = select(s.position, s.step_name, s.token, s.created_at).where(s.run_id == run_id).order_by(s.position)
         with self.db.read() as conn:
             return [StepView(int(p), n, int(t), at) for p, n, t, at in conn.execute(stmt)]
 
     def resumed_steps(self, task_name: str, keys: Collection[str]) -> int:
         """Return how many steps of `keys`' runs were checkpointed by an earlier holder than the current one."""
-        s, r = _STEPS.c, RUNS.c
+        s, r = STEPS.c, RUNS.c
         stmt = (
             select(func.count())
-            .select_from(_STEPS.join(RUNS, s.run_id == r.id))
+            .select_from(STEPS.join(RUNS, s.run_id == r.id))
             .where(r.task_name == task_name, r.idempotency_key.in_(list(keys)), s.token < r.fencing_token)
         )
         with self.db.read() as conn:

@@ -15,12 +15,22 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.dialects import dialect as get_dialect
 from oncelery.leases import lease_expired
-from oncelery.models import DeadLetter, DeliveryOutcome, EntityVersion, RunStatus, TaskRun
+from oncelery.models import (
+    DeadLetter,
+    DeliveryOutcome,
+    EntityVersion,
+    OutboxMessage,
+    RunStatus,
+    StepResult,
+    TaskRun,
+)
 
 RUNS = cast(Table, TaskRun.__table__)
 OUTCOMES = cast(Table, DeliveryOutcome.__table__)
 LETTERS = cast(Table, DeadLetter.__table__)
 VERSIONS = cast(Table, EntityVersion.__table__)
+OUTBOX = cast(Table, OutboxMessage.__table__)
+STEPS = cast(Table, StepResult.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
 _OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
 

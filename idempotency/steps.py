@@ -13,17 +13,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Connection, Table, delete, select
+from sqlalchemy import Connection, delete, select
 
 from oncelery.claims import Claim, RunStore, encode_result, lease_lost
 from oncelery.errors import ConfigurationError, StepMismatch
 from oncelery.faults import fault_point
-from oncelery.models import StepResult
+from oncelery.statements import STEPS
 from oncelery.store import rowcount
 
-_STEPS = cast(Table, StepResult.__table__)
 MAX_STEP_NAME = 255  # the width of step_results.step_name
 SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)
 
@@ -78,7 +77,7 @@ def _in_step(info: StepInfo) -> Iterator[None]:
 
 def load_checkpoints(store: RunStore, run_id: int) -> list[Checkpoint]:
     """Return the run's stored steps in position order (a step that raised leaves its position empty)."""
-    c = _STEPS.c
+    c = STEPS.c
     stmt = (
         select(c.position, c.step_name, c.result, c.meta, c.args_digest).where(c.run_id == run_id).order_by(c.position)
     )
@@ -129,11 +128,11 @@ def save_checkpoint_txn(
         raise lease_lost(claim, f"step {name!r} was not saved")
     if supersede:
         # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.
-        conn.execute(delete(_STEPS).where(_STEPS.c.run_id == claim.run_id, _STEPS.c.position >= position))
+        conn.execute(delete(STEPS).where(STEPS.c.run_id == claim.run_id, STEPS.c.position >= position))
     # The fence above proved this holder live, so a row already at this position is an earlier holder's
     # (never a concurrent one: the fenced UPDATE serialises holders): the live holder's result replaces it.
     values = {"step_name": name, "result": result, "meta": meta, "args_digest": digest, "token": claim.token}
-    stmt = store.db.dialect.insert(_STEPS).values(run_id=claim.run_id, position=position, **values)
+    stmt = store.db.dialect.insert(STEPS).values(run_id=claim.run_id, position=position, **values)
     conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "position"], set_=values))
 
 

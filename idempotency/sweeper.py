@@ -18,7 +18,7 @@ from sqlalchemy import String, and_, cast, func, or_, select, update
 
 from oncelery.leases import lease_expired
 from oncelery.models import RunStatus
-from oncelery.settings import HEADER_KEY, HEADER_TENANT
+from oncelery.outbox import CONTINUATION, send_keyed
 from oncelery.statements import RUNS
 from oncelery.store import Database
 
@@ -67,24 +67,8 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
 
 def _resend(app: Celery, row: Any) -> int:
     message = row.message if isinstance(row.message, dict) else {}
-    headers = dict(message.get("headers") or {})
-    headers[HEADER_KEY] = row.idempotency_key
-    if row.tenant:
-        headers[HEADER_TENANT] = row.tenant
-    options: dict[str, Any] = {}
-    for option in ("queue", "chain", "link", "link_error"):  # where it ran, and what follows it in a pipeline
-        if message.get(option):
-            options[option] = message[option]
-    try:
-        app.send_task(
-            row.task_name,
-            args=list(message.get("args") or ()),
-            kwargs=dict(message.get("kwargs") or {}),
-            task_id=row.celery_task_id,
-            headers=headers,
-            **options,
-        )
-    except Exception as exc:  # the broker is down: the next sweep after the interval tries again
-        logger.warning("sweeper: could not re-send %s[%s]: %s", row.task_name, row.idempotency_key, exc)
-        return 0
-    return 1
+    # Where it ran, what follows it in a pipeline, and the headers it came with.
+    options = {name: message[name] for name in ("queue", "headers", *CONTINUATION) if message.get(name)}
+    job = (row.task_name, message.get("args"), message.get("kwargs"), row.celery_task_id)
+    # A broker that is down: the next sweep after the interval tries again.
+    return int(send_keyed(app, *job, row.idempotency_key, row.tenant, options) is None)

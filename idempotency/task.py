@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from oncelery.claims import BAD_MESSAGE, EntityVersionOf, RunStore
 from oncelery.delivery import NEVER_SUCCEED, Delivery, RunContext, after_store_fault, can_resend
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
+from oncelery.faults import fault_point
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
 from oncelery.settings import (
     DEFAULT_LEASE_SECONDS,
@@ -287,6 +288,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except OnceleryError as exc:
             # No run can hold a delivery without an identity; it can never succeed: dead-letter it, say why.
             logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
+            fault_point("dead_letter", task=self.name, key=None)
             self.store.letter_without_run(self.name, explicit.get(HEADER_TENANT, ""), BAD_MESSAGE, str(exc), message)
             raise
         return ident, entity, version
@@ -305,7 +307,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         delay = wait_backoff(waits)
         # Same task id and the same `retries` count: waiting on a live holder is not a failure.
         sig = self.signature_from_request(req, countdown=delay, retries=req.retries, headers=headers)
-        sig.apply_async()
+        # Sent as it came, without apply_async's caller-side checks: they passed when it was first sent (so
+        # each wait would only repeat them), and a message that fails them (no identity) must still go back.
+        options = dict(self._get_exec_options(), **sig.options)
+        self.app.send_task(self.name, sig.args, sig.kwargs, task_type=self, result_cls=self.AsyncResult, **options)
         # Retry makes the worker ack this delivery and mark the task RETRY, without occupying a slot.
         raise Retry(exc=exc, when=delay, sig=sig)
 

@@ -475,6 +475,41 @@ def test_a_fault_writing_the_conflict_letter_still_raises_the_conflict(
     print(f"dead_letter(conflict)/{fault}: killed={killed}")
 
 
+@pytest.mark.parametrize("fault", ["terminate"])
+def test_a_fault_writing_a_bad_messages_letter_is_not_a_lost_letter(
+    fault: str, pg_db: Db, pg_app: Celery, logs: LogLines
+) -> None:
+    """A message without an identity is dead-lettered; a store fault right there re-sends it, never drops it."""
+    name = f"oncelery.t_edge_badmsg_{fault}"
+
+    @pg_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="bad:{n}", lease=LEASE)
+    def job(self: IdempotentTask, n: int) -> int:
+        return n
+
+    def task_letters() -> list[Any]:
+        sql = "SELECT reason, run_id, message FROM dead_letters WHERE task_name = :t ORDER BY id"
+        return query(pg_db, sql, t=name)
+
+    killed: list[int] = []
+    hook = Once(fault_of(fault, pg_db, killed))
+    warm = warm_up(pg_app, pg_db)
+    with running_worker(pg_app, concurrency=4):
+        assert warm.delay(1).get(timeout=JOB_TIMEOUT) == expected(1)
+        with fault_injected("dead_letter", lambda point, ctx: hook(point, ctx) if ctx.get("task") == name else None):
+            result = pg_app.send_task(name, kwargs={"zzz": 1})  # binds to no parameter: no identity
+            wait_for(lambda: len(task_letters()) == 1, timeout=JOB_TIMEOUT, what="the bad message's letter")
+            with pytest.raises(Exception, match="do not match"):
+                result.get(timeout=JOB_TIMEOUT)
+
+    assert hook.error is None and hook.injected.is_set(), f"the fault was not injected: {hook.error!r}"
+    assert killed and killed[0] != 0, f"no backend to kill: {killed}"
+    assert logs.has("claims database failed before claiming", name), logs.text()
+    [letter] = task_letters()
+    assert letter.reason == "bad_message" and letter.run_id is None and letter.message["kwargs"] == {"zzz": 1}
+    assert pg_db.counts(name) == {"dead": 1}  # the faulted attempt wrote and counted nothing
+    print(f"dead_letter(bad message)/{fault}: killed={killed}")
+
+
 # -- 6. the relay serves through killed backends and a restart ---------------------------------------------
 
 

@@ -89,7 +89,10 @@ def test_callable_option_is_called_with_the_task_arguments(option: str) -> None:
 
 
 def test_eager_call_on_a_held_key_raises_in_progress_at_once(app: Celery, db_url: str) -> None:
-    """Eager calls on a key held under a live lease: InProgress at once with "retry", None with "skip"."""
+    """Eager calls on a key held under a live lease: InProgress at once with "retry", None with "skip".
+
+    This tests Oncelery's own eager-mode contract (an eager call has no broker to wait through); delivery
+    semantics are proven with real workers on Redis in test_worker_delivery.py and test_crash.py."""
     calls: list[str] = []
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_eager_retry", idempotency_key="e:{n}")
