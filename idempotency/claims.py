@@ -199,14 +199,18 @@ class RunStore:
         message: Any = None,
         max_deliveries: int | None = None,
         letter: Any = None,
+        owner: str | None = None,
+        abandoned: str | None = None,
     ) -> ClaimResult:
         """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it.
 
         A RUNNING run whose holder vanished for the `max_deliveries`-th time (a poison message) goes DEAD,
-        with `letter` (the message) in its dead letter, instead of being run again.
+        with `letter` (the message) in its dead letter, instead of being run again. `owner` names this
+        claimant (one per delivery); `abandoned` is the owner of an earlier delivery of this message that a
+        database fault made send it again: its run is not a lost delivery.
         """
+        owner = owner or uuid.uuid4().hex
         for _ in range(_MAX_CLAIM_ROUNDS):
-            owner = uuid.uuid4().hex
             params = {
                 "p_task": task_name,
                 "p_tenant": ident.tenant,
@@ -217,6 +221,7 @@ class RunStore:
                 "p_entity": concurrency_key,
                 "p_task_id": celery_task_id,
                 "p_message": message,
+                "p_abandoned": abandoned or "",
                 **self.lease_params(lease),
             }
             try:
@@ -235,9 +240,13 @@ class RunStore:
                     return ClaimResult(Decision.COMPLETED, run=run)
                 if run.status is RunStatus.DEAD:
                     return ClaimResult(Decision.DEAD, run=run)
-                if run.status is RunStatus.RUNNING and run.lease_live:
+                # This message's own earlier delivery, which gave the run up on a database fault: nothing
+                # runs it any more (its body ended or never began), so it is taken over now, and not lost.
+                given_up = abandoned is not None and run.owner == abandoned
+                if run.status is RunStatus.RUNNING and run.lease_live and not given_up:
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
-                if run.status is RunStatus.RUNNING and max_deliveries and run.lost + 1 >= max_deliveries:
+                lost = run.status is RunStatus.RUNNING and not given_up
+                if lost and max_deliveries and run.lost + 1 >= max_deliveries:
                     if self._kill_lost(run, max_deliveries, letter):
                         return ClaimResult(Decision.DEAD, run=run, killed=True)
                     continue  # taken over (or killed) by someone else between our statements: look again

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -82,15 +83,19 @@ def can_resend(task: IdempotentTask, direct: bool) -> bool:
     return not direct and not bool(getattr(task.request, "is_eager", False))
 
 
-def after_store_fault(
-    exc: StoreError, what: str, resend: bool, send_again: Callable[[BaseException | None], Any]
-) -> Any:
-    """A store fault: re-send the message (never ack it as a failure); a direct or eager caller gets it."""
+SendAgain = Callable[..., Any]  # (exc, abandoned=owner or None): re-sends the delivery and raises Retry
+
+
+def after_store_fault(exc: StoreError, what: str, resend: bool, send_again: SendAgain, owner: str | None = None) -> Any:
+    """A store fault: re-send the message (never ack it as a failure); a direct or eager caller gets it.
+
+    `owner`: the claimant this delivery was (or tried to be); its re-send does not count it as lost.
+    """
     if not resend:
         raise exc
     log = logger.error if isinstance(exc, SchemaMissing) else logger.warning
     log("claims database failed %s: %s; sending the job again", what, exc)
-    return send_again(exc)
+    return send_again(exc, abandoned=owner)
 
 
 class Delivery:
@@ -103,9 +108,10 @@ class Delivery:
         entity: str | None,
         message: Any,
         direct: bool,
-        send_again: Callable[[BaseException | None], Any],
+        send_again: SendAgain,
         letter: Any = None,
         version: EntityVersionOf | None = None,
+        abandoned: str | None = None,
     ) -> None:
         self.task = task
         self.letter = letter  # what a dead letter keeps to replay: the arguments and key headers
@@ -120,6 +126,9 @@ class Delivery:
         self.eager = bool(getattr(task.request, "is_eager", False))
         self.resend = can_resend(task, direct)
         self.send_again = send_again
+        # This delivery's claimant name, sent along if a store fault makes it re-send the job (see claim()).
+        self.owner = uuid.uuid4().hex
+        self.abandoned = abandoned
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Deliver once: loop only while a direct (no broker) caller waits for another holder."""
@@ -142,6 +151,8 @@ class Delivery:
                     self.message,
                     max_deliveries=self.task.max_deliveries,
                     letter=self.letter,
+                    owner=self.owner,
+                    abandoned=self.abandoned,
                 )
                 answer = self._decide(res, args, kwargs, deadline)
             except StoreError as exc:
@@ -321,7 +332,7 @@ class Delivery:
 
     def _store_failed(self, exc: StoreError, doing: str) -> Any:
         what = f"{doing} {self.task.name}[{self.ident.key}]"
-        return after_store_fault(exc, what, self.resend, self.send_again)
+        return after_store_fault(exc, what, self.resend, self.send_again, self.owner)
 
     def _death(self, exc: BaseException) -> Death | None:
         """A Death if this final failure can never succeed or spent the last retry, else None (FAILED)."""

@@ -29,6 +29,9 @@ DEFAULT_DATA_DIR = ".oncelery"
 HEADER_KEY = "oncelery_key"
 HEADER_TENANT = "oncelery_tenant"
 HEADER_WAITS = "oncelery_waits"
+# The owner a delivery claimed (or tried to) before a database fault made it send the job again: that holder
+# did not vanish, so its run taken over by this message is not a lost delivery (no step towards max_deliveries).
+HEADER_ABANDONED = "oncelery_abandoned"
 HEADER_PIPELINE = "oncelery_pipeline"
 
 MAX_KEY_LENGTH = 255  # the width of task_runs.idempotency_key

@@ -216,7 +216,8 @@ class Statements:
                 or_(
                     # Celery's own retry (the same task id) is due when it arrives; duplicates wait it out.
                     and_(c.status == RunStatus.FAILED, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))),
-                    and_(c.status == RunStatus.RUNNING, lease_expired(now)),
+                    # A lapsed holder, or this message's own earlier delivery that gave up on a store fault.
+                    and_(c.status == RunStatus.RUNNING, or_(lease_expired(now), c.owner == bindparam("p_abandoned"))),
                 ),
             )
             .values(
@@ -225,8 +226,10 @@ class Statements:
                 owner=bindparam("p_owner"),
                 lease_expires_at=until,
                 attempts=c.attempts + 1,
-                # Taking over a RUNNING run means its holder vanished (SIGKILL, OOM): a lost delivery.
-                lost=c.lost + case((c.status == RunStatus.RUNNING, 1), else_=0),
+                # Taking over a RUNNING run means its holder vanished (SIGKILL, OOM): a lost delivery, unless
+                # this message is that holder's own re-send after a database fault (it did not vanish).
+                lost=c.lost
+                + case((and_(c.status == RunStatus.RUNNING, c.owner != bindparam("p_abandoned")), 1), else_=0),
                 updated_at=now,
                 error=None,
                 not_before=None,

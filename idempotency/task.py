@@ -28,6 +28,7 @@ from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, valida
 from oncelery.settings import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
+    HEADER_ABANDONED,
     HEADER_KEY,
     HEADER_TENANT,
     HEADER_WAITS,
@@ -272,7 +273,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
             return after_store_fault(exc, f"before claiming {self.name}", can_resend(self, direct), self._send_again)
         kept = message if self._keeps_messages() else None
-        delivery = Delivery(self, ident, entity, kept, direct, self._send_again, letter=message, version=version)
+        abandoned = headers.get(HEADER_ABANDONED)
+        delivery = Delivery(
+            self, ident, entity, kept, direct, self._send_again, letter=message, version=version, abandoned=abandoned
+        )
         return delivery.run(args, kwargs)
 
     def _identify(
@@ -298,12 +302,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return bool(self.store_message)
         return str(self.app.conf.broker_url or "").startswith("filesystem://")
 
-    def _send_again(self, exc: BaseException | None) -> Any:
-        """Re-send this message with backoff, without spending the task's max_retries, and ack this one."""
+    def _send_again(self, exc: BaseException | None, abandoned: str | None = None) -> Any:
+        """Re-send this message with backoff, without spending the task's max_retries, and ack this one.
+
+        `abandoned`: the owner this delivery claimed as before a store fault; the re-send names it, so
+        taking its run over is not counted as a lost delivery (a poison message).
+        """
         req = self.request
         headers = dict(req.headers or {})
         waits = int(headers.get(HEADER_WAITS, 0))
         headers[HEADER_WAITS] = waits + 1
+        if abandoned is not None:
+            headers[HEADER_ABANDONED] = abandoned
         delay = wait_backoff(waits)
         # Same task id and the same `retries` count: waiting on a live holder is not a failure.
         sig = self.signature_from_request(req, countdown=delay, retries=req.retries, headers=headers)

@@ -276,7 +276,7 @@ def test_a_fault_at_the_versioned_completion_applies_the_version_once(
     assert counts.get("executed", 0) + counts.get("resumed", 0) == 1, detail
     assert counts.get("failed", 0) == 0 and counts.get("stale", 0) == 0, detail
     assert applied_version(pg_db, job.name, f"e:{n}") == VERSION, detail
-    # The faulted completion rolled back: the body ran twice, the second run took the lapsed lease over.
+    # The faulted completion rolled back: the body ran twice, the re-sent delivery took the given-up run over.
     assert pg_db.rows(executions_table, key) == 2, detail
     print(f"complete(version)/{fault}/effects={effects}: outcomes={counts} killed={killed}")
 
@@ -290,10 +290,10 @@ def test_a_fault_recording_the_dead_failure_ends_dead_once(
 ) -> None:
     """Attempt 1 fails and is retried; attempt 2 (the last) meets the fault as it records the run DEAD.
 
-    Its failure is not acked: the job is sent again, takes the run over once its lease lapses, fails again
-    (retries spent) and records the run DEAD with its one letter. Outcomes: `failed` 1 (attempt 1's retry is
-    recorded as a failure), `dead` exactly 1 (the faulted transaction rolled back, so only the taker's DEAD
-    counted), plus any `in_progress` of the re-sent message meeting the still-live lease.
+    Its failure is not acked: the job is sent again and takes the run over at once (it names the holder that
+    gave up, so no lease wait and no lost delivery), fails again (retries spent) and records the run DEAD with
+    its one letter. Outcomes: `failed` 1 (attempt 1's retry is recorded as a failure) and `dead` exactly 1
+    (the faulted transaction rolled back, so only the taker's DEAD counted).
     """
     n = 13
     key = job_key(n)
@@ -326,13 +326,14 @@ def test_a_fault_recording_the_dead_failure_ends_dead_once(
     assert logs.has("claims database failed recording the failure of", f"[{key}]"), detail
     run = run_row(pg_db, job.name, key)
     assert run is not None and run.status == RunStatus.DEAD.value and run.retries == 1, f"{run}\n{detail}"
-    assert run.lost == 1, f"the re-sent delivery took the lapsed run over: {run}\n{detail}"
+    # The re-sent message named the holder that gave up: it took the run over at once, not as a lost delivery.
+    assert run.lost == 0, f"the re-sent delivery counted its own given-up run as lost: {run}\n{detail}"
     found = letters(pg_db, job.name, key)
     assert len(found) == 1, f"dead letters: {found}\n{detail}"
     assert found[0].reason == "retries_exhausted" and found[0].run_id == run.id, f"{found}\n{detail}"
     counts = pg_db.counts(job.name)
     assert counts.get("dead") == 1 and counts.get("failed") == 1, detail
-    assert set(counts) <= {"dead", "failed", "in_progress"}, detail
+    assert set(counts) <= {"dead", "failed"}, detail
     # Attempt 1, attempt 2 (its DEAD rolled back by the fault), and the taker that recorded it.
     assert pg_db.rows(executions_table, key) == 3, detail
     print(f"record_failure(dead)/{fault}: outcomes={counts} killed={killed}")
@@ -426,6 +427,52 @@ def test_a_fault_killing_a_poison_run_ends_dead_once(fault: str, pg_db: Db, pg_a
     assert len(ended) == 2 and all(isinstance(e, LeaseLost) for e in ended), ended
     assert pg_db.counts(poison.name) == {"dead": 1, "lease_lost": 2}, detail
     print(f"dead_letter(poison)/{fault}: outcomes={pg_db.counts(poison.name)} killed={killed}")
+
+
+def test_repeated_database_faults_are_not_lost_deliveries(pg_db: Db, pg_app: Celery, logs: LogLines) -> None:
+    """A holder that gives up on a store fault did not vanish: its re-sends never make the run a poison message.
+
+    max_deliveries=2, and the completion meets a killed backend three times in a row. Each holder sends the
+    job again naming itself; the re-sent delivery takes that run over at once (no lease wait) and it is not
+    counted lost, so the fourth delivery completes the job once instead of finding it DEAD.
+    """
+    n = 16
+    key = job_key(n)
+    warm = warm_up(pg_app, pg_db)
+
+    @pg_app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_edge_refaulted",
+        idempotency_key="fault:{n}",
+        lease=60,  # a takeover that waited for the lease to lapse would outlast the wait below
+        max_deliveries=2,
+    )
+    def job(self: IdempotentTask, n: int) -> dict[str, int]:
+        pg_db.record(executions_table, job_key(n))
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
+        return expected(n)
+
+    killed: list[int] = []
+    hook = Once(fault_of("terminate", pg_db, killed), times=3)
+    with running_worker(pg_app, concurrency=4):
+        assert warm.delay(1).get(timeout=JOB_TIMEOUT) == expected(1)
+        with fault_injected("complete", only_for(job.name, key, hook)):
+            result = job.delay(n)
+            counts = assert_once(pg_db, job, n, result, logs)
+
+    detail = report(pg_db, job.name, key, logs)
+    assert hook.error is None and hook.hits == 4, f"faults: hits={hook.hits} error={hook.error!r}\n{detail}"
+    assert len(killed) == 3 and all(killed), f"no backend to kill: {killed}"
+    run = run_row(pg_db, job.name, key)
+    assert run is not None and run.status == RunStatus.COMPLETED.value, f"{run}\n{detail}"
+    assert run.lost == 0 and run.attempts == 4, f"{run}\n{detail}"
+    assert letters(pg_db, job.name, key) == [], detail
+    # Three faulted completions rolled back, the fourth committed: the body ran four times, its effect once.
+    assert pg_db.rows(executions_table, key) == 4, detail
+    assert counts.get("executed", 0) == 1 and "dead" not in counts and "in_progress" not in counts, detail
 
 
 # -- 5. the conflict's run-less letter -------------------------------------------------------------------

@@ -257,15 +257,15 @@ def define_job(
 
 
 class Once:
-    """A fault hook: runs `fault` the first time its point is reached (for `key`, if given); later hits pass."""
+    """A fault hook: runs `fault` the first `times` times its point is reached (for `key`, if given)."""
 
-    def __init__(self, fault: Callable[[], object], key: str | None = None) -> None:
+    def __init__(self, fault: Callable[[], object], key: str | None = None, times: int = 1) -> None:
         self.fault = fault
         self.key = key
         self.hits = 0
         self.injected = threading.Event()
         self.error: BaseException | None = None
-        self._taken = False
+        self._left = times
         self._lock = threading.Lock()
 
     def __call__(self, name: str, context: dict[str, Any]) -> None:
@@ -273,8 +273,8 @@ class Once:
             return
         with self._lock:
             self.hits += 1
-            first, self._taken = not self._taken, True
-        if not first:
+            due, self._left = self._left > 0, self._left - 1
+        if not due:
             return
         try:
             self.fault()
