@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, Signature
+from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, bindparam, case, insert, select, update
 from sqlalchemy.orm import Session
 
@@ -65,11 +66,11 @@ def send_keyed(
     tenant: str,
     options: dict[str, Any],
     retry: bool = True,
-) -> str | None:
+) -> Exception | None:
     """Send a stored job with its key and tenant as headers (a copy is absorbed by the claim).
 
-    Returns None once sent, else the error text (the caller keeps the job and tries again later). The one
-    way the relay, the sweeper and a dead-letter replay put a job back on the broker.
+    Returns None once sent, else the error (the caller keeps the job and tries again later). The one way
+    the relay, the sweeper and a dead-letter replay put a job back on the broker.
     """
     options = dict(options)
     headers = dict(options.pop("headers", None) or {})
@@ -89,7 +90,7 @@ def send_keyed(
         )
     except Exception as exc:  # any broker/transport error: the caller's job stays where it is
         logger.warning("could not send %s[%s]: %s", task_name, key, exc)
-        return f"{type(exc).__name__}: {exc}"
+        return exc
     return None
 
 
@@ -277,9 +278,13 @@ class Relay:
                 if error is None:
                     sent.append(row.id)
                     continue
-                dead = self._back_off(conn, row, error)
+                dead = self._back_off(conn, row, f"{type(error).__name__}: {error}")
                 done.dead += dead
                 done.failed += 1 - dead
+                if isinstance(error, BrokerUnreachable):
+                    # The broker, not this row, failed: the other rows wait for the next round untouched,
+                    # instead of each waiting out broker_connection_timeout (and a back-off) in turn.
+                    break
             fault_point("relay_published", rows=len(sent))
             if sent:
                 conn.execute(self._sent(), [{"p_id": i} for i in sent])
@@ -329,8 +334,8 @@ class Relay:
         )
         return int(dead)
 
-    def _publish(self, row: Any) -> str | None:
-        """Send one row's job; return the error text if the broker refused it (the row stays, backed off)."""
+    def _publish(self, row: Any) -> Exception | None:
+        """Send one row's job; return the error if the broker refused it (the row stays, backed off)."""
         options = dict(row.options or {})
         # retry=False: a broker that is down fails this row now; the relay backs off and tries again.
         job = (row.task_name, row.args, row.kwargs, row.celery_task_id)

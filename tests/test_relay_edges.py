@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Celery
 from click.testing import CliRunner
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
 
 from oncelery import DeadLetters, IdempotentTask, Relay, Runs, RunStatus, install_relay_task, outbox
@@ -20,20 +20,26 @@ TIMEOUT = 60.0
 
 def _rows(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
-        return list(conn.execute(select(OutboxMessage.__table__)).all())
+        return list(conn.execute(select(OutboxMessage.__table__).order_by(OutboxMessage.__table__.c.id)).all())
 
 
 def test_a_broker_that_is_down_backs_off_then_marks_the_row_dead(db_url: str, db_engine: Engine) -> None:
     down = Celery("broker-down", broker="redis://127.0.0.1:1/0")  # nothing listens on port 1
     down.conf.broker_connection_retry_on_startup = False
+    down.conf.broker_connection_timeout = 0.5  # how long one publish may wait for the broker (default 4 s)
     try:
         with db_engine.begin() as conn:
             task_id = outbox.enqueue(conn, down.signature("oncelery.t_never_published", [1]))
+            later_id = outbox.enqueue(conn, down.signature("oncelery.t_never_published", [2]))
         relay = Relay(down, db_url, max_attempts=3, sweep_interval=None)
         first = relay.run_once()
         assert (first.published, first.failed, first.dead) == (0, 1, 0)
-        [row] = _rows(db_engine)
+        row, later = _rows(db_engine)
         assert row.status is OutboxStatus.PENDING and row.attempts == 1 and row.last_error
+        # The broker failed, not the row: the round stopped there, the next row untouched (not backed off).
+        assert later.celery_task_id == later_id and later.attempts == 0 and later.last_error is None
+        with db_engine.begin() as conn:
+            conn.execute(delete(OutboxMessage.__table__).where(OutboxMessage.__table__.c.id == later.id))
         # Backed off: the next round right away does not try the row again (it is not due yet).
         assert relay.run_once().failed == 0
         totals = {"dead": 0}
