@@ -6,6 +6,7 @@ Every other module of the package is an implementation detail.
 
 from oncelery import outbox
 from oncelery import startup as _startup  # noqa: F401  (registers the worker's startup check)
+from oncelery.caller import outcome_of
 from oncelery.deadletters import DeadLetters, LetterView, ReplayReport
 from oncelery.errors import (
     ClaimError,
@@ -86,6 +87,7 @@ __all__ = [
     "embedded_database_url",
     "install_relay_task",
     "outbox",
+    "outcome_of",
     "parse_age",
     "pipeline",
     "purge",

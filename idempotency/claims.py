@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Connection, Table, select
+from sqlalchemy import Connection, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -36,13 +36,12 @@ from sqlalchemy.orm import Session
 from oncelery.errors import LeaseLost, ResultNotJSON, StaleVersion, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import Identity
-from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus, Secret
+from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
 from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView
-from oncelery.statements import LETTERS, VERSIONS, Statements, statements
+from oncelery.statements import LETTERS, SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
 
-SECRETS = cast(Table, Secret.__table__)
 # Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
 MAX_ERROR_CHARS = 10_000
 

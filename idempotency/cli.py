@@ -166,9 +166,13 @@ _LIST_COLUMNS = ("id", "task", "key", "status", "token", "attempts", "owner", "l
 @click.pass_context
 def runs_list(ctx: click.Context, status: str | None, task_name: str | None, tenant: str | None, limit: int) -> None:
     """List the most recently updated runs (times in UTC)."""
-    found = Runs(resolve_database_url(ctx)).list(
+    reader = Runs(resolve_database_url(ctx))
+    found = reader.list(
         task_name=task_name, status=RunStatus(status.upper()) if status else None, tenant=tenant, limit=limit
     )
+    seen = reader.pass_through_seen()
+    if seen:
+        click.echo(f"WARNING: a worker ran with ONCELERY_PASS_THROUGH on (last: {seen}): its jobs ran unclaimed")
     table = [
         (
             r.run_id,

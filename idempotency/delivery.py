@@ -56,7 +56,7 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity, differing_fields
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome
-from oncelery.settings import DIRECT_WAIT_TIMEOUT
+from oncelery.settings import DEFAULT_LEASE_SECONDS, DIRECT_WAIT_TIMEOUT
 from oncelery.steps import StepRunner, load_checkpoints
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ class Delivery:
         letter: Any = None,
         version: EntityVersionOf | None = None,
         abandoned: str | None = None,
+        lease: float = DEFAULT_LEASE_SECONDS,
+        policy: str = "retry",
     ) -> None:
         self.task = task
         self.letter = letter  # what a dead letter keeps to replay: the arguments and key headers
@@ -129,6 +131,8 @@ class Delivery:
         # This delivery's claimant name, sent along if a store fault makes it re-send the job (see claim()).
         self.owner = uuid.uuid4().hex
         self.abandoned = abandoned
+        self.lease = lease  # this call's: its own option, else the task's, else the app's
+        self.policy = policy  # on_in_progress, resolved the same way
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Deliver once: loop only while a direct (no broker) caller waits for another holder."""
@@ -145,7 +149,7 @@ class Delivery:
                 res = self.store.claim(
                     self.task.name,
                     self.ident,
-                    float(self.task.lease),
+                    self.lease,
                     self.entity,
                     self.task.request.id,
                     self.message,
@@ -227,7 +231,7 @@ class Delivery:
 
     def _busy(self, res: ClaimResult, deadline: float) -> Any:
         """Someone else holds the key (or the entity) right now: apply the on_in_progress policy."""
-        policy = self.task.on_in_progress
+        policy = self.policy
         if policy == "skip":
             self._count(Outcome.IN_PROGRESS)
             return None
@@ -281,6 +285,7 @@ class Delivery:
                 fault_point("complete", task=task.name, key=claim.key)
                 try:
                     store.complete(claim, encoded, ctx.effects.connection, outcome, self.version)
+                    task.tell_caller(outcome, self.ident, claim.token)
                 except StaleVersion as stale:
                     # A newer version of the entity was applied while this one ran: its effects roll back,
                     # and the run completes with no result, counted `stale` (never applied out of order).
@@ -288,6 +293,7 @@ class Delivery:
                     logger.info("%s[%s]: %s", task.name, claim.key, stale)
                     encoded = None
                     store.complete(claim, None, None, Outcome.STALE)
+                    task.tell_caller(Outcome.STALE, self.ident, claim.token)
             finally:
                 # Stopped only after the commit: on SQLite a renewal may wait for the effects
                 # transaction's write lock, which the commit releases (joining first would deadlock).
@@ -363,6 +369,7 @@ class Delivery:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
         fault_point("count_outcome", task=self.task.name, key=self.ident.key, outcome=outcome.value)
         self.store.record_outcome(self.task.name, outcome, self.ident.tenant)
+        self.task.tell_caller(outcome, self.ident)
 
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again

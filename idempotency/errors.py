@@ -8,11 +8,14 @@ from typing import Any
 class OnceleryError(Exception):
     """Root of every error Oncelery raises."""
 
-    def __init__(self, message: str = "", **fields: Any) -> None:
-        super().__init__(message)
+    def __init__(self, message: str = "", context: dict[str, Any] | None = None, **fields: Any) -> None:
+        fields = {**(context or {}), **fields}
+        # The fields travel in args: Celery's JSON result backend stores an exception as its type and args
+        # and rebuilds it as cls(*args), so (message, fields) brings `.key`, `.fields`... back to the caller.
+        super().__init__(*((message, fields) if fields else (message,)))
         self.message = message
         # Extra fields are also attributes (e.g. IdempotencyConflict.fields is the differing names).
-        self.context = dict(fields)
+        self.context = fields
         for name, value in fields.items():
             setattr(self, name, value)
 

@@ -16,7 +16,8 @@ from sqlalchemy import Select, and_, func, select
 from oncelery.leases import lease_live
 from oncelery.models import RunStatus
 from oncelery.outcomes import outcome_counts
-from oncelery.statements import RUNS, STEPS
+from oncelery.settings import PASS_THROUGH_SEEN
+from oncelery.statements import RUNS, SECRETS, STEPS
 from oncelery.store import Database
 
 
@@ -105,6 +106,13 @@ class Runs:
     def url(self) -> str:
         """The database URL read from."""
         return self.db.url
+
+    def pass_through_seen(self) -> str | None:
+        """When and where a worker last started with $ONCELERY_PASS_THROUGH on (runs then went unclaimed)."""
+        stmt = select(SECRETS.c.value).where(SECRETS.c.name == PASS_THROUGH_SEEN)
+        with self.db.read() as conn:
+            value = conn.execute(stmt).scalar_one_or_none()
+        return str(value) if value else None
 
     def get(self, task_name: str, key: str, tenant: str = "") -> RunView | None:
         """Return the run of (task, tenant, key), or None."""

@@ -21,6 +21,24 @@ CONF_DATABASE_URL = "oncelery_database_url"
 ENV_DIGEST_KEY = "ONCELERY_DIGEST_KEY"
 CONF_DIGEST_KEY = "oncelery_digest_key"
 
+# App-wide defaults (app.conf.<name>); a task's own option, then a call's, overrides each.
+CONF_LEASE = "oncelery_lease"  # seconds
+CONF_ON_IN_PROGRESS = "oncelery_on_in_progress"  # "retry" | "skip" | "raise"
+CONF_STORE_MESSAGE = "oncelery_store_message"  # bool
+# A callable (task_name, args, kwargs) -> tenant or None, called where the job is sent (apply_async) for a
+# task with no tenant option of its own; the tenant travels with the message as a header.
+CONF_TENANT = "oncelery_tenant"
+CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output": USD per 1M tokens}}
+# Every app.conf.oncelery_* setting there is: any other name is a typo, refused with its name.
+KNOWN_SETTINGS = frozenset(
+    {CONF_DATABASE_URL, CONF_DIGEST_KEY, CONF_LEASE, CONF_ON_IN_PROGRESS, CONF_STORE_MESSAGE, CONF_TENANT, CONF_PRICES}
+)
+# The pass-through switch for plain unit tests (as Powertools' POWERTOOLS_IDEMPOTENCY_DISABLED): the body runs
+# with no claim, no lease and no stored result. Loud on purpose: a worker logs a warning at start and records
+# it in the claims database, where `oncelery runs list` shows it.
+ENV_PASS_THROUGH = "ONCELERY_PASS_THROUGH"
+PASS_THROUGH_SEEN = "pass_through_seen"  # its oncelery_secrets row: when and where a worker last ran with it
+
 DEFAULT_DATABASE_FILE = "oncelery.db"
 DEFAULT_DATA_DIR = ".oncelery"
 
@@ -33,6 +51,10 @@ HEADER_WAITS = "oncelery_waits"
 # did not vanish, so its run taken over by this message is not a lost delivery (no step towards max_deliveries).
 HEADER_ABANDONED = "oncelery_abandoned"
 HEADER_PIPELINE = "oncelery_pipeline"
+# Per-call options (apply_async(..., on_in_progress=..., lease=...)), carried to every delivery of the call.
+HEADER_ON_IN_PROGRESS = "oncelery_on_in_progress"
+HEADER_LEASE = "oncelery_lease"
+IN_PROGRESS_POLICIES = ("retry", "skip", "raise")
 
 MAX_KEY_LENGTH = 255  # the width of task_runs.idempotency_key
 DEFAULT_LEASE_SECONDS = 60.0
@@ -113,3 +135,39 @@ def require_database_url(conf: Any = None, who: str = "This worker") -> str:
             f"app.conf.{CONF_DATABASE_URL}; every worker must share one database, so there is no default"
         )
     return url
+
+
+def check_settings(conf: Any) -> None:
+    """Raise ConfigurationError naming any app.conf.oncelery_* setting Oncelery does not know (a typo)."""
+    unknown = sorted(
+        name for name in conf if name.lower().startswith("oncelery_") and name.lower() not in KNOWN_SETTINGS
+    )
+    if unknown:
+        raise ConfigurationError(
+            f"unknown Oncelery setting(s) {', '.join(unknown)} in the Celery app's configuration; the known ones "
+            f"are {', '.join(sorted(KNOWN_SETTINGS))}: fix the name, or remove it"
+        )
+
+
+def check_policy(value: Any, who: str) -> str:
+    """Return an on_in_progress policy, or raise ConfigurationError naming the choices."""
+    if value not in IN_PROGRESS_POLICIES:
+        raise ConfigurationError(f"{who}: on_in_progress={value!r}; choose one of {IN_PROGRESS_POLICIES}")
+    return str(value)
+
+
+def check_lease(value: Any, who: str) -> float:
+    """Return a lease in seconds, or raise ConfigurationError saying what a lease must be."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < MIN_LEASE_SECONDS:
+        raise ConfigurationError(f"{who}: lease={value!r}; give seconds >= {MIN_LEASE_SECONDS}")
+    return float(value)
+
+
+def pass_through() -> bool:
+    """Whether $ONCELERY_PASS_THROUGH switches the claim off (for plain unit tests only)."""
+    raw = os.environ.get(ENV_PASS_THROUGH, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigurationError(f"{ENV_PASS_THROUGH}={raw!r}: give 1 (claims off, unit tests only) or 0")

@@ -21,6 +21,7 @@ from oncelery.models import (
     EntityVersion,
     OutboxMessage,
     RunStatus,
+    Secret,
     StepResult,
     TaskRun,
 )
@@ -31,6 +32,7 @@ LETTERS = cast(Table, DeadLetter.__table__)
 VERSIONS = cast(Table, EntityVersion.__table__)
 OUTBOX = cast(Table, OutboxMessage.__table__)
 STEPS = cast(Table, StepResult.__table__)
+SECRETS = cast(Table, Secret.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
 _OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
 

@@ -20,30 +20,44 @@ from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
 from sqlalchemy.orm import Session
 
+from oncelery.caller import tell_caller
 from oncelery.claims import BAD_MESSAGE, EntityVersionOf, RunStore
 from oncelery.delivery import NEVER_SUCCEED, Delivery, RunContext, after_store_fault, can_resend
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec, validate_key
+from oncelery.models import Outcome
 from oncelery.settings import (
+    CONF_LEASE,
+    CONF_ON_IN_PROGRESS,
+    CONF_STORE_MESSAGE,
+    CONF_TENANT,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
     HEADER_ABANDONED,
     HEADER_KEY,
+    HEADER_LEASE,
+    HEADER_ON_IN_PROGRESS,
     HEADER_TENANT,
     HEADER_WAITS,
-    MIN_LEASE_SECONDS,
     WAIT_BACKOFF_BASE,
     WAIT_BACKOFF_CAP,
+    check_lease,
+    check_policy,
+    check_settings,
     digest_secret,
+    pass_through,
     require_database_url,
 )
 from oncelery.steps import step_seed
+from oncelery.store import Database
 
 logger = logging.getLogger(__name__)
 
-IN_PROGRESS_POLICIES = ("retry", "skip", "raise")
 _RUN_ATTR = "oncelery_run"
+_PASS_ATTR = "oncelery_pass_through"
+# Headers a call's options travel in, kept with a run's message so a replay or a sweep sends them again.
+_CALL_HEADERS = (HEADER_KEY, HEADER_TENANT, HEADER_ON_IN_PROGRESS, HEADER_LEASE)
 
 
 def wait_backoff(waits: int, base: float = WAIT_BACKOFF_BASE, cap: float = WAIT_BACKOFF_CAP) -> float:
@@ -61,10 +75,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_key: KeySpec = None
     #: Argument names whose values make the payload fingerprint; None means all arguments.
     fingerprint: FingerprintSpec = None
-    #: Lease in seconds, renewed by a heartbeat every lease/3 while the body runs.
-    lease: float = DEFAULT_LEASE_SECONDS
-    #: What a delivery does while another live holder runs the key: "retry" | "skip" | "raise".
-    on_in_progress: str = "retry"
+    #: Lease in seconds, renewed by a heartbeat every lease/3 while the body runs. None: app.conf.oncelery_lease,
+    #: else 60. Per call: apply_async(..., lease=30).
+    lease: float | None = None
+    #: What a delivery does while another live holder runs the key: "retry" | "skip" | "raise". None:
+    #: app.conf.oncelery_on_in_progress, else "retry". Per call: apply_async(..., on_in_progress="raise").
+    on_in_progress: str | None = None
     #: Optional template/callable: at most one RUNNING run per entity (a partial unique index).
     concurrency_key: KeySpec = None
     #: Optional number of steps, reported as "total" in the PROGRESS state Flower shows.
@@ -74,10 +90,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: with none of them set, renewal is unbounded. Set it above the longest honest run.
     max_lease: float | None = None
     #: Template or callable over the arguments giving the key's namespace (a tenant); per call:
-    #: apply_async(..., tenant="acme"). One tenant never replays, conflicts with or blocks another's key.
+    #: apply_async(..., tenant="acme"); app-wide: app.conf.oncelery_tenant, a callable (task_name, args,
+    #: kwargs) -> tenant, called where the job is sent. One tenant never replays, conflicts with or blocks
+    #: another's key.
     tenant: KeySpec = None
     #: Keep the message's arguments in the run row until it completes, so a job whose message a broker lost
-    #: can be sent again. None: only on the embedded (filesystem://) broker, which loses in-flight messages.
+    #: can be sent again. None: app.conf.oncelery_store_message, else only on the embedded (filesystem://)
+    #: broker, which loses in-flight messages.
     store_message: bool | None = None
     #: Deliveries whose worker vanished mid-body (SIGKILL, OOM, segfault) after which the run goes DEAD with
     #: a dead letter instead of running again: Celery re-queues such a poison message for ever under
@@ -100,12 +119,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- configuration ---------------------------------------------------------------------------
 
     def _validate_options(self) -> None:
-        if self.on_in_progress not in IN_PROGRESS_POLICIES:
-            raise ConfigurationError(
-                f"{self.name}: on_in_progress={self.on_in_progress!r}; choose one of {IN_PROGRESS_POLICIES}"
-            )
-        if not isinstance(self.lease, int | float) or self.lease < MIN_LEASE_SECONDS:
-            raise ConfigurationError(f"{self.name}: lease={self.lease!r}; give seconds >= {MIN_LEASE_SECONDS}")
+        if self.on_in_progress is not None:
+            check_policy(self.on_in_progress, str(self.name))
+        if self.lease is not None:
+            check_lease(self.lease, str(self.name))
         if self.max_lease is not None and (not isinstance(self.max_lease, int | float) or self.max_lease <= 0):
             raise ConfigurationError(f"{self.name}: max_lease={self.max_lease!r}; give seconds > 0, or None")
         if self.max_deliveries is not None and (
@@ -174,6 +191,34 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return value.__func__
         return value
 
+    def settings(self) -> Any:
+        """The app's configuration, its oncelery_* names checked once (a typo raises, naming the setting)."""
+        conf = self.app.conf
+        if self.__dict__.get("_settings_of") is not conf:
+            check_settings(conf)
+            self.__dict__["_settings_of"] = conf
+        return conf
+
+    def lease_for(self, headers: dict[str, Any] | None = None) -> float:
+        """The lease of a call: its own (lease=), else the task's, else app.conf.oncelery_lease, else 60 s."""
+        call = (headers or {}).get(HEADER_LEASE)
+        if call is not None:
+            return check_lease(call, f"{self.name} (this call)")
+        if self.lease is not None:
+            return float(self.lease)
+        app_wide = self.settings().get(CONF_LEASE)
+        return DEFAULT_LEASE_SECONDS if app_wide is None else check_lease(app_wide, f"app.conf.{CONF_LEASE}")
+
+    def policy_for(self, headers: dict[str, Any] | None = None) -> str:
+        """The on_in_progress of a call: its own, else the task's, else the app's, else "retry"."""
+        call = (headers or {}).get(HEADER_ON_IN_PROGRESS)
+        if call is not None:
+            return check_policy(call, f"{self.name} (this call)")
+        if self.on_in_progress is not None:
+            return self.on_in_progress
+        app_wide = self.settings().get(CONF_ON_IN_PROGRESS)
+        return "retry" if app_wide is None else check_policy(app_wide, f"app.conf.{CONF_ON_IN_PROGRESS}")
+
     @property
     def store(self) -> RunStore:
         """The claims store of this task's app (app.conf.oncelery_database_url, else $ONCELERY_DATABASE_URL)."""
@@ -210,11 +255,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         key = options.pop("idempotency_key", None)
         tenant = options.pop("tenant", None)
+        policy = options.pop("on_in_progress", None)
+        lease = options.pop("lease", None)
         headers = dict(options.get("headers") or {})
+        if tenant is None and self.tenant is None and not headers.get(HEADER_TENANT):
+            resolver = self.settings().get(CONF_TENANT)
+            if resolver is not None:
+                if not callable(resolver):
+                    raise ConfigurationError(
+                        f"app.conf.{CONF_TENANT}={resolver!r}: give a callable (task_name, args, kwargs) -> tenant"
+                    )
+                tenant = resolver(self.name, tuple(args or ()), dict(kwargs or {})) or None
         if key is not None:
             headers[HEADER_KEY] = validate_key(key)
         if tenant is not None:
             headers[HEADER_TENANT] = validate_key(tenant, "tenant")
+        if policy is not None:
+            headers[HEADER_ON_IN_PROGRESS] = check_policy(policy, f"{self.name} (this call)")
+        if lease is not None:
+            headers[HEADER_LEASE] = check_lease(lease, f"{self.name} (this call)")
         if headers:
             options["headers"] = headers
         self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
@@ -257,7 +316,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
         headers = self.request.headers or {}
-        explicit = {name: headers[name] for name in (HEADER_KEY, HEADER_TENANT) if headers.get(name)}
+        if pass_through():
+            return self._pass_through(args, kwargs)
+        explicit = {name: headers[name] for name in _CALL_HEADERS if headers.get(name) is not None}
         # What a replay from the dead-letter queue (or a sweeper) sends again: the arguments and key headers.
         message: dict[str, Any] = {"args": list(args), "kwargs": kwargs, "headers": explicit}
         req = self.request
@@ -273,11 +334,38 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
             return after_store_fault(exc, f"before claiming {self.name}", can_resend(self, direct), self._send_again)
         kept = message if self._keeps_messages() else None
+        try:
+            lease, policy = self.lease_for(explicit), self.policy_for(explicit)
+        except ConfigurationError as exc:  # a bad setting: no delivery can run until it is fixed
+            logger.error("%s: %s", self.name, exc)
+            raise
         abandoned = headers.get(HEADER_ABANDONED)
         delivery = Delivery(
-            self, ident, entity, kept, direct, self._send_again, letter=message, version=version, abandoned=abandoned
+            self,
+            ident,
+            entity,
+            kept,
+            direct,
+            self._send_again,
+            letter=message,
+            version=version,
+            abandoned=abandoned,
+            lease=lease,
+            policy=policy,
         )
         return delivery.run(args, kwargs)
+
+    def _pass_through(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """$ONCELERY_PASS_THROUGH: run the body as a plain function (no claim, no lease, nothing stored)."""
+        logger.warning("%s: ONCELERY_PASS_THROUGH is on: the body runs unclaimed (unit tests only)", self.name)
+        setattr(self.request, _PASS_ATTR, True)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            setattr(self.request, _PASS_ATTR, False)
+
+    def _passing(self) -> bool:
+        return bool(getattr(self.request, _PASS_ATTR, False))
 
     def _identify(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any
@@ -300,6 +388,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _keeps_messages(self) -> bool:
         if self.store_message is not None:
             return bool(self.store_message)
+        app_wide = self.settings().get(CONF_STORE_MESSAGE)
+        if app_wide is not None:
+            return bool(app_wide)
         return str(self.app.conf.broker_url or "").startswith("filesystem://")
 
     def _send_again(self, exc: BaseException | None, abandoned: str | None = None) -> Any:
@@ -333,6 +424,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if exc is not None and isinstance(exc, NEVER_SUCCEED + tuple(self.dead_on)):
             raise_with_context(exc)
         return super().retry(args, kwargs, exc, *a, **kw)
+
+    def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None) -> None:
+        """Leave this delivery's outcome for `outcome_of(result)` (unless the task ignores its result)."""
+        req = self.request
+        if self.ignore_result or getattr(req, "is_eager", False) or getattr(req, "called_directly", True):
+            return
+        tell_caller(self.backend, req.id, outcome, ident.key, ident.tenant, token)
 
     def attach(self, ctx: RunContext) -> None:
         """Make `ctx` the live run of this delivery (what step() and effects() use)."""
@@ -382,6 +480,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         `step_meta` (model, prompt hash...) is stored with the checkpoint; replaying under different meta
         raises StepMismatch, or re-executes the step when `rerun_on_change=True`.
         """
+        if self._passing():  # no run: the step is a plain call (its seed still the step's own)
+            if "seed" in inspect.signature(fn).parameters and "seed" not in kwargs:
+                kwargs["seed"] = step_seed(self.name, "", name)
+            return fn(*args, **kwargs)
         ctx = self.run_context()
         ctx.heartbeat.check()
         if ctx.effects.connection is not None:
@@ -427,6 +529,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
     @contextmanager
     def effects(self) -> Iterator[Session]:
         """Yield a session whose writes commit atomically with the run's completion, fenced by its token."""
+        if self._passing():  # no run to fence: a plain transaction on the claims database
+            db = Database(require_database_url(self.app.conf, f"Task {self.name}"))
+            with db.begin() as conn, Session(bind=conn) as session:
+                yield session
+                session.flush()
+            return
         ctx = self.run_context()
         ctx.heartbeat.check()
         with ctx.effects.block() as session:
