@@ -7,6 +7,7 @@ Every other module of the package is an implementation detail.
 from oncelery import outbox
 from oncelery import startup as _startup  # noqa: F401  (registers the worker's startup check)
 from oncelery.caller import outcome_of
+from oncelery.costs import CostLine, CostReport, Spend, cost_report
 from oncelery.deadletters import DeadLetters, LetterView, ReplayReport
 from oncelery.errors import (
     ClaimError,
@@ -26,6 +27,7 @@ from oncelery.errors import (
     StoreUnavailable,
 )
 from oncelery.keys import Identity, differing_fields
+from oncelery.ledger import MeteredCall, Price, model_call, price_of
 from oncelery.models import Outcome, RunStatus
 from oncelery.outbox import Relay, RelayRound, install_relay_task
 from oncelery.pipeline import pipeline
@@ -51,6 +53,8 @@ __all__ = [
     "WAIT_BACKOFF_CAP",
     "ClaimError",
     "ConfigurationError",
+    "CostLine",
+    "CostReport",
     "Database",
     "DeadLetters",
     "IdempotencyConflict",
@@ -60,9 +64,11 @@ __all__ = [
     "InvalidKey",
     "LeaseLost",
     "LetterView",
+    "MeteredCall",
     "OnceleryError",
     "Outcome",
     "PayloadNotJSON",
+    "Price",
     "PurgeReport",
     "Relay",
     "RelayRound",
@@ -73,6 +79,7 @@ __all__ = [
     "RunView",
     "Runs",
     "SchemaMissing",
+    "Spend",
     "StaleVersion",
     "StepInfo",
     "StepMismatch",
@@ -81,15 +88,18 @@ __all__ = [
     "StoreUnavailable",
     "check_schema",
     "configured_database_url",
+    "cost_report",
     "current_step",
     "data_dir",
     "differing_fields",
     "embedded_database_url",
     "install_relay_task",
+    "model_call",
     "outbox",
     "outcome_of",
     "parse_age",
     "pipeline",
+    "price_of",
     "purge",
     "require_database_url",
     "schema_revision",

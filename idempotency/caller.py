@@ -13,7 +13,7 @@ import json
 import logging
 from typing import Any
 
-from celery.backends.base import KeyValueStoreBackend
+from celery.backends.base import BaseKeyValueStoreBackend
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import Outcome
@@ -27,7 +27,7 @@ _SUFFIX = ":oncelery"
 
 def tell_caller(backend: Any, task_id: str | None, outcome: Outcome, key: str, tenant: str, token: int | None) -> None:
     """Store this delivery's outcome for `outcome_of`; best effort (a backend error never fails the job)."""
-    if not task_id or not isinstance(backend, KeyValueStoreBackend):
+    if not task_id or not isinstance(backend, BaseKeyValueStoreBackend):
         return
     value = json.dumps({"outcome": outcome.value, "key": key, "tenant": tenant, "token": token})
     try:
@@ -43,7 +43,7 @@ def outcome_of(result: Any) -> Outcome | None:
     in_progress (waiting for another holder, or skipped), and the refusals: conflict, stale, dead, lease_lost.
     """
     backend = result.backend
-    if not isinstance(backend, KeyValueStoreBackend):
+    if not isinstance(backend, BaseKeyValueStoreBackend):
         raise ConfigurationError(
             f"outcome_of needs a key-value result backend (redis://, file://...); this app's is "
             f"{type(backend).__name__}: set result_backend to one, e.g. the Redis you use as the broker"

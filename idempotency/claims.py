@@ -443,9 +443,15 @@ class RunStore:
         """Return the run for (task, tenant, key), with whether its lease is live by the database clock."""
         return self.runs.get(task_name, key, tenant)
 
-    def record_outcome(self, task_name: str, outcome: Outcome, tenant: str = "") -> None:
-        """Count one delivery outcome in its own (durable) transaction."""
-        record_outcome(self.db, task_name, outcome, tenant)
+    def record_outcome(
+        self, task_name: str, outcome: Outcome, tenant: str = "", replayed_run: int | None = None
+    ) -> None:
+        """Count one delivery outcome in its own (durable) transaction.
+
+        `replayed_run`: the id of the COMPLETED run whose result answered it; one more replay on that run, in
+        the same transaction.
+        """
+        record_outcome(self.db, task_name, outcome, tenant, replayed_run)
 
     def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
         """Return {outcome: count} summed over all tasks, or for one task (or tenant)."""

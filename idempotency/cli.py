@@ -62,6 +62,7 @@ def build_group() -> click.Group:
         """Oncelery: exactly-once effects for Celery tasks. Inspect and migrate the claims database."""
         ctx.meta[_URL_META] = database_url
 
+    from oncelery.cli_costs import costs
     from oncelery.cli_ops import dlq, purge_command, relay  # they build on this module's helpers
 
     group.add_command(db)
@@ -70,6 +71,7 @@ def build_group() -> click.Group:
     group.add_command(relay)
     group.add_command(dlq)
     group.add_command(purge_command)
+    group.add_command(costs)
     return group
 
 

@@ -189,7 +189,7 @@ class Delivery:
     # -- the decisions ---------------------------------------------------------------------------
 
     def _replay(self, res: ClaimResult) -> Any:
-        self._count(Outcome.REPLAYED)
+        self._count(Outcome.REPLAYED, replayed_run=res.run.run_id if res.run is not None else None)
         logger.info("replayed %s[%s] from its stored result", self.task.name, self.ident.key)
         return res.run.result if res.run is not None else None
 
@@ -330,6 +330,7 @@ class Delivery:
                 # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
                 # again instead; it is taken over (and run again) once this holder's lease expires.
                 return self._store_failed(failure, "recording the failure of")
+            task.tell_caller(Outcome.DEAD if death is not None else Outcome.FAILED, self.ident, claim.token)
             raise
         finally:
             ctx.effects.close()
@@ -365,10 +366,10 @@ class Delivery:
             return exc
         return None
 
-    def _count(self, outcome: Outcome) -> None:
+    def _count(self, outcome: Outcome, replayed_run: int | None = None) -> None:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
         fault_point("count_outcome", task=self.task.name, key=self.ident.key, outcome=outcome.value)
-        self.store.record_outcome(self.task.name, outcome, self.ident.tenant)
+        self.store.record_outcome(self.task.name, outcome, self.ident.tenant, replayed_run)
         self.task.tell_caller(outcome, self.ident)
 
 

@@ -18,6 +18,7 @@ POINTS = (
     "version_check",  # before a versioned event reads its entity's applied version
     "claim",  # before the claim statement
     "load_checkpoints",  # before a taken-over run loads its steps
+    "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "step_save",  # before a step's checkpoint is written
     "effects_flush",  # before an effects() block is flushed
     "complete",  # before the completion (and the effects commit)

@@ -30,9 +30,26 @@ def record_outcome_txn(
     conn.execute(statements(dialect).count_outcome, outcome_params(task_name, outcome, tenant))
 
 
-def record_outcome(db: Database, task_name: str, outcome: Outcome, tenant: str = "") -> None:
-    """Count one delivery outcome in its own durable transaction."""
-    db.one(statements(db.dialect.name).count_outcome, outcome_params(task_name, outcome, tenant))
+def record_outcome(
+    db: Database, task_name: str, outcome: Outcome, tenant: str = "", replayed_run: int | None = None
+) -> None:
+    """Count one delivery outcome in its own durable transaction.
+
+    `replayed_run`: the COMPLETED run whose stored result answered this delivery; its `replays` grows by one in
+    the same transaction (one statement on PostgreSQL).
+    """
+    sql = statements(db.dialect.name)
+    params = outcome_params(task_name, outcome, tenant)
+    if replayed_run is None:
+        db.one(sql.count_outcome, params)
+        return
+    params["p_run_id"] = replayed_run
+    if sql.count_replay is not None:
+        db.one(sql.count_replay, params)
+        return
+    with db.begin() as conn:
+        conn.execute(sql.count_replay_on_run, params)
+        conn.execute(sql.count_outcome, params)
 
 
 def outcome_counts(db: Database, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:

@@ -26,7 +26,7 @@ from oncelery.store import Database
 logger = logging.getLogger(__name__)
 
 #: Tables that hold rows per run (by a `run_id` column) without a foreign key: the model-call cost ledger.
-LEDGER_TABLES = ("llm_calls",)
+LEDGER_TABLES = ("model_calls",)
 DEFAULT_BATCH = 1000
 #: The relay's default retention (`oncelery relay --retention`): a week, above Stripe's 24 hours.
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0

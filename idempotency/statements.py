@@ -156,6 +156,21 @@ class Statements:
             .on_conflict_do_update(index_elements=_OUTCOME_KEY, set_={"count": o.count + 1})
         )
         self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
+        # A duplicate answered from a COMPLETED run's stored result: one more replay on that run (fenced by its
+        # id and status), counted with the `replayed` outcome in the same transaction.
+        self.count_replay_on_run = (
+            update(RUNS)
+            .where(RUNS.c.id == bindparam("p_run_id"), RUNS.c.status == RunStatus.COMPLETED)
+            .values(replays=RUNS.c.replays + 1)
+        )
+        # PostgreSQL: both in ONE statement (WITH bumped AS (UPDATE ...) INSERT INTO delivery_outcomes ...): a
+        # data-modifying WITH runs once whether or not the INSERT reads it, so the outcome is counted even if
+        # the run was purged meanwhile.
+        self.count_replay = (
+            self.count_outcome.add_cte(self.count_replay_on_run.returning(RUNS.c.id).cte("bumped"))
+            if dia.dml_in_cte
+            else None
+        )
 
     @staticmethod
     def _demote_expired_entity(now: ColumnElement[Any]) -> Any:

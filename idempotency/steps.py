@@ -249,6 +249,7 @@ class StepRunner:
             self.store.url,
         )
         with _in_step(info):
+            fault_point("step_call", task=self.claim.task_name, key=self.claim.key, step=name)
             value = fn(*args, **kwargs)
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
         fault_point("step_save", task=self.claim.task_name, key=self.claim.key, step=name)

@@ -258,8 +258,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         policy = options.pop("on_in_progress", None)
         lease = options.pop("lease", None)
         headers = dict(options.get("headers") or {})
+        conf = self.settings()  # a misspelt oncelery_* setting is refused here, at the first call
         if tenant is None and self.tenant is None and not headers.get(HEADER_TENANT):
-            resolver = self.settings().get(CONF_TENANT)
+            resolver = conf.get(CONF_TENANT)
             if resolver is not None:
                 if not callable(resolver):
                     raise ConfigurationError(

@@ -1,10 +1,12 @@
 """SQLAlchemy models: the database is Oncelery's final deduplication barrier.
 
-`oncelery.models` holds the framework's tables (`runs`); the demo jobs' tables are in `oncelery.models.jobs`,
-on their own migration branch, so `oncelery db upgrade` never creates them in a user's database.
+`oncelery.models` holds the framework's tables (`runs`, and the cost ledger's `ledger`); the demo jobs' tables
+are in `oncelery.models.jobs`, on their own migration branch, so `oncelery db upgrade` never creates them in a
+user's database.
 """
 
 from oncelery.models.base import Base
+from oncelery.models.ledger import ModelCall
 from oncelery.models.runs import (
     DIGEST_KEY_SECRET,
     DeadLetter,
@@ -25,6 +27,7 @@ __all__ = [
     "DeadLetter",
     "DeliveryOutcome",
     "EntityVersion",
+    "ModelCall",
     "OutboxMessage",
     "OutboxStatus",
     "Outcome",

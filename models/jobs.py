@@ -1,11 +1,14 @@
-"""Tables of the demo AI jobs (oncelery.tasks): article scores and the LLM cost ledger, on their own branch."""
+"""Tables of the demo AI jobs (oncelery.tasks): article scores, on their own migration branch.
+
+Their model calls go to the framework's cost ledger (`model_calls`, `oncelery.model_call`).
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, func
+from sqlalchemy import DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from oncelery.models.base import Base, BigId, Json
@@ -31,31 +34,3 @@ class ArticleScore(Base):
     )
 
     __table_args__ = (UniqueConstraint("article_id", "version"),)
-
-
-class LLMCall(Base):
-    """One real model call (never a replay): the cost ledger, written even if the step never checkpoints."""
-
-    __tablename__ = "llm_calls"
-
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    task_name: Mapped[str | None] = mapped_column(String(255))
-    idempotency_key: Mapped[str | None] = mapped_column(String(255))
-    step: Mapped[str | None] = mapped_column(String(255))
-    run_id: Mapped[int | None] = mapped_column(BigId)
-    fencing_token: Mapped[int | None] = mapped_column(Integer)
-    model: Mapped[str] = mapped_column(String(255), nullable=False)
-    model_version: Mapped[str | None] = mapped_column(String(64))
-    seed: Mapped[int | None] = mapped_column(BigId)
-    temperature: Mapped[float] = mapped_column(Float, nullable=False)
-    prompt_hash: Mapped[str] = mapped_column(String(64), nullable=False)
-    input_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    output_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
-    ok: Mapped[bool] = mapped_column(Boolean, nullable=False)
-    error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
-    )
-
-    __table_args__ = (Index("ix_llm_calls_task_name_idempotency_key", "task_name", "idempotency_key"),)

@@ -2,8 +2,8 @@
 
 Two independent migration histories, each with its own version table, so they never step on each other
 or on a user's own Alembic history in the same database:
-- FRAMEWORK (`oncelery.models:migrations`): task_runs, step_results, delivery_outcomes — `oncelery db upgrade`;
-- JOBS (`oncelery.models:jobs_migrations`): the demo pipeline's article_scores and llm_calls.
+- FRAMEWORK (`oncelery.models:migrations`): task_runs, step_results, ..., model_calls — `oncelery db upgrade`;
+- JOBS (`oncelery.models:jobs_migrations`): the demo pipeline's article_scores.
 """
 
 from __future__ import annotations
@@ -36,13 +36,24 @@ FRAMEWORK = Branch(
     "oncelery",
     "oncelery.models:migrations",
     "oncelery_alembic_version",
-    frozenset({"task_runs", "step_results", "delivery_outcomes", "oncelery_secrets"}),
+    frozenset(
+        {
+            "task_runs",
+            "step_results",
+            "delivery_outcomes",
+            "oncelery_secrets",
+            "outbox",
+            "dead_letters",
+            "entity_versions",
+            "model_calls",
+        }
+    ),
 )
 JOBS = Branch(
     "jobs",
     "oncelery.models:jobs_migrations",
     "oncelery_jobs_alembic_version",
-    frozenset({"article_scores", "llm_calls"}),
+    frozenset({"article_scores"}),
 )
 BRANCHES = {b.name: b for b in (FRAMEWORK, JOBS)}
 

@@ -92,6 +92,8 @@ class TaskRun(Base):
     # Deliveries whose holder vanished (lease expired while RUNNING: SIGKILL, OOM, segfault): a run that loses
     # max_deliveries of them is a poison message and goes DEAD instead of killing another worker.
     lost: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # Duplicate deliveries answered from this run's stored result (what `oncelery costs` counts as saved).
+    replays: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     first_failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # When the relay's sweeper last re-sent this run's stored message (so it re-sends once per interval).
     swept_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -22,7 +22,7 @@ from tests import services
 
 ORDERED_TABLES = [
     "article_scores",
-    "llm_calls",
+    "model_calls",
     "step_results",
     "dead_letters",
     "outbox",

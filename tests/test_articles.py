@@ -12,7 +12,8 @@ from sqlalchemy import func, select
 
 import oncelery.tasks.articles  # noqa: F401  (registers oncelery.score_article as a shared task)
 from oncelery.claims import RunStore
-from oncelery.models.jobs import ArticleScore, LLMCall
+from oncelery.models import ModelCall
+from oncelery.models.jobs import ArticleScore
 from oncelery.tasks.llm import LocalModel, parse_keywords, parse_quality
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "articles.jsonl"
@@ -53,8 +54,8 @@ def test_hundred_articles_with_thirty_percent_duplicates(app: Celery, worker_fac
         assert result == expected(article), article["id"]
     engine = RunStore(db_url).engine
     with engine.connect() as conn:
-        calls = conn.execute(select(func.count()).select_from(LLMCall)).scalar_one()
-        ok_calls = conn.execute(select(func.count()).where(LLMCall.ok.is_(True))).scalar_one()
+        calls = conn.execute(select(func.count()).select_from(ModelCall)).scalar_one()
+        ok_calls = conn.execute(select(func.count()).where(ModelCall.ok.is_(True))).scalar_one()
         scores = conn.execute(select(func.count()).select_from(ArticleScore)).scalar_one()
         distinct = conn.execute(select(func.count(func.distinct(ArticleScore.article_id)))).scalar_one()
     assert calls == ok_calls == 300  # 100 articles x 3 steps, never a duplicate call

@@ -15,12 +15,12 @@ import pytest
 from celery import Celery
 from sqlalchemy import select
 
-from oncelery import ConfigurationError, IdempotentTask, step_seed
+from oncelery import ConfigurationError, IdempotentTask, cost_report, step_seed
 from oncelery.claims import RunStore
-from oncelery.models.jobs import LLMCall
+from oncelery.models import ModelCall
 from oncelery.steps import load_checkpoints
 from oncelery.store import get_engine
-from oncelery.tasks.ledger import call_llm, ledger_summary
+from oncelery.tasks.ledger import call_llm
 from oncelery.tasks.llm import (
     LLMHTTPError,
     LLMMalformedReply,
@@ -273,9 +273,9 @@ def test_from_env_reads_the_configuration_and_names_what_is_missing(
 
 
 def ledger_rows(db_url: str) -> list[Any]:
-    """Every ledger row (llm_calls columns as attributes), oldest first."""
+    """Every ledger row (model_calls columns as attributes), oldest first."""
     with get_engine(db_url).connect() as conn:
-        return list(conn.execute(select(LLMCall.__table__).order_by(LLMCall.__table__.c.id)).all())
+        return list(conn.execute(select(ModelCall.__table__).order_by(ModelCall.__table__.c.id)).all())
 
 
 def test_successful_step_writes_one_row_and_a_replay_writes_none(
@@ -301,23 +301,18 @@ def test_successful_step_writes_one_row_and_a_replay_writes_none(
         run.run_id,
         run.token,
     )
-    assert (row.model, row.model_version, row.seed, row.temperature) == (
+    assert (row.model, row.prompt, row.meta["model_version"], row.meta["seed"], row.meta["temperature"]) == (
         "test-model",
+        "summarize",
         "test-model-2024-01-01",
         seed,
         0.7,
     )
-    assert row.prompt_hash == client.prompt_hash("summarize", TEXT)
-    assert (row.input_tokens, row.output_tokens, row.ok, row.error) == (17, 3, True, None)
+    assert row.meta["prompt_hash"] == client.prompt_hash("summarize", TEXT)
+    assert (row.input_tokens, row.output_tokens, row.ok, row.error, row.cost) == (17, 3, True, None, None)
     assert row.latency_ms > 0
-    assert ledger_summary(db_url) == {
-        "calls": 1,
-        "ok_calls": 1,
-        "failed_calls": 0,
-        "input_tokens": 17,
-        "output_tokens": 3,
-        "latency_ms": pytest.approx(row.latency_ms),
-    }
+    made = cost_report(db_url).made
+    assert (made.calls, made.ok_calls, made.failed_calls, made.input_tokens, made.output_tokens) == (1, 1, 0, 17, 3)
 
 
 def test_malformed_reply_in_a_step_leaves_a_failed_row_and_no_ok_row(
@@ -335,8 +330,8 @@ def test_malformed_reply_in_a_step_leaves_a_failed_row_and_no_ok_row(
     [row] = ledger_rows(db_url)
     assert (row.step, row.ok, row.input_tokens, row.output_tokens) == ("keywords", False, 0, 0)
     assert row.error.startswith("LLMMalformedReply: LLM reply has no choices[0].message.content")
-    assert row.seed == step_seed("oncelery.t_llm_bad", "art:2", "keywords")
-    assert ledger_summary(db_url)["ok_calls"] == 0
+    assert row.meta["seed"] == step_seed("oncelery.t_llm_bad", "art:2", "keywords")
+    assert cost_report(db_url).made.ok_calls == 0
     run = RunStore(db_url).get("oncelery.t_llm_bad", "art:2")
     assert run is not None and load_checkpoints(RunStore(db_url), run.run_id) == []
 
@@ -378,8 +373,8 @@ def test_call_outside_a_step_uses_the_env_database_or_records_nothing(
     monkeypatch.setenv("ONCELERY_DATABASE_URL", db_url)
     result = call_llm(model, "quality", TEXT, seed=7)
     [row] = ledger_rows(db_url)
-    assert (row.task_name, row.idempotency_key, row.step, row.run_id, row.seed) == (None, None, "quality", None, 7)
-    assert (row.model, row.model_version, row.ok) == ("local-extractive", "1", True)
+    assert (row.task_name, row.idempotency_key, row.step, row.run_id, row.meta["seed"]) == (None, None, None, None, 7)
+    assert (row.model, row.prompt, row.meta["model_version"], row.ok) == ("local-extractive", "quality", "1", True)
     assert row.input_tokens == len(TEXT.split()) and row.output_tokens == result.output_tokens == 1
     with pytest.raises(UnsupportedTask):
         call_llm(model, "translate", TEXT)

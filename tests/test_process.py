@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, func, select, text
 
-from oncelery.models import RunStatus, TaskRun
-from oncelery.models.jobs import ArticleScore, LLMCall
+from oncelery.models import ModelCall, RunStatus, TaskRun
+from oncelery.models.jobs import ArticleScore
 from tests.services import (
     ONCELERY,
     Done,
@@ -54,10 +54,10 @@ def database_state(url: str) -> dict[str, Any]:
     try:
         with engine.connect() as conn:
             runs = conn.execute(select(TaskRun.idempotency_key, TaskRun.status, TaskRun.result)).all()
-            calls = conn.execute(select(func.count()).select_from(LLMCall)).scalar_one()
-            ok_calls = conn.execute(select(func.count()).where(LLMCall.ok.is_(True))).scalar_one()
+            calls = conn.execute(select(func.count()).select_from(ModelCall)).scalar_one()
+            ok_calls = conn.execute(select(func.count()).where(ModelCall.ok.is_(True))).scalar_one()
             per_step = conn.execute(
-                select(LLMCall.idempotency_key, LLMCall.step).where(LLMCall.ok.is_(True)).distinct()
+                select(ModelCall.idempotency_key, ModelCall.step).where(ModelCall.ok.is_(True)).distinct()
             ).all()
             scores = conn.execute(
                 select(
@@ -173,7 +173,7 @@ def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, p
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "TRUNCATE article_scores, llm_calls, step_results, dead_letters, outbox, delivery_outcomes, "
+                    "TRUNCATE article_scores, model_calls, step_results, dead_letters, outbox, delivery_outcomes, "
                     "task_runs RESTART IDENTITY"
                 )
             )

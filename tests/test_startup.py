@@ -28,9 +28,10 @@ FRAMEWORK_TABLES = {
     "outbox",
     "dead_letters",
     "entity_versions",
+    "model_calls",
     "oncelery_alembic_version",
 }
-JOBS_TABLES = {"article_scores", "llm_calls", "oncelery_jobs_alembic_version"}
+JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}
 
 APP_SOURCE = f"""
 import os

@@ -26,9 +26,10 @@ from sqlalchemy import Table as SqlTable
 from sqlalchemy import func, select
 
 from oncelery import Database, Outcome, Runs
-from oncelery.models.jobs import ArticleScore, LLMCall
+from oncelery.models import ModelCall
+from oncelery.models.jobs import ArticleScore
 
-_CALLS = cast(SqlTable, LLMCall.__table__)
+_CALLS = cast(SqlTable, ModelCall.__table__)
 _SCORES = cast(SqlTable, ArticleScore.__table__)
 
 

@@ -1,0 +1,51 @@
+"""The cost ledger's table: one `model_calls` row per real model call, with its tokens, latency and cost."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Boolean, DateTime, Float, Index, Integer, String, Text, func
+from sqlalchemy.orm import Mapped, mapped_column
+
+from oncelery.models.base import Base, BigId, Json
+
+
+class ModelCall(Base):
+    """One real model call (never a replay), committed on its own as soon as the call ends, ok or failed.
+
+    No foreign key to `task_runs`: a row outlives a rollback of its run's effects and is written even when
+    the run never completes; retention deletes it with its run (by `run_id`).
+    """
+
+    __tablename__ = "model_calls"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # Where the call was made: the run's task, tenant, key, step, run and fencing token (NULL outside a run).
+    task_name: Mapped[str | None] = mapped_column(String(255))
+    tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    step: Mapped[str | None] = mapped_column(String(255))
+    run_id: Mapped[int | None] = mapped_column(BigId)
+    fencing_token: Mapped[int | None] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(255), nullable=False)
+    # The prompt or template's name ("summarize"), not its text: the ledger never keeps a payload.
+    prompt: Mapped[str | None] = mapped_column(String(255))
+    input_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
+    ok: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    # Estimated USD at the price of the day the row was written (app.conf.oncelery_prices); NULL: no price.
+    cost: Mapped[float | None] = mapped_column(Float)
+    # What else produced the answer (model version, seed, temperature, prompt hash...), as the caller gives it.
+    meta: Mapped[Any] = mapped_column(Json, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+
+    __table_args__ = (
+        Index("ix_model_calls_task_name_idempotency_key", "task_name", "idempotency_key"),
+        # Per-run sums (`oncelery costs`: what each replay of a run saved) and retention's delete by run.
+        Index("ix_model_calls_run_id", "run_id"),
+    )
