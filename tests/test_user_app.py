@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,8 @@ from oncelery.testing import (
 REDIS = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 os.environ.setdefault("SHOP_BROKER_URL", REDIS)
 os.environ.setdefault("SHOP_RESULT_BACKEND", REDIS)
+# A queue of this module's own (Celery fixes an app's queues at its first send; subprocess workers inherit it).
+os.environ.setdefault("SHOP_QUEUE", f"shop-{uuid.uuid4().hex[:10]}")
 
 from tests.user_app import shop  # noqa: E402  (configured from the environment above)
 
@@ -42,17 +43,10 @@ TIMEOUT = 90
 
 
 @pytest.fixture
-def oncelery_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
-    """The user's app, on a queue of its own for this test (its subprocess workers inherit it)."""
-    queue = f"shop-{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("SHOP_QUEUE", queue)
+def oncelery_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """The user's app (the only fixture a user writes: which app); bodies may be held by flag files here."""
     monkeypatch.setenv("SHOP_HOLD_DIR", str(tmp_path))
-    before = shop.app.conf.task_default_queue
-    shop.app.conf.task_default_queue = queue
-    try:
-        yield shop.app
-    finally:
-        shop.app.conf.task_default_queue = before
+    return shop.app
 
 
 @pytest.fixture
