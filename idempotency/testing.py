@@ -58,6 +58,7 @@ __all__ = [
     "flush_broker",
     "frozen_past_lease",
     "kill_holder",
+    "running_worker",
     "wait_until",
 ]
 
@@ -176,17 +177,24 @@ def oncelery_app(request: pytest.FixtureRequest) -> Any:
         ) from None
 
 
+@contextmanager
+def running_worker(app: Any, db: OnceleryDb, concurrency: int = 4) -> Iterator[Any]:
+    """Run a real in-process worker (threads) of `app` on `db` for the block: for tasks defined in the test."""
+    from celery.contrib.testing.worker import start_worker
+
+    with _database_of(app, db.url):
+        app.finalize()
+        with start_worker(
+            app, pool="threads", concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
+        ) as worker:
+            yield worker
+
+
 @pytest.fixture
 def oncelery_worker(oncelery_app: Any, oncelery_db: OnceleryDb) -> Iterator[Any]:
     """A real in-process worker (threads pool, 4 threads) of `oncelery_app`, on `oncelery_db`."""
-    from celery.contrib.testing.worker import start_worker
-
-    with _database_of(oncelery_app, oncelery_db.url):
-        oncelery_app.finalize()
-        with start_worker(
-            oncelery_app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30
-        ) as worker:
-            yield worker
+    with running_worker(oncelery_app, oncelery_db) as worker:
+        yield worker
 
 
 @contextmanager

@@ -24,8 +24,10 @@ from oncelery.testing import (
     assert_steps,
     deliver_concurrently,
     fail_step_once,
+    flush_broker,
     frozen_past_lease,
     kill_holder,
+    wait_until,
 )
 
 REDIS = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
@@ -125,6 +127,26 @@ def test_a_step_that_fails_once_resumes_from_the_checkpoint(
     assert_ran_once(shop_db, shop.charge, "charge:o-4", effects=CHARGES)
     assert_steps(shop_db, shop.charge, "charge:o-4", executed=["score"], replayed=["fetch"])
     assert_outcomes(shop_db, shop.charge, failed=1, resumed=1)
+
+
+def test_a_broker_flushed_mid_run_still_gives_one_effect(
+    oncelery_app: Any, shop_db: OnceleryDb, oncelery_worker: Any
+) -> None:
+    hold = Path(os.environ["SHOP_HOLD_DIR"]) / "o-6"
+    hold.touch()
+    result = shop.charge.delay("o-6", 80)
+    wait_until(lambda: shop_db.steps(shop.charge, "charge:o-6")[0] == ["fetch"], what="the body to hold")
+    flush_broker(oncelery_app)  # the queue, the unacked bookkeeping and the results are gone
+    hold.unlink()
+    wait_until(lambda: charges_of(shop_db, "o-6") == 1, what="the held run to commit its charge")
+    assert_ran_once(shop_db, shop.charge, "charge:o-6", effects=CHARGES)
+    assert result.get(timeout=TIMEOUT)["risk"] == "low"  # stored after the flush, by the worker holding it
+    assert outcome_of(result) is Outcome.EXECUTED
+    # A re-send of the job (as a producer would after losing the broker) is answered, not re-run.
+    again = shop.charge.delay("o-6", 80)
+    assert again.get(timeout=TIMEOUT) == {"order_id": "o-6", "amount": 80, "risk": "low"}
+    assert outcome_of(again) is Outcome.REPLAYED
+    assert charges_of(shop_db, "o-6") == 1
 
 
 def test_with_the_pass_through_switch_a_unit_test_calls_the_body(
