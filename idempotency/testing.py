@@ -66,7 +66,9 @@ ENV_TEST_DATABASE_URL = "ONCELERY_TEST_DATABASE_URL"
 DEFAULT_TIMEOUT = 60.0  # seconds any helper waits for an observable condition before failing the test
 
 
-def wait_until(condition: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, what: str = "a condition") -> Any:
+def wait_until(
+    condition: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, interval: float = 0.05, what: str = ""
+) -> Any:
     """Poll `condition` until it returns a truthy value (returned), or fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -74,8 +76,8 @@ def wait_until(condition: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, w
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
+            pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
 
 
 # -- the database ------------------------------------------------------------------------------------------
@@ -122,9 +124,9 @@ class OnceleryDb:
             return int(conn.execute(text(sql), params).scalar_one())
 
 
-def expire_lease(db: OnceleryDb, task: Any, key: str, tenant: str = "") -> None:
+def expire_lease(db: OnceleryDb | str, task: Any, key: str, tenant: str = "") -> None:
     """Move the run's lease into the past by the database clock: as if its holder froze (no sleeping)."""
-    store = Database(db.url)
+    store = Database(db if isinstance(db, str) else db.url)
     r = RUNS.c
     stmt = (
         update(RUNS)
@@ -227,7 +229,7 @@ class WorkerProcess:
         env = {**os.environ, **env, ENV_DATABASE_URL: db.url}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wait_until(lambda: self.ready() or self.proc.poll() is not None, 120, f"worker {hostname} to be ready")
+        wait_until(lambda: self.ready() or self.proc.poll() is not None, 120, what=f"worker {hostname} to be ready")
         if self.proc.poll() is not None:
             pytest.fail(f"worker {hostname} exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
 

@@ -24,6 +24,8 @@ import redis
 from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
+from oncelery.testing import wait_until
+
 PG_ADMIN_URL = os.environ.get("ONCELERY_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 # One database per test session (inherited by worker subprocesses), so concurrent sessions never collide.
 PG_TEST_DB = os.environ.setdefault("ONCELERY_TEST_PG_DB", f"oncelery_test_{os.getpid()}")
@@ -119,16 +121,8 @@ def count_rows(engine: Engine, table: Table, key: str | None = None) -> int:
         return int(conn.execute(text(stmt), {"k": key}).scalar_one())
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05, what: str = "") -> Any:
-    """Poll `predicate` until it returns a truthy value or `timeout` passes (then fail, naming `what`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
+# The kit's poller (oncelery.testing.wait_until): the project's tests use the kit where it fits.
+wait_for = wait_until
 
 
 def unique_queue() -> str:

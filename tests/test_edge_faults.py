@@ -25,7 +25,17 @@ import pytest
 from celery import Celery
 from sqlalchemy import insert, text
 
-from oncelery import IdempotencyConflict, IdempotentTask, LeaseLost, Relay, RelayRound, RunIsDead, RunStatus, outbox
+from oncelery import (
+    IdempotencyConflict,
+    IdempotentTask,
+    LeaseLost,
+    Relay,
+    RelayRound,
+    RunIsDead,
+    RunStatus,
+    outbox,
+    testing,
+)
 from oncelery.faults import fault_injected
 from tests.conftest import running_worker
 from tests.pg_cluster import pg_cluster  # noqa: F401  (the module's throwaway cluster)
@@ -108,19 +118,8 @@ def run_row(db: Db, task_name: str, key: str) -> Any:
 
 
 def expire_lease(db: Db, task_name: str, key: str) -> None:
-    """Move the run's lease into the past by the database clock (its holder froze, or vanished)."""
-
-    def once() -> None:
-        with db.observer.begin() as conn:
-            conn.execute(
-                text(
-                    "UPDATE task_runs SET lease_expires_at = clock_timestamp() - interval '60 seconds' "
-                    "WHERE task_name = :t AND idempotency_key = :k"
-                ),
-                {"t": task_name, "k": key},
-            )
-
-    retrying(once, "expiring a lease")
+    """Move the run's lease into the past by the database clock (the kit's helper, retried past a fault)."""
+    retrying(lambda: testing.expire_lease(db.url, task_name, key), "expiring a lease")
 
 
 def only_for(task_name: str, key: str, hook: Hook) -> Hook:

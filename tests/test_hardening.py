@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import insert, text
+from sqlalchemy import insert
 
 from oncelery import IdempotentTask, LeaseLost, Runs, RunStatus, StepMismatch
 from oncelery.claims import RunStore
 from oncelery.deadletters import DeadLetters
 from oncelery.keys import Identity
+from oncelery.testing import expire_lease
 from tests.services import count_rows, effects_table, wait_for
 
 
@@ -27,14 +28,8 @@ class Timeout(Exception):
 
 
 def expire(db_url: str, task_name: str, key: str) -> None:
-    """Move a run's lease into the past by the database clock (as if its holder froze)."""
-    store = RunStore(db_url)
-    with store.engine.begin() as conn:
-        past = store.db.dialect.past(60)
-        conn.execute(
-            text(f"UPDATE task_runs SET lease_expires_at = {past} WHERE task_name = :t AND idempotency_key = :k"),
-            {"t": task_name, "k": key},
-        )
+    """Move a run's lease into the past by the database clock (as if its holder froze): the kit's helper."""
+    expire_lease(db_url, task_name, key)
 
 
 # -- 2. checkpoints by their stored position ------------------------------------------------------

@@ -12,7 +12,7 @@ from sqlalchemy import insert, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from oncelery import LeaseLost
+from oncelery import LeaseLost, testing
 from oncelery.claims import Claim, Decision, RunStore
 from oncelery.keys import Identity
 from oncelery.models import RunStatus, TaskRun
@@ -49,10 +49,8 @@ def race(n: int, fn: Callable[[], Any]) -> list[Any]:
 
 
 def expire_lease(store: RunStore, claim: Claim) -> None:
-    """Move a lease into the past by the database clock (as if its holder froze)."""
-    with store.engine.begin() as conn:
-        past = "datetime('now', '-60 seconds')" if store.engine.dialect.name == "sqlite" else "now() - interval '60 s'"
-        conn.execute(text(f"UPDATE task_runs SET lease_expires_at = {past} WHERE id = :id"), {"id": claim.run_id})
+    """Move a lease into the past by the database clock (as if its holder froze): the kit's helper."""
+    testing.expire_lease(store.url, claim.task_name, claim.key, claim.tenant)
 
 
 def test_fifty_racing_claims_yield_exactly_one_holder(db_url: str) -> None:
