@@ -33,7 +33,7 @@ from sqlalchemy import Table, insert
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import ModelCall
-from oncelery.settings import ENV_DATABASE_URL, configured_database_url
+from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.steps import current_step
 from oncelery.store import Database
 from oncelery.task import IdempotentTask
@@ -42,8 +42,6 @@ __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_
 
 logger = logging.getLogger(__name__)
 
-#: The Celery setting of the price table: {model: {"input": usd, "output": usd}}, USD per 1M tokens.
-CONF_PRICES = "oncelery_prices"
 PER_TOKENS = 1_000_000  # prices are per this many tokens
 MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
 

@@ -55,6 +55,12 @@ def pg_session_url() -> Iterator[str]:
     services.drop_pg_database()
 
 
+# One store only, for tests of process faults (SIGKILL, a broker that is down, redelivery): those behave the
+# same on both stores, whose SQL the store contract and fault tests cover; the suite stays under its budget.
+ON_SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+ON_POSTGRESQL = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """The claims database URL, once per store: a fresh SQLite file, and a truncated PostgreSQL database."""

@@ -29,6 +29,7 @@ from oncelery import CELERY_DELIVERY_DEFAULTS
 from oncelery.claims import RunStore
 from oncelery.models import RunStatus
 from oncelery.store import get_engine
+from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import (
     count_rows,
     delete_queue_keys,
@@ -259,6 +260,7 @@ def freeze_between_transactions(pid: int, db_url: str) -> None:
 # -- 1. duplicate deliveries across two worker processes --------------------------------------------------
 
 
+@ON_POSTGRESQL
 def test_two_workers_duplicate_messages_execute_once(tmp_path: Path, db_url: str, redis_url: str) -> None:
     key = f"dup-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url) as c:
@@ -285,6 +287,7 @@ def test_two_workers_duplicate_messages_execute_once(tmp_path: Path, db_url: str
 # -- 2. visibility timeout shorter than the job ----------------------------------------------------------
 
 
+@ON_POSTGRESQL
 def test_visibility_timeout_redelivery_is_absorbed(tmp_path: Path, db_url: str, redis_url: str) -> None:
     plain_key = f"plain-{uuid.uuid4().hex[:8]}"
     key = f"vt-{uuid.uuid4().hex[:8]}"
@@ -348,6 +351,7 @@ def test_sigkill_mid_job_completes_once(tmp_path: Path, db_url: str, redis_url: 
 # -- 4. a zombie holder ---------------------------------------------------------------------------------
 
 
+@ON_SQLITE
 def test_zombie_holder_cannot_commit(tmp_path: Path, db_url: str, redis_url: str) -> None:
     key = f"zombie-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url, lease=2) as c:
@@ -384,6 +388,7 @@ def test_zombie_holder_cannot_commit(tmp_path: Path, db_url: str, redis_url: str
 # -- 5. Redis flushed while the body runs -----------------------------------------------------------------
 
 
+@ON_POSTGRESQL
 def test_redis_flush_mid_job_keeps_one_effect(tmp_path: Path, db_url: str, redis_url: str) -> None:
     key = f"flush-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url) as c:
@@ -410,6 +415,7 @@ def test_redis_flush_mid_job_keeps_one_effect(tmp_path: Path, db_url: str, redis
 # -- 6. SIGKILL during step 2 of 3: resume, don't redo ------------------------------------------------------
 
 
+@ON_SQLITE
 def test_sigkill_during_step_two_resumes_from_checkpoint(tmp_path: Path, db_url: str, redis_url: str) -> None:
     key = f"steps-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url, lease=3) as c:

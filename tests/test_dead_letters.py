@@ -37,7 +37,7 @@ from oncelery import (
 )
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.store import get_engine
-from tests.conftest import close_app
+from tests.conftest import ON_POSTGRESQL, close_app
 from tests.services import (
     ONCELERY,
     alive,
@@ -341,6 +341,7 @@ def poison_worker(tmp_path: Path, env: dict[str, str], queue: str, broker_url: s
         delete_queue_keys(broker_url, queue)
 
 
+@ON_POSTGRESQL
 def test_poison_message_goes_dead_after_max_deliveries(tmp_path: Path, db_url: str, redis_url: str) -> None:
     assert IdempotentTask.max_deliveries == 5  # the default bound
     key = f"poison-{uuid.uuid4().hex[:8]}"

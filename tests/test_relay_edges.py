@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 from oncelery import DeadLetters, IdempotentTask, Relay, Runs, RunStatus, install_relay_task, outbox
 from oncelery.cli import oncelery
 from oncelery.models import OutboxMessage, OutboxStatus
+from tests.conftest import ON_SQLITE
 from tests.services import wait_for
 
 TIMEOUT = 60.0
@@ -23,6 +24,7 @@ def _rows(engine: Engine) -> list[Any]:
         return list(conn.execute(select(OutboxMessage.__table__).order_by(OutboxMessage.__table__.c.id)).all())
 
 
+@ON_SQLITE
 def test_a_broker_that_is_down_backs_off_then_marks_the_row_dead(db_url: str, db_engine: Engine) -> None:
     down = Celery("broker-down", broker="redis://127.0.0.1:1/0")  # nothing listens on port 1
     down.conf.broker_connection_retry_on_startup = False
