@@ -141,7 +141,7 @@ def db() -> None:
     type=click.Choice(sorted(BRANCHES)),
     default=FRAMEWORK.name,
     show_default=True,
-    help="Which schema: Oncelery's own tables, or the demo jobs' (article_scores, llm_calls).",
+    help="Which schema: Oncelery's own tables, or the demo jobs' (article_scores).",
 )
 @click.pass_context
 def db_upgrade(ctx: click.Context, branch: str) -> None:
@@ -226,6 +226,7 @@ def _echo_run(run: RunView, steps: Sequence[StepView], show_payload: bool = Fals
         ("attempts", run.attempts),
         ("retries", run.retries),
         ("lost", run.lost),
+        ("replays", run.replays),
         ("not_before", run.not_before),
         ("lease_expires_at", run.lease_expires_at),
         ("concurrency_key", run.concurrency_key),

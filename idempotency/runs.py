@@ -49,6 +49,7 @@ class RunView:
     not_before: datetime | None = None
     retry_wait: bool = False  # FAILED, and Celery's retry countdown has not passed (database clock)
     lost: int = 0  # deliveries whose holder vanished (counted towards max_deliveries)
+    replays: int = 0  # duplicate deliveries answered from this run's stored result
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ def _view(row: Any) -> RunView:
         not_before=row.not_before,
         retry_wait=bool(row.retry_wait),
         lost=row.lost,
+        replays=row.replays,
     )
 
 

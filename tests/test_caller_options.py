@@ -69,7 +69,9 @@ def opened(gate: threading.Event) -> Iterator[threading.Event]:
 
 
 @SQLITE_ONLY
-def test_outcome_of_is_executed_then_replayed_and_none_for_an_unknown_task_id(app: Celery, worker_factory: Any) -> None:
+def test_outcome_of_is_executed_then_replayed_and_none_for_an_unknown_task_id(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
     calls: list[int] = []
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_out_first", idempotency_key="o:{n}")
@@ -88,6 +90,8 @@ def test_outcome_of_is_executed_then_replayed_and_none_for_an_unknown_task_id(ap
     assert outcome_of(second) is Outcome.REPLAYED
     assert outcome_of(app.AsyncResult(str(uuid.uuid4()))) is None
     assert calls == [3]
+    run = Runs(db_url).get(double.name, "o:3")
+    assert run is not None and run.replays == 1  # the run counts the duplicate it answered (`runs show`)
     # Stored next to the result, with the result's expiry (never a key that outlives it).
     ttl = app.backend.client.ttl(f"celery-task-meta-{first.id}:oncelery")
     assert 0 < ttl <= app.backend.expires

@@ -319,7 +319,10 @@ def test_visibility_timeout_redelivery_is_absorbed(tmp_path: Path, db_url: str, 
 # -- 3. SIGKILL mid-job -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("victim", ["pool-child", "whole-worker"])
+# Each victim on one store (the kill is the same on both; see ON_SQLITE in conftest).
+@pytest.mark.parametrize(
+    ("db_url", "victim"), [("postgresql", "pool-child"), ("sqlite", "whole-worker")], indirect=["db_url"]
+)
 def test_sigkill_mid_job_completes_once(tmp_path: Path, db_url: str, redis_url: str, victim: str) -> None:
     key = f"kill-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url, visibility_timeout=6, restore_interval=1, lease=3) as c:
