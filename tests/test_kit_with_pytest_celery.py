@@ -5,14 +5,17 @@ under test when a project does not override `oncelery_app`; the task is defined 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, Outcome, outcome_of
 from oncelery.testing import OnceleryDb, assert_outcomes, assert_ran_once, deliver_concurrently, running_worker
+from tests.services import PG_ADMIN_URL
 
 REDIS = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 
@@ -47,3 +50,32 @@ def test_pytest_celery_app_with_the_kit_worker(celery_app: Any, oncelery_db: Onc
     counts = oncelery_db.outcome_counts(square)
     assert counts["executed"] == 1 and counts["replayed"] == 4
     assert_outcomes(oncelery_db, square, **counts)
+
+
+def test_the_plugin_loads_by_its_entry_point_and_gives_a_fresh_postgresql_database(
+    pytester: pytest.Pytester,
+) -> None:
+    """A user's pytest run, in a subprocess: the plugin is found by its entry point, and with --oncelery-db-url
+    each test gets a database of its own on that server, migrated, and dropped afterwards."""
+    pytester.makepyfile(
+        test_user="""
+        from sqlalchemy import create_engine, inspect
+
+        def test_a(oncelery_db):
+            assert oncelery_db.url.startswith("postgresql") and "oncelery_test_" in oncelery_db.url
+            engine = create_engine(oncelery_db.url)
+            assert {"task_runs", "step_results", "model_calls"} <= set(inspect(engine).get_table_names())
+            engine.dispose()
+            print("DB", oncelery_db.url.rsplit("/", 1)[1])
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", f"--oncelery-db-url={PG_ADMIN_URL}")
+    result.assert_outcomes(passed=1)
+    found = re.search(r"DB (oncelery_test_\w+)", result.stdout.str())
+    assert found, result.stdout.str()
+    name = found.group(1)
+    engine = create_engine(PG_ADMIN_URL)
+    with engine.connect() as conn:
+        left = conn.execute(text("SELECT count(*) FROM pg_database WHERE datname = :n"), {"n": name}).scalar_one()
+    engine.dispose()
+    assert left == 0, f"the test database {name} was not dropped"

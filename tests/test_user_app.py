@@ -19,6 +19,7 @@ from oncelery import Outcome, outcome_of
 from oncelery.testing import (
     OnceleryDb,
     StepFailedOnce,
+    assert_ledger,
     assert_outcomes,
     assert_ran_once,
     assert_steps,
@@ -69,6 +70,7 @@ def test_a_duplicate_storm_of_20_gives_one_effect(oncelery_app: Any, shop_db: On
     values = [r.get(timeout=TIMEOUT) for r in results]
     assert values == [{"order_id": "o-1", "amount": 30, "risk": "low"}] * 20
     assert_ran_once(shop_db, shop.charge, "charge:o-1", effects=CHARGES)
+    assert_ledger(shop_db, shop.charge, "charge:o-1", calls=1)  # one model call for 20 deliveries
     counts = shop_db.outcome_counts(shop.charge)
     assert counts["executed"] == 1 and counts["replayed"] == 19, counts
     assert set(counts) <= {"executed", "replayed", "in_progress"}, counts  # waits, then replays
@@ -91,6 +93,7 @@ def test_killing_the_holder_gives_one_effect_and_resumed(
     assert_ran_once(shop_db, shop.charge, "charge:o-2", effects=CHARGES)
     assert outcome_of(result) is Outcome.RESUMED
     assert_steps(shop_db, shop.charge, "charge:o-2", executed=["score"], replayed=["fetch"])
+    assert_ledger(shop_db, shop.charge, "charge:o-2", calls=1)  # killed before its call: made once
 
 
 def test_an_expired_lease_is_taken_over_and_the_zombie_is_refused(

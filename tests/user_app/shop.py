@@ -14,7 +14,7 @@ from pathlib import Path
 from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 
-from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask
+from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, model_call
 
 metadata = MetaData()
 #: The shop's own table: one row per charge, written through effects() so it commits with the run.
@@ -61,8 +61,11 @@ def fetch(order_id: str) -> dict[str, object]:
 
 
 def score(order: dict[str, object]) -> str:
-    """Step 2: the model's risk verdict (here: a rule)."""
-    return "low" if int(str(order["items"])) < 10 else "high"
+    """Step 2: the model's risk verdict (here: a rule), recorded in the cost ledger as a model call."""
+    with model_call("risk-rules-v1", prompt="risk") as call:
+        verdict = "low" if int(str(order["items"])) < 10 else "high"
+        call.tokens(int(str(order["items"])), 1)
+    return verdict
 
 
 @app.task(base=IdempotentTask, bind=True, name="shop.charge", idempotency_key="charge:{order_id}")
