@@ -15,7 +15,8 @@ from typing import Any
 
 from celery import Task
 from celery._state import _task_stack
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
+from celery.utils.saferepr import saferepr
 from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
 from sqlalchemy.orm import Session
@@ -413,7 +414,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # each wait would only repeat them), and a message that fails them (no identity) must still go back.
         options = dict(self._get_exec_options(), **sig.options)
         self.app.send_task(self.name, sig.args, sig.kwargs, task_type=self, result_cls=self.AsyncResult, **options)
-        # Retry makes the worker ack this delivery and mark the task RETRY, without occupying a slot.
+        if exc is None:
+            # A wait (or a lost lease answered by the new holder) is not a failure: Ignore makes the worker ack
+            # this delivery without a task-retried event (which Flower shows with a traceback); the caller's
+            # result stays pending until the copy just sent decides it.
+            raise Ignore()
+        # A store fault: Retry makes the worker ack this delivery and mark the task RETRY, with the error.
         raise Retry(exc=exc, when=delay, sig=sig)
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: BaseException | None = None, *a: Any, **kw: Any) -> Any:
@@ -426,12 +432,42 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise_with_context(exc)
         return super().retry(args, kwargs, exc, *a, **kw)
 
-    def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None) -> None:
-        """Leave this delivery's outcome for `outcome_of(result)` (unless the task ignores its result)."""
+    def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None, note: str = "") -> None:
+        """Publish this delivery's outcome: a task event for Flower, and `outcome_of(result)` for the caller.
+
+        The event `task-<outcome>` (e.g. task-replayed) carries outcome, key, tenant and token as fields.
+        Flower shows only Celery's standard fields, so its `kwargs` field also gets a line saying what Oncelery
+        decided (after the task's own kwargs): every Flower page that lists kwargs shows the outcome.
+        """
         req = self.request
-        if self.ignore_result or getattr(req, "is_eager", False) or getattr(req, "called_directly", True):
+        if getattr(req, "is_eager", False) or getattr(req, "called_directly", True):
             return
-        tell_caller(self.backend, req.id, outcome, ident.key, ident.tenant, token)
+        decided = f"{outcome.value} key={ident.key}"
+        if ident.tenant:
+            decided += f" tenant={ident.tenant}"
+        if token is not None:
+            decided += f" token={token}"
+        if note:
+            decided += f" ({note})"
+        fields: dict[str, Any] = {"outcome": outcome.value, "key": ident.key, "tenant": ident.tenant, "token": token}
+        if outcome is Outcome.IN_PROGRESS:
+            # A wait is not a failure: no exception, no traceback; the result column says what happens next.
+            fields.update(exception=None, traceback=None, result=f"oncelery: {decided}")
+        self._announce(f"task-{outcome.value}", decided, fields)
+        if not self.ignore_result:
+            tell_caller(self.backend, req.id, outcome, ident.key, ident.tenant, token)
+
+    def _announce(self, event: str, decided: str, fields: dict[str, Any]) -> None:
+        """Send task event `event` with `fields`, and `decided` after the task's own kwargs (Flower shows it)."""
+        req = self.request
+        # Only where task events are on (worker_send_task_events, as for Flower): else no extra publish per job.
+        if not req.id or not self.send_events or not self.app.conf.worker_send_task_events:
+            return
+        own = req.kwargsrepr if getattr(req, "kwargsrepr", None) else saferepr(req.kwargs or {})
+        try:
+            self.send_event(event, **fields, kwargs=f"{own} | oncelery: {decided}")
+        except Exception as exc:  # monitoring must never fail the job
+            logger.debug("could not send the %s event of %s: %s", event, req.id, exc)
 
     def attach(self, ctx: RunContext) -> None:
         """Make `ctx` the live run of this delivery (what step() and effects() use)."""
@@ -526,6 +562,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.update_state(state="PROGRESS", meta=meta)
         except Exception as exc:  # progress is informative; a backend hiccup must not fail the job
             logger.debug("progress update failed for %s: %s", ctx.claim.key, exc)
+        # Flower: the custom event sets the state PROGRESS; the step itself rides in the kwargs column.
+        position = ctx.steps.position + 1
+        how = "replayed" if ctx.steps.checkpoints.get(ctx.steps.position) is not None else "executing"
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        decided = f"step {position}{total} {name} {how} key={ctx.claim.key} token={ctx.claim.token}"
+        self._announce("task-progress", decided, {**meta, "state_detail": how})
 
     @contextmanager
     def effects(self) -> Iterator[Session]:

@@ -1,0 +1,136 @@
+"""Flower shows what Oncelery decided: a real worker with task events, Redis, and a real Flower 2.2 process.
+
+Checked through Flower's own JSON (`/api/tasks`, what its pages render): an executed job, a replayed duplicate,
+an in-progress wait (state IN_PROGRESS, no exception, no traceback) and a 3-step job while a step runs
+(state PROGRESS, "step 2/3 ..."). Flower shows only Celery's standard fields, so the decision rides in the
+`kwargs` field after the task's own kwargs (docs/flower.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from oncelery import IdempotentTask
+from tests.conftest import ON_SQLITE
+from tests.services import wait_for
+
+TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def flower_tasks(port: int) -> dict[str, Any]:
+    """Flower's /api/tasks (every task it knows, by id), or {} while it is not up yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks", timeout=5) as resp:
+            return dict(json.loads(resp.read()))
+    except OSError:
+        return {}
+
+
+@ON_SQLITE
+def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_path: Path) -> None:
+    app.conf.update(worker_send_task_events=True, task_send_sent_event=True)
+    gate, step_gate = threading.Event(), threading.Event()
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_flower_job", idempotency_key="f:{n}")
+    def job(self: IdempotentTask, n: int) -> int:
+        if n == 3 and not gate.wait(TIMEOUT):
+            raise TimeoutError("the test never released the holder")
+        return n * 10
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_flower_steps", total_steps=3)
+    def steps(self: IdempotentTask, text: str) -> str:
+        a = self.step("summarize", str.upper, text)
+        b = self.step("keywords", lambda t: t if step_gate.wait(TIMEOUT) else "", a)
+        return str(self.step("score", str.lower, b))
+
+    port = free_port()
+    env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
+    cmd = [sys.executable, "-m", "celery", f"--broker={redis_url}", "flower", f"--port={port}", "--address=127.0.0.1"]
+    log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115  (closed below, after the process)
+    flower = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: flower.poll() is not None or _up(port), TIMEOUT, what="Flower to answer")
+        assert flower.poll() is None, (tmp_path / "flower.log").read_text()
+        app.finalize()
+        with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, task_events=True):
+            executed = job.delay(1)
+            assert executed.get(timeout=TIMEOUT) == 10
+            replayed = job.delay(1)
+            assert replayed.get(timeout=TIMEOUT) == 10
+            holder = job.delay(3)
+            wait_for(lambda: _kwargs(port, holder.id) is not None, TIMEOUT, what="the holder in Flower")
+            waiter = job.delay(3)
+            wait_for(
+                lambda: _state(port, waiter.id) == "IN_PROGRESS", TIMEOUT, what="the waiter as IN_PROGRESS in Flower"
+            )
+            seen = flower_tasks(port)[waiter.id]
+            assert not seen.get("exception") and not seen.get("traceback"), seen
+            # The result column says it waits (kwargs may already show the re-sent copy's own, as received).
+            assert "oncelery: in_progress key=f:3" in str(seen["result"]), seen
+            gate.set()
+            assert holder.get(timeout=TIMEOUT) == waiter.get(timeout=TIMEOUT) == 30
+            running = steps.delay("ab")
+            wait_for(lambda: _state(port, running.id) == "PROGRESS", TIMEOUT, what="the steps job as PROGRESS")
+            wait_for(
+                lambda: "step 2/3 keywords executing" in (_kwargs(port, running.id) or ""),
+                TIMEOUT,
+                what="step 2/3 in Flower",
+            )
+            step_gate.set()
+            assert running.get(timeout=TIMEOUT) == "ab"
+            for result, outcome in ((executed, "executed"), (replayed, "replayed"), (running, "executed")):
+                wait_for(
+                    lambda r=result, o=outcome: (
+                        _state(port, r.id) == "SUCCESS" and f"oncelery: {o} " in (_kwargs(port, r.id) or "")
+                    ),
+                    TIMEOUT,
+                    what=f"{outcome} in Flower",
+                )
+            # The waiter, once its re-sent copy ran, says what that copy did: replayed the holder's result.
+            wait_for(lambda: "oncelery: replayed key=f:3" in (_kwargs(port, waiter.id) or ""), TIMEOUT, what="w")
+            assert "token=1" in (_kwargs(port, executed.id) or "")
+    finally:
+        gate.set()
+        step_gate.set()
+        flower.terminate()
+        try:
+            flower.wait(30)
+        except subprocess.TimeoutExpired:
+            flower.kill()
+            flower.wait(30)
+        log.close()
+
+
+def _up(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _state(port: int, task_id: str) -> str | None:
+    task = flower_tasks(port).get(task_id)
+    return None if task is None else task.get("state")
+
+
+def _kwargs(port: int, task_id: str) -> str | None:
+    task = flower_tasks(port).get(task_id)
+    return None if task is None else str(task.get("kwargs"))
