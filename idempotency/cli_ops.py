@@ -14,6 +14,7 @@ from celery import Celery
 from oncelery.deadletters import DeadLetters, LetterView
 from oncelery.errors import ConfigurationError
 from oncelery.outbox import Relay
+from oncelery.reach import check_app
 from oncelery.retention import parse_age, purge
 from oncelery.store import Database
 
@@ -117,6 +118,7 @@ def relay(
 ) -> None:
     """Publish the outbox, re-publish what a broker lost, re-send lost runs; until SIGTERM/Ctrl-C."""
     app = resolve_app(ctx, app_path)
+    check_app(app, backend=False)  # it publishes only: the broker must answer, the result backend need not
     url = resolve_database_url(ctx, app)
     worker = Relay(
         app,
@@ -306,6 +308,7 @@ def dlq_replay(
 ) -> None:
     """Re-enqueue dead runs with the same key (completed steps replay from checkpoints). REFS: ids or keys."""
     app = resolve_app(ctx, app_path)
+    check_app(app, backend=False)  # before a letter is marked replayed: its message must reach the broker
     letters = DeadLetters(resolve_database_url(ctx, app))
     found = _select(letters, refs, task_name, tenant, reason, every)
     report = letters.replay(app, found, queue)

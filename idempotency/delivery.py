@@ -189,7 +189,9 @@ class Delivery:
     # -- the decisions ---------------------------------------------------------------------------
 
     def _replay(self, res: ClaimResult) -> Any:
-        self._count(Outcome.REPLAYED, replayed_run=res.run.run_id if res.run is not None else None)
+        run = res.run
+        # The token of the run whose result answers this delivery (Flower shows which holder produced it).
+        self._count(Outcome.REPLAYED, run.run_id if run is not None else None, run.token if run is not None else None)
         logger.info("replayed %s[%s] from its stored result", self.task.name, self.ident.key)
         return res.run.result if res.run is not None else None
 
@@ -232,11 +234,12 @@ class Delivery:
     def _busy(self, res: ClaimResult, deadline: float) -> Any:
         """Someone else holds the key (or the entity) right now: apply the on_in_progress policy."""
         policy = self.policy
+        held = res.run.token if res.run is not None else None  # the live holder's token, for Flower
         if policy == "skip":
-            self._count(Outcome.IN_PROGRESS)
+            self._count(Outcome.IN_PROGRESS, token=held)
             return None
         if policy == "raise":
-            self._count(Outcome.IN_PROGRESS)
+            self._count(Outcome.IN_PROGRESS, token=held)
             busy = " (entity " + str(self.entity) + " busy)" if res.decision is Decision.ENTITY_BUSY else ""
             raise InProgress(
                 f"{self.task.name}[{self.ident.key}] is being run by another worker{busy}",
@@ -244,10 +247,10 @@ class Delivery:
                 key=self.ident.key,
             )
         if self.resend:
-            self._count(Outcome.IN_PROGRESS)
+            self._count(Outcome.IN_PROGRESS, token=held)
             return self.send_again(None)
         if self.eager:
-            self._count(Outcome.IN_PROGRESS)
+            self._count(Outcome.IN_PROGRESS, token=held)
             raise InProgress(
                 f"{self.task.name}[{self.ident.key}] is being run by another worker, and an eager call "
                 f"(task_always_eager or .apply()) cannot wait for it: use .delay(), or on_in_progress='skip'",
@@ -366,11 +369,11 @@ class Delivery:
             return exc
         return None
 
-    def _count(self, outcome: Outcome, replayed_run: int | None = None) -> None:
+    def _count(self, outcome: Outcome, replayed_run: int | None = None, token: int | None = None) -> None:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
         fault_point("count_outcome", task=self.task.name, key=self.ident.key, outcome=outcome.value)
         self.store.record_outcome(self.task.name, outcome, self.ident.tenant, replayed_run)
-        self.task.tell_caller(outcome, self.ident)
+        self.task.tell_caller(outcome, self.ident, token)
 
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again

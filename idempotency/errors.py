@@ -36,6 +36,15 @@ class ConfigurationError(OnceleryError):
     """Raised when a task option or setting is invalid; raised at decoration or call time, not at 3 a.m."""
 
 
+class ServiceUnreachable(ConfigurationError):
+    """Raised by a command's up-front check when its broker, result backend or database does not answer."""
+
+    @classmethod
+    def of(cls, what: str, setting: str, url: str, reason: str) -> ServiceUnreachable:
+        """The one-line message: which service, the setting that names it, its masked URL, and why."""
+        return cls(f"cannot reach the {what} {setting}={url}: {reason}", what=what, setting=setting, url=url)
+
+
 class InvalidKey(ConfigurationError):
     """Raised when an idempotency key is empty, longer than 255 characters, or has control characters."""
 

@@ -9,12 +9,13 @@ import builtins
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Select, and_, func, select
+from sqlalchemy import Select, Table, and_, func, select
 
 from oncelery.leases import lease_live
 from oncelery.models import RunStatus
+from oncelery.models.ledger import ModelCall
 from oncelery.outcomes import outcome_counts
 from oncelery.settings import PASS_THROUGH_SEEN
 from oncelery.statements import RUNS, SECRETS, STEPS
@@ -60,6 +61,28 @@ class StepView:
     name: str
     token: int
     created_at: datetime | None
+
+
+@dataclass(frozen=True)
+class CallView:
+    """A model call recorded for a run (a model_calls row): model, prompt name, tokens, latency, ok, USD."""
+
+    call_id: int
+    step: str | None
+    model: str
+    prompt: str | None
+    input_tokens: int
+    output_tokens: int
+    latency_ms: float
+    ok: bool
+    error: str | None
+    cost: float | None  # None: the model had no price in oncelery_prices
+    token: int | None  # the fencing token of the attempt that made the call
+    created_at: datetime | None
+
+
+# The ledger's table, read here directly: oncelery.ledger (the writer) imports this module through claims.
+_CALLS = cast(Table, ModelCall.__table__)
 
 
 def _runs_query(db: Database) -> Select[Any]:
@@ -198,6 +221,35 @@ class Runs:
         stmt = select(s.position, s.step_name, s.token, s.created_at).where(s.run_id == run_id).order_by(s.position)
         with self.db.read() as conn:
             return [StepView(int(p), n, int(t), at) for p, n, t, at in conn.execute(stmt)]
+
+    def model_calls(self, run_id: int) -> builtins.list[CallView]:
+        """Return the model calls recorded for the run, oldest first (failed ones included)."""
+        m = _CALLS.c
+        stmt = (
+            select(
+                m.id,
+                m.step,
+                m.model,
+                m.prompt,
+                m.input_tokens,
+                m.output_tokens,
+                m.latency_ms,
+                m.ok,
+                m.error,
+                m.cost,
+                m.fencing_token,
+                m.created_at,
+            )
+            .where(m.run_id == run_id)
+            .order_by(m.id)
+        )
+        with self.db.read() as conn:
+            return [
+                CallView(
+                    int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]), float(r[6]), bool(r[7]), r[8], r[9], r[10], r[11]
+                )
+                for r in conn.execute(stmt)
+            ]
 
     def resumed_steps(self, task_name: str, keys: Collection[str]) -> int:
         """Return how many steps of `keys`' runs were checkpointed by an earlier holder than the current one."""

@@ -453,19 +453,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if outcome is Outcome.IN_PROGRESS:
             # A wait is not a failure: no exception, no traceback; the result column says what happens next.
             fields.update(exception=None, traceback=None, result=f"oncelery: {decided}")
-        self._announce(f"task-{outcome.value}", decided, fields)
+        self._announce(f"task-{outcome.value}", decided, fields, outcome.value)
         if not self.ignore_result:
             tell_caller(self.backend, req.id, outcome, ident.key, ident.tenant, token)
 
-    def _announce(self, event: str, decided: str, fields: dict[str, Any]) -> None:
-        """Send task event `event` with `fields`, and `decided` after the task's own kwargs (Flower shows it)."""
+    def _announce(self, event: str, decided: str, fields: dict[str, Any], label: str) -> None:
+        """Send task event `event` with `fields`, `decided` after the task's own kwargs, `label` after its name.
+
+        Flower displays only Celery's standard fields, and its task list only name, state and times: so the
+        name reads "shop.charge [replayed]" in the list, and the task page's kwargs row says the whole decision.
+        """
         req = self.request
         # Only where task events are on (worker_send_task_events, as for Flower): else no extra publish per job.
         if not req.id or not self.send_events or not self.app.conf.worker_send_task_events:
             return
         own = req.kwargsrepr if getattr(req, "kwargsrepr", None) else saferepr(req.kwargs or {})
         try:
-            self.send_event(event, **fields, kwargs=f"{own} | oncelery: {decided}")
+            self.send_event(event, **fields, kwargs=f"{own} | oncelery: {decided}", name=f"{self.name} [{label}]")
         except Exception as exc:  # monitoring must never fail the job
             logger.debug("could not send the %s event of %s: %s", event, req.id, exc)
 
@@ -567,7 +571,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         how = "replayed" if ctx.steps.checkpoints.get(ctx.steps.position) is not None else "executing"
         total = f"/{self.total_steps}" if self.total_steps else ""
         decided = f"step {position}{total} {name} {how} key={ctx.claim.key} token={ctx.claim.token}"
-        self._announce("task-progress", decided, {**meta, "state_detail": how})
+        self._announce("task-progress", decided, {**meta, "state_detail": how}, f"step {position}{total} {name}")
 
     @contextmanager
     def effects(self) -> Iterator[Session]:

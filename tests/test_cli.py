@@ -116,7 +116,7 @@ def test_an_unreachable_database_is_one_line_not_a_traceback(tmp_path: Path) -> 
         port = sock.getsockname()[1]  # nothing listens there once the socket closes
     done = oncelery("--database-url", f"postgresql://postgres@127.0.0.1:{port}/x", "runs", "list", cwd=tmp_path)
     assert done.code != 0
-    assert "Cannot use the claims database" in done.err
+    assert "cannot reach the claims database --database-url=" in done.err
     assert "Traceback" not in done.err
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
@@ -26,6 +29,38 @@ from tests.conftest import ON_SQLITE
 from tests.services import wait_for
 
 TIMEOUT = 60.0
+
+
+def chromium(url: str, tmp_path: Path, shot: str | None = None) -> str:
+    """Load `url` in headless Chromium (Debian's): return the DOM after the page's scripts ran; maybe screenshot.
+
+    Screenshots go to $ONCELERY_SCREENSHOTS (e.g. docs/img, to refresh the README's) or to tmp_path.
+    """
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("headless Chromium is not installed (apt-get install chromium)")
+    profile = tmp_path / f"chromium-{uuid.uuid4().hex[:6]}"
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        "--window-size=1500,900",
+    ]
+    if shot is not None:
+        folder = Path(os.environ.get("ONCELERY_SCREENSHOTS") or tmp_path)
+        done = subprocess.run([exe, *flags, f"--screenshot={folder / shot}", url], capture_output=True, timeout=120)
+        assert (folder / shot).exists(), done.stderr.decode(errors="replace")[-2000:]
+    dom = subprocess.run([exe, *flags, "--dump-dom", url], capture_output=True, timeout=120)
+    return dom.stdout.decode(errors="replace")
 
 
 def free_port() -> int:
@@ -83,7 +118,10 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
             seen = flower_tasks(port)[waiter.id]
             assert not seen.get("exception") and not seen.get("traceback"), seen
             # The result column says it waits (kwargs may already show the re-sent copy's own, as received).
-            assert "oncelery: in_progress key=f:3" in str(seen["result"]), seen
+            assert "oncelery: in_progress key=f:3 token=1" in str(seen["result"]), seen
+            page = chromium(f"http://127.0.0.1:{port}/task/{waiter.id}", tmp_path, "flower-wait.png")
+            assert "IN_PROGRESS" in page and "oncelery: in_progress key=f:3" in page, page[-3000:]
+            assert "Traceback" not in page
             gate.set()
             assert holder.get(timeout=TIMEOUT) == waiter.get(timeout=TIMEOUT) == 30
             running = steps.delay("ab")
@@ -93,6 +131,8 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
                 TIMEOUT,
                 what="step 2/3 in Flower",
             )
+            page = chromium(f"http://127.0.0.1:{port}/task/{running.id}", tmp_path, "flower-progress.png")
+            assert "PROGRESS" in page and "step 2/3 keywords executing" in page, page[-3000:]
             step_gate.set()
             assert running.get(timeout=TIMEOUT) == "ab"
             for result, outcome in ((executed, "executed"), (replayed, "replayed"), (running, "executed")):
@@ -106,6 +146,13 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
             # The waiter, once its re-sent copy ran, says what that copy did: replayed the holder's result.
             wait_for(lambda: "oncelery: replayed key=f:3" in (_kwargs(port, waiter.id) or ""), TIMEOUT, what="w")
             assert "token=1" in (_kwargs(port, executed.id) or "")
+            listing = chromium(f"http://127.0.0.1:{port}/tasks", tmp_path, "flower-tasks.png")
+            # The list shows name, state and times only: the outcome rides after the name.
+            for shown, times in (("oncelery.t_flower_job [executed]", 2), ("oncelery.t_flower_job [replayed]", 2)):
+                assert listing.count(shown) >= times, listing[-3000:]
+            assert "oncelery.t_flower_steps [executed]" in listing
+            page = chromium(f"http://127.0.0.1:{port}/task/{replayed.id}", tmp_path, "flower-replayed.png")
+            assert "SUCCESS" in page and "oncelery: replayed key=f:1 token=1" in page, page[-3000:]
     finally:
         gate.set()
         step_gate.set()

@@ -12,7 +12,7 @@ import click
 from kombu.utils.url import maybe_sanitize_url
 
 from oncelery import Outcome, Runs, RunStatus
-from oncelery.cli import format_table, resolve_database_url
+from oncelery.cli import check_services, format_table, resolve_database_url
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
     is_embedded,
@@ -130,6 +130,7 @@ def demo(
     from oncelery.tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
     from oncelery.tasks.demo import demo_score
 
+    check_services(app)  # a broker or result backend that is down: one line now, not a hang while sending
     url = resolve_database_url(ctx, app, embedded=True)
     for line in prepare_database(url):
         click.echo(line)

@@ -18,7 +18,7 @@ from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 
 from oncelery import Database, Identity, InvalidKey, Relay, Runs, differing_fields, outbox
-from oncelery.cli import resolve_database_url
+from oncelery.cli import check_services, resolve_database_url
 from oncelery.tasks.commands.article_file import Article, load_articles
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
@@ -115,6 +115,12 @@ def process(
     articles = load_articles(path)[:limit]  # the whole file is checked first: a bad line sends nothing
     from oncelery.tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
     from oncelery.tasks.articles import STEPS, score_article
+    from oncelery.tasks.llm import default_client
+
+    # Up front, before anything is sent: a bad ONCELERY_LLM_* value or a server that is down is one line now,
+    # not a worker's error (or a publish retried for ever) later.
+    default_client()
+    check_services(app)
 
     broker = str(app.conf.broker_url)
     if start_worker is None:

@@ -75,13 +75,11 @@ class OpenAICompatibleClient:
             "api_key": env.get(ENV_API_KEY) or None,
             "model_version": env.get(ENV_MODEL_VERSION) or None,
         }
-        try:
-            if env.get(ENV_TIMEOUT):
-                settings["timeout"] = float(env[ENV_TIMEOUT])
-            if env.get(ENV_MAX_ATTEMPTS):
-                settings["max_attempts"] = int(env[ENV_MAX_ATTEMPTS])
-        except ValueError as exc:
-            raise ConfigurationError(f"{ENV_TIMEOUT} / {ENV_MAX_ATTEMPTS} must be numbers: {exc}") from exc
+        # Each variable is checked on its own, so the message names the one to fix and what to give.
+        if env.get(ENV_TIMEOUT):
+            settings["timeout"] = _number(env[ENV_TIMEOUT], float, ENV_TIMEOUT, "seconds as a number > 0 (e.g. 60)")
+        if env.get(ENV_MAX_ATTEMPTS):
+            settings["max_attempts"] = _number(env[ENV_MAX_ATTEMPTS], int, ENV_MAX_ATTEMPTS, "a whole number >= 1")
         settings.update(overrides)
         missing = [name for name, field in ((ENV_BASE_URL, "base_url"), (ENV_MODEL, "model")) if not settings[field]]
         if missing:
@@ -244,3 +242,14 @@ def _retry_after(response: httpx.Response) -> float:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _number(raw: str, kind: type[float] | type[int], name: str, what: str) -> Any:
+    """Return `raw` as `kind` if positive, else raise ConfigurationError naming the variable and what to give."""
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise ConfigurationError(f"{name}={raw!r}: give {what}")
+    return value

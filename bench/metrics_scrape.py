@@ -1,0 +1,223 @@
+"""Benchmark: what one `oncelery metrics` scrape costs on a claims database of 1,000,000 runs.
+
+Run: python bench/metrics_scrape.py [--admin-url URL] [--runs 1000000] [--scrapes 50] [--keep]
+Creates a PostgreSQL database of its own (`metrics_bench_*`, dropped at the end unless --keep), fills it with
+INSERT ... SELECT generate_series, serves it with the real `oncelery metrics` command, times N scrapes over HTTP
+(p50/p99), and prints the EXPLAIN of every query one scrape sends, failing if any plan scans task_runs.
+Figures go to docs/benchmarks.md. Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.engine import make_url
+
+from oncelery.metrics import ClaimsCollector
+from oncelery.schema import upgrade_schema
+from oncelery.store import dispose_engines, get_engine
+
+ONCELERY = str(Path(sys.executable).parent / "oncelery")
+TASKS = 5
+
+# A realistic mix: 1 run in 1000 RUNNING (half of those with an expired lease: lost holders), 1 % FAILED
+# (waiting for a retry), 0.5 % DEAD, the rest COMPLETED; a third of the runs answered one duplicate (replays).
+FILL_RUNS = """
+INSERT INTO task_runs (task_name, tenant, idempotency_key, fingerprint, field_digests, status, fencing_token,
+                       owner, lease_expires_at, attempts, replays, updated_at, finished_at)
+SELECT 'bench.task_' || (i % {tasks}), '', 'key-' || i, repeat('f', 64), '{{}}'::json,
+       CASE WHEN i % 1000 = 0 THEN 'RUNNING' WHEN i % 100 = 1 THEN 'FAILED'
+            WHEN i % 200 = 2 THEN 'DEAD' ELSE 'COMPLETED' END,
+       1 + (i % 7 = 0)::int, 'owner',
+       CASE WHEN i % 1000 = 0 THEN clock_timestamp() + ((i % 2000) - 500) * interval '1 second' END,
+       1, (i % 3 = 0)::int, clock_timestamp() - (i % 86400) * interval '1 second', NULL
+FROM generate_series(1, {runs}) AS i
+"""
+# Three checkpointed steps per run for every 5th run and for every RUNNING one (token 1: a RUNNING run with
+# token 2 shows them as replayed from its earlier holder).
+FILL_STEPS = """
+INSERT INTO step_results (run_id, position, step_name, result, token)
+SELECT r.id, p, 'step' || p, '"ok"'::json, 1
+FROM task_runs r, generate_series(1, 3) AS p
+WHERE r.id % 5 = 0 OR r.status = 'RUNNING'
+"""
+FILL_OUTCOMES = """
+INSERT INTO delivery_outcomes (task_name, tenant, outcome, shard, count)
+SELECT 'bench.task_' || t, '', o, s, 1000 + t * 10 + s
+FROM generate_series(0, {tasks} - 1) AS t,
+     unnest(ARRAY['executed', 'replayed', 'resumed', 'in_progress', 'lease_lost', 'failed', 'dead']) AS o,
+     generate_series(0, 15) AS s
+"""
+# One model call per run (a step's LLM call), priced.
+FILL_CALLS = """
+INSERT INTO model_calls (task_name, tenant, idempotency_key, step, run_id, fencing_token, model, input_tokens,
+                         output_tokens, latency_ms, ok, cost)
+SELECT 'bench.task_' || (i % {tasks}), '', 'key-' || i, 'step1', i, 1, 'gpt-4o-mini', 800, 120, 900.0,
+       i % 50 <> 0, 0.0002
+FROM generate_series(1, {runs}) AS i
+"""
+FILL_OUTBOX = """
+INSERT INTO outbox (task_name, args, kwargs, options, celery_task_id, tenant, status, created_at)
+SELECT 'bench.task_' || (i % {tasks}), '[]'::json, '{{}}'::json, '{{}}'::json, 'celery-' || i, '',
+       CASE WHEN i % 2000 = 0 THEN 'PENDING' ELSE 'DONE' END, clock_timestamp() - i * interval '1 second'
+FROM generate_series(1, 100000) AS i
+"""
+FILL_LETTERS = """
+INSERT INTO dead_letters (run_id, task_name, tenant, idempotency_key, reason, attempts)
+SELECT id, task_name, '', idempotency_key, 'retries_exhausted', 3 FROM task_runs WHERE status = 'DEAD'
+"""
+
+
+def create_database(admin_url: str) -> str:
+    """Create `metrics_bench_<random>` on the admin URL's server and return its URL."""
+    name = f"metrics_bench_{uuid.uuid4().hex[:10]}"
+    with get_engine(admin_url).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(admin_url: str, url: str) -> None:
+    """Drop the benchmark's database (connections of this process are closed first)."""
+    dispose_engines()
+    name = make_url(url).database
+    with get_engine(admin_url).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def fill(url: str, runs: int) -> None:
+    """Migrate and fill the database, then ANALYZE (the planner must know the table sizes)."""
+    upgrade_schema(url)
+    engine = get_engine(url)
+    for label, sql in (
+        ("task_runs", FILL_RUNS),
+        ("step_results", FILL_STEPS),
+        ("delivery_outcomes", FILL_OUTCOMES),
+        ("model_calls", FILL_CALLS),
+        ("outbox", FILL_OUTBOX),
+        ("dead_letters", FILL_LETTERS),
+    ):
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            n = conn.execute(text(sql.format(runs=runs, tasks=TASKS))).rowcount
+        print(f"filled {label}: {n} rows in {time.perf_counter() - started:.1f} s", flush=True)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+
+
+def explain(url: str, ledger: bool) -> list[str]:
+    """Print the plan of every query one scrape sends; return the default ones that scan task_runs whole."""
+    sent: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if not statement.lstrip().upper().startswith("EXPLAIN"):
+            sent.append((statement, parameters))
+
+    collector = ClaimsCollector(url, ledger)
+    engine = collector.db.read_engine
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        list(collector.collect())
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    bad = []
+    with engine.connect() as conn:
+        for statement, parameters in sent:
+            plan = "\n".join(row[0] for row in conn.exec_driver_sql("EXPLAIN ANALYZE " + statement, parameters))
+            print(f"\n-- {' '.join(statement.split())}\n{plan}")
+            # The ledger (opt-in: `--ledger`) sums model_calls whole and joins the replayed runs: reported,
+            # but only the default metrics are held to "no scan of task_runs".
+            if "Seq Scan on task_runs" in plan and "model_calls" not in statement:
+                bad.append(statement)
+    return bad
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int) -> bytes | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            return bytes(response.read())
+    except OSError:
+        return None
+
+
+def time_scrapes(url: str, scrapes: int, ledger: bool) -> list[float]:
+    """Start the real `oncelery metrics` command and time `scrapes` scrapes over HTTP (ms each)."""
+    port = _free_port()
+    argv = [ONCELERY, "--database-url", url, "metrics", "--addr", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen([*argv, "--ledger" if ledger else "--no-ledger"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while _get(port) is None:  # the first answer also warms the pool
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("oncelery metrics did not answer within 30 s")
+            time.sleep(0.05)
+        took = []
+        for _ in range(scrapes):
+            started = time.perf_counter()
+            body = _get(port)
+            took.append((time.perf_counter() - started) * 1000)
+            if body is None or b"oncelery_database_up 1.0" not in body:
+                raise SystemExit("a scrape failed")
+        return took
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    """Fill, explain, time, and print the figures for docs/benchmarks.md."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_admin = os.environ.get(
+        "ONCELERY_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    )
+    parser.add_argument("--admin-url", default=default_admin, help="A PostgreSQL server to create the database on.")
+    parser.add_argument("--runs", type=int, default=1_000_000)
+    parser.add_argument("--scrapes", type=int, default=50)
+    parser.add_argument("--keep", action="store_true", help="Keep the filled database (its URL is printed).")
+    args = parser.parse_args()
+    url = create_database(args.admin_url)
+    print(f"database: {make_url(url).database}", flush=True)
+    try:
+        fill(url, args.runs)
+        bad = explain(url, ledger=True)
+        rows = []
+        for ledger in (False, True):
+            took = time_scrapes(url, args.scrapes, ledger)
+            p50, p99 = statistics.median(took), _percentile(took, 0.99)
+            rows.append(f"| {args.runs:,} | {'yes' if ledger else 'no'} | {args.scrapes} | {p50:.1f} | {p99:.1f} |")
+        print("\n| runs | ledger | scrapes | p50 ms | p99 ms |\n|---|---|---|---|---|")
+        print("\n".join(rows))
+        print("\nSeq Scan on task_runs: " + ("none" if not bad else f"{len(bad)} queries"))
+        if bad:
+            raise SystemExit(1)
+    finally:
+        if args.keep:
+            print(f"kept: {url}")
+        else:
+            drop_database(args.admin_url, url)
+
+
+if __name__ == "__main__":
+    main()
