@@ -81,6 +81,7 @@ def build_group() -> click.Group:
         ctx.meta[_URL_META] = database_url
 
     from oncelery.cli_costs import costs
+    from oncelery.cli_metrics import metrics
     from oncelery.cli_ops import dlq, purge_command, relay  # they build on this module's helpers
 
     group.add_command(db)
@@ -90,7 +91,7 @@ def build_group() -> click.Group:
     group.add_command(dlq)
     group.add_command(purge_command)
     group.add_command(costs)
-    group.add_command(__import__("oncelery.cli_metrics").cli_metrics.metrics)
+    group.add_command(metrics)
     return group
 
 
