@@ -15,20 +15,8 @@ from pathlib import Path as _Path
 from typing import Any as _Any
 
 from oncelery import settings as _settings
-from oncelery.errors import ConfigurationError as _ConfigurationError
 
-
-def _float(name: str, default: float) -> float:
-    raw = _os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0  # reported below, with what to give, instead of float()'s traceback at import
-    if not value > 0:  # also refuses nan
-        raise _ConfigurationError(f"{name}={raw!r}: give seconds as a number > 0 (e.g. {default:g})")
-    return value
+_float = _settings.env_seconds  # a bad value is one line naming the variable, not a traceback at import
 
 
 _broker = _os.environ.get(_settings.ENV_BROKER_URL, "").strip()

@@ -73,18 +73,24 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 ENV_SQLITE_BUSY_TIMEOUT = "ONCELERY_SQLITE_BUSY_TIMEOUT"
 
 
+def env_seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
+    """Seconds from environment variable `name` (else `default`), or ConfigurationError naming it and what to give."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0  # reported below, with what to give, instead of float()'s traceback
+    if not (value >= 0 if zero_ok else value > 0):  # also refuses nan
+        what = ">= 0" if zero_ok else "as a number > 0"
+        raise ConfigurationError(f"{name}={raw!r}: give seconds {what} (e.g. {default:g})")
+    return value
+
+
 def sqlite_busy_timeout_ms() -> int:
     """SQLite's busy timeout in ms: $ONCELERY_SQLITE_BUSY_TIMEOUT (seconds) if set, else 30 s; read per engine."""
-    raw = os.environ.get(ENV_SQLITE_BUSY_TIMEOUT, "").strip()
-    if not raw:
-        return SQLITE_BUSY_TIMEOUT_MS
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if seconds < 0:
-        raise ConfigurationError(f"{ENV_SQLITE_BUSY_TIMEOUT}={raw!r}: give seconds >= 0 (e.g. 30)")
-    return int(seconds * 1000)
+    return int(env_seconds(ENV_SQLITE_BUSY_TIMEOUT, SQLITE_BUSY_TIMEOUT_MS / 1000, zero_ok=True) * 1000)
 
 
 # Celery's delivery settings Oncelery is deployed with, written once: celeryconfig.py, the tests and the

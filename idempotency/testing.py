@@ -393,6 +393,12 @@ def fail_step_once(task: Any, step: str) -> Iterator[list[str]]:
 # -- assertions ----------------------------------------------------------------------------------------------
 
 
+def _expect(condition: bool, message: str) -> None:
+    # An explicit raise, not `assert`: the kit's checks must hold under `python -O` too.
+    if not condition:
+        raise AssertionError(message)
+
+
 def assert_ran_once(
     db: OnceleryDb, task: Any, key: str, tenant: str = "", effects: Callable[[], int] | str | None = None
 ) -> RunView:
@@ -402,11 +408,12 @@ def assert_ran_once(
     tables with a `:key` parameter.
     """
     run = db.run(task, key, tenant)
-    assert run is not None, f"{_name(task)}[{key}] never ran"
-    assert run.status is RunStatus.COMPLETED, f"{_name(task)}[{key}] is {run.status.value}: {run.error}"
+    if run is None:
+        raise AssertionError(f"{_name(task)}[{key}] never ran")
+    _expect(run.status is RunStatus.COMPLETED, f"{_name(task)}[{key}] is {run.status.value}: {run.error}")
     if effects is not None:
         seen = effects() if callable(effects) else db.count(effects, key=key)
-        assert seen == 1, f"{_name(task)}[{key}] left {seen} effects, not 1"
+        _expect(seen == 1, f"{_name(task)}[{key}] left {seen} effects, not 1")
     return run
 
 
@@ -414,7 +421,7 @@ def assert_outcomes(db: OnceleryDb, task: Any, **expected: int) -> dict[str, int
     """Assert the task's outcome counts are exactly `expected` (e.g. executed=1, replayed=19)."""
     counts = db.outcome_counts(task)
     wanted = {k: v for k, v in expected.items() if v}
-    assert counts == wanted, f"{_name(task)} outcomes {counts}, expected {wanted}"
+    _expect(counts == wanted, f"{_name(task)} outcomes {counts}, expected {wanted}")
     return counts
 
 
@@ -423,13 +430,13 @@ def assert_steps(
 ) -> None:
     """Assert which steps the run's last attempt executed and which it replayed from checkpoints."""
     seen = db.steps(task, key, tenant)
-    assert seen == (executed, replayed), f"{_name(task)}[{key}] steps (executed, replayed) = {seen}"
+    _expect(seen == (executed, replayed), f"{_name(task)}[{key}] steps (executed, replayed) = {seen}")
 
 
 def assert_ledger(db: OnceleryDb, task: Any, key: str, calls: int) -> list[Any]:
     """Assert the cost ledger holds exactly `calls` model calls for the key (one per real call)."""
     rows = db.ledger_rows(task, key)
-    assert len(rows) == calls, f"{_name(task)}[{key}] has {len(rows)} ledger rows, expected {calls}"
+    _expect(len(rows) == calls, f"{_name(task)}[{key}] has {len(rows)} ledger rows, expected {calls}")
     return rows
 
 

@@ -10,11 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -265,3 +267,29 @@ def kill_reported_workers(out: str) -> None:
             continue
         if ours:
             signal_group(pid, signal.SIGKILL)
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that keeps the test output clean (no access log lines)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class LocalHTTPServer:
+    """A real HTTP server on 127.0.0.1 (a free port) serving `handler` in a thread while the block runs."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], path: str = "/v1") -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
+
+    def __enter__(self) -> Any:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)

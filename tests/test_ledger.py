@@ -13,7 +13,6 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from oncelery.claims import RunStore
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.models import ModelCall, TaskRun
 from oncelery.store import get_engine
-from tests.services import count_rows, effects_table, wait_for
+from tests.services import LocalHTTPServer, QuietHandler, count_rows, effects_table, wait_for
 
 MODEL = "gpt-4o-mini"
 UNPRICED = "local-small"  # no entry in the price table: its calls cost NULL
@@ -50,7 +49,7 @@ def document(n: int) -> str:
     return f"article {n}: " + "lorem ipsum " * (n + 1)
 
 
-class OpenAIServer:
+class OpenAIServer(LocalHTTPServer):
     """A real HTTP server on 127.0.0.1 speaking OpenAI's chat completions, counting what it was asked."""
 
     def __init__(self) -> None:
@@ -59,7 +58,7 @@ class OpenAIServer:
         self.lock = threading.Lock()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0"))))
                 content = body["messages"][-1]["content"]
@@ -101,22 +100,7 @@ class OpenAIServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
-
-    def __enter__(self) -> OpenAIServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)
 
 
 @pytest.fixture
@@ -129,7 +113,7 @@ def server() -> Iterator[OpenAIServer]:
 @pytest.fixture
 def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
     """The real OpenAI SDK pointed at `server`, without its own retries (each request is one call)."""
-    sdk = openai.OpenAI(base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=10.0)
+    sdk = openai.OpenAI(base_url=server.url, api_key="sk-test", max_retries=0, timeout=10.0)
     try:
         yield sdk
     finally:
@@ -339,7 +323,7 @@ def test_outside_a_task_the_env_database_or_nothing(
     app.conf.oncelery_prices = PRICES
     with current(app):
         ask(client, MODEL, "summarize", "recorded")
-        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="sk-test", max_retries=0, timeout=10.0)
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="sk-test", max_retries=0, timeout=10.0)
 
         @model_call(MODEL, prompt="async", meta={"route": "batch"}, usage=lambda resp: resp.usage)
         async def summarize(text: str) -> Any:

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ from oncelery.tasks.llm import (
     OpenAICompatibleClient,
     UnsupportedTask,
 )
+from tests.services import LocalHTTPServer, QuietHandler
 
 TEXT = "Lighthouses guided ships for centuries. Keepers tended the lamps every night."
 
@@ -59,7 +59,7 @@ def completion(content: str = "A summary.", prompt_tokens: int = 17, completion_
     }
 
 
-class ModelServer:
+class ModelServer(LocalHTTPServer):
     """A real HTTP server on 127.0.0.1 answering POST /v1/chat/completions from a script of replies."""
 
     def __init__(self) -> None:
@@ -69,7 +69,7 @@ class ModelServer:
         self.lock = threading.Lock()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length", "0"))
                 raw = self.rfile.read(length)
@@ -94,22 +94,7 @@ class ModelServer:
                 except OSError:
                     pass  # the client timed out and hung up: that is the point of a delayed reply
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
-
-    def __enter__(self) -> ModelServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)
 
 
 @pytest.fixture
