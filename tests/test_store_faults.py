@@ -463,6 +463,9 @@ def test_a_store_fault_counting_a_replay_ends_once(fault: str, pg_db: Db, pg_app
     assert counts.get("replayed") == 1 and counts.get("executed", 0) + counts.get("resumed", 0) == 1, detail
     assert counts.get("failed", 0) == 0, detail
     assert pg_db.rows(effects_table, job_key(n)) == 1, detail
+    # The run's replays count moves with the outcome count (one statement): once, whatever the fault undid.
+    run = pg_db.run(job.name, job_key(n))
+    assert run is not None and run.replays == 1, detail
 
 
 # -- 2. the server stopped while a job completes, started again after the next claim fails -------------------
