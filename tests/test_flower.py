@@ -15,14 +15,17 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.result import AsyncResult
 
 from oncelery import IdempotentTask
 from tests.conftest import ON_SQLITE
@@ -95,6 +98,10 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
         b = self.step("keywords", lambda t: t if step_gate.wait(TIMEOUT) else "", a)
         return str(self.step("score", str.lower, b))
 
+    @app.task(shared=False, name="oncelery.t_flower_ping")
+    def ping() -> str:
+        return "pong"
+
     port = free_port()
     env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
     cmd = [sys.executable, "-m", "celery", f"--broker={redis_url}", "flower", f"--port={port}", "--address=127.0.0.1"]
@@ -105,6 +112,7 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
         assert flower.poll() is None, (tmp_path / "flower.log").read_text()
         app.finalize()
         with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, task_events=True):
+            _until_flower_listens(port, ping.delay)
             executed = job.delay(1)
             assert executed.get(timeout=TIMEOUT) == 10
             replayed = job.delay(1)
@@ -163,6 +171,19 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
             flower.kill()
             flower.wait(30)
         log.close()
+
+
+def _until_flower_listens(port: int, send: Callable[[], AsyncResult]) -> None:
+    """Wait until Flower's event receiver is subscribed: it answers HTTP before it listens, and misses what was
+    published before. A plain task is sent (again each 2 s) until Flower shows one as SUCCESS."""
+    sent: list[tuple[float, str]] = []
+
+    def seen() -> bool:
+        if not sent or time.monotonic() - sent[-1][0] > 2.0:
+            sent.append((time.monotonic(), send().id))
+        return any(_state(port, task_id) == "SUCCESS" for _, task_id in sent)
+
+    wait_for(seen, TIMEOUT, what="Flower to receive task events")
 
 
 def _up(port: int) -> bool:
