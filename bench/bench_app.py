@@ -24,16 +24,16 @@ that sends one Redis MULTI/EXEC per job for both tasks alike:
 The database counters come from SQLAlchemy and pool events registered on every engine of the worker
 child; round_trips follows how psycopg 3 talks to the server (see `_on_statement`).
 
-BENCH_WHAT_IF (comma-separated) monkeypatches Oncelery's internals *in the benchmark worker only*, to
-measure what a proposed change would buy before anyone writes it. They weaken guarantees and are tied to
-the internals of commit 74b8352 (async-claim refuses to run where those moved):
+BENCH_WHAT_IF (comma-separated) monkeypatches Oncelery's internals *in the benchmark worker only*
+(bench/what_if.py says which experiments there are and what each weakens).
 
-    no-heartbeat   no lease-renewal thread per job (a job must finish within its lease)
-    no-pre-ping    pool_pre_ping=False: no `;` round trip per connection checkout
-    async-claim    the claim INSERT's transaction commits with synchronous_commit=off (no WAL flush wait);
-                   the completion stays synchronous
-    all-async      every transaction synchronous_commit=off (an upper bound: completion is not durable)
-    floor-async-claim  bench_floor's claim INSERT runs on a synchronous_commit=off connection
+`bench_once` is the same no-op as a celery-once `QueueOnce` task (defined only where celery-once is
+installed: `pip install -e '.[bench]'`): its lock per job key lives in the broker's Redis, taken by the
+producer's apply_async (graceful: a duplicate is dropped there) and released by the worker after the run.
+
+BENCH_BROKER_URL=embedded (bench/embedded.py) takes the broker of Oncelery's embedded default from
+oncelery.celeryconfig (kombu's filesystem transport, under $ONCELERY_DATA_DIR); BENCH_POLLING_INTERVAL
+overrides its polling interval.
 """
 
 from __future__ import annotations
@@ -56,26 +56,43 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
 PLAIN_TASK = "oncelery.bench_plain"
 IDEM_TASK = "oncelery.bench_idem"
 FLOOR_TASK = "oncelery.bench_floor"
+ONCE_TASK = "oncelery.bench_once"
 WHAT_IF = {w.strip() for w in os.environ.get("BENCH_WHAT_IF", "").split(",") if w.strip()}
 
 
 def broker_url() -> str:
+    """The broker URL: $BENCH_BROKER_URL (`embedded`: the embedded default's), else the default Redis."""
     return os.environ.get("BENCH_BROKER_URL") or DEFAULT_BROKER_URL
 
 
 def database_url() -> str:
+    """The claims database: $BENCH_DATABASE_URL, else the bench's PostgreSQL database."""
     return os.environ.get("BENCH_DATABASE_URL") or DEFAULT_DATABASE_URL
 
 
 def stats_url() -> str:
+    """The Redis of the bench's own counters: $BENCH_STATS_URL, else the broker."""
     return os.environ.get("BENCH_STATS_URL") or broker_url()
+
+
+def broker_settings() -> dict[str, Any]:
+    """The broker settings: a Redis URL, or the embedded default's filesystem transport from celeryconfig."""
+    if broker_url() != "embedded":
+        return {"broker_url": broker_url(), "broker_transport_options": {"visibility_timeout": 3600}}
+    os.environ.pop("ONCELERY_BROKER_URL", None)  # celeryconfig picks the embedded broker only without it
+    from oncelery import celeryconfig
+
+    options = dict(celeryconfig.broker_transport_options)
+    if os.environ.get("BENCH_POLLING_INTERVAL"):
+        options["polling_interval"] = float(os.environ["BENCH_POLLING_INTERVAL"])
+    return {"broker_url": celeryconfig.broker_url, "broker_transport_options": options}
 
 
 app = Celery("oncelery_bench")
 app.conf.update(
     # The delivery semantics Oncelery is deployed with (what celeryconfig.py deploys).
     **CELERY_DELIVERY_DEFAULTS,
-    broker_url=broker_url(),
+    **broker_settings(),
     # Measure the queue, not a result backend.
     result_backend=None,
     task_ignore_result=True,
@@ -85,7 +102,6 @@ app.conf.update(
     task_send_sent_event=False,
     task_track_started=False,
     broker_connection_retry_on_startup=True,
-    broker_transport_options={"visibility_timeout": 3600},
     oncelery_database_url=database_url(),
     timezone="UTC",
     enable_utc=True,
@@ -108,6 +124,21 @@ def bench_plain(run: str, i: int) -> None:
 def bench_idem(self: IdempotentTask, run: str, i: int) -> None:
     """The same no-op, run at most once per key by Oncelery."""
     return None
+
+
+try:
+    from celery_once import QueueOnce
+except ImportError:  # optional: pip install -e '.[bench]'
+    QueueOnce = None
+
+if QueueOnce is not None:
+    # celery-once's lock backend: the stats Redis (the broker's unless BENCH_STATS_URL says otherwise).
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": stats_url(), "default_timeout": 3600}}
+
+    @app.task(base=QueueOnce, name=ONCE_TASK, ignore_result=True, once={"graceful": True})
+    def bench_once(run: str, i: int) -> None:
+        """The same no-op, queued at most once per (run, i) by celery-once's Redis lock."""
+        return None
 
 
 FLOOR_DDL = [
@@ -208,76 +239,12 @@ def bench_floor(run: str, i: int) -> Any:
     return result
 
 
-# -- what-if experiments (benchmark worker only) -------------------------------------------------
-
-_KNOWN_WHAT_IF = {"no-heartbeat", "no-pre-ping", "async-claim", "all-async", "floor-async-claim"}
-if WHAT_IF - _KNOWN_WHAT_IF:
-    raise SystemExit(f"unknown BENCH_WHAT_IF {sorted(WHAT_IF - _KNOWN_WHAT_IF)}; known: {sorted(_KNOWN_WHAT_IF)}")
-
-
-def _apply_what_if() -> None:
-    import threading
-    from contextlib import contextmanager
-
-    import oncelery.delivery as task_module  # where the delivery starts its Heartbeat
-    import oncelery.dialects as db  # where engines are created
-    from oncelery.claims import RunStore
-
-    if "no-heartbeat" in WHAT_IF:
-
-        class _NoHeartbeat:
-            def __init__(self, store: Any, claim: Any) -> None:
-                pass
-
-            def start(self) -> _NoHeartbeat:
-                return self
-
-            def stop(self) -> None:
-                pass
-
-            def check(self) -> None:
-                pass
-
-        task_module.Heartbeat = _NoHeartbeat  # type: ignore[misc,assignment]
-
-    if WHAT_IF & {"no-pre-ping", "all-async"}:
-        real_create_engine = db.create_engine
-
-        def create_engine(url: Any, **kw: Any) -> Any:
-            if "no-pre-ping" in WHAT_IF:
-                kw["pool_pre_ping"] = False
-            if "all-async" in WHAT_IF and str(url).startswith("postgresql"):
-                kw.setdefault("connect_args", {})["options"] = "-c synchronous_commit=off"
-            return real_create_engine(url, **kw)
-
-        db.create_engine = create_engine  # type: ignore[assignment]
-
-    if "async-claim" in WHAT_IF:
-        if not hasattr(RunStore, "_insert_claim") or not hasattr(RunStore, "_txn"):
-            raise SystemExit("what-if async-claim patches RunStore._insert_claim/_txn, which moved: update it")
-        flag = threading.local()
-        real_insert_claim, real_txn = RunStore._insert_claim, RunStore._txn
-
-        def _insert_claim(self: RunStore, *a: Any, **kw: Any) -> Any:
-            flag.on = True
-            try:
-                return real_insert_claim(self, *a, **kw)
-            finally:
-                flag.on = False
-
-        @contextmanager
-        def _txn(self: RunStore) -> Any:
-            with real_txn(self) as conn:
-                if getattr(flag, "on", False):
-                    conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-                yield conn
-
-        RunStore._insert_claim = _insert_claim  # type: ignore[method-assign]
-        RunStore._txn = _txn  # type: ignore[method-assign,assignment]
-
+# -- what-if experiments (benchmark worker only): bench/what_if.py --------------------------------
 
 if WHAT_IF:
-    _apply_what_if()
+    from bench.what_if import apply_what_if
+
+    apply_what_if(WHAT_IF)
 
 
 # -- per-child counters ----------------------------------------------------------------------------

@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import TypeVar
@@ -49,22 +46,29 @@ from typing import TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.pg_cluster (the throwaway cluster helper)
 
-import redis  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 from sqlalchemy.exc import DBAPIError  # noqa: E402
 from sqlalchemy.pool import NullPool  # noqa: E402
 
-from oncelery import Runs, StoreError  # noqa: E402
+from bench.chaos_parts import (  # noqa: E402
+    APP_MODULE,
+    Chaos,
+    delete_queue_keys,
+    expected,
+    key_of,
+    queue_length,
+    retrying,
+    start_worker,
+    stop_worker,
+)
+from oncelery import Runs  # noqa: E402
 from oncelery.models.migrate import JOBS, upgrade  # noqa: E402
 from oncelery.store import dispose_engines, get_engine  # noqa: E402
 from tests.pg_cluster import PgCluster, postgres_bindir, postgres_runnable  # noqa: E402
 
 T = TypeVar("T")
 TASK_NAME = "oncelery.chaos_job"
-APP_MODULE = "chaos_app"
-KILL_EVERY = 0.5  # seconds between two rounds of backend terminations (jittered +-20 %)
 MIN_KILL_ROUNDS = 10
-WORKER_GRACE = 30.0
 
 # The worker's app, written to a temporary folder on PYTHONPATH. Everything it needs comes from env vars set
 # by this script, so the same module serves the worker and this script's producer.
@@ -137,140 +141,8 @@ def chaos_job(self, n):
 '''
 
 
-def key_of(n: int) -> str:
-    return f"chaos:{n}"
-
-
-def expected(n: int) -> dict[str, int]:
-    return {"n": n, "first": 2 * n, "second": 2 * n + 1}
-
-
-def retrying(fn: Callable[[], T], what: str, timeout: float = 120.0) -> T:
-    """Call `fn` until it gets past a database fault (a killed connection, a restarting server)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return fn()
-        except (StoreError, DBAPIError) as exc:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kept failing for {timeout}s while {what}: {exc}") from exc
-            time.sleep(0.2)
-
-
-class Chaos(threading.Thread):
-    """Every ~0.5 s terminate every client backend of the database; restart the cluster once when told."""
-
-    def __init__(self, cluster: PgCluster, database: str, seed: int = 8) -> None:
-        super().__init__(name="chaos", daemon=True)
-        self.cluster = cluster
-        self.database = database
-        self.stop_event = threading.Event()
-        self.restart_now = threading.Event()
-        self.rounds = 0  # termination rounds that killed at least one backend
-        self.empty_rounds = 0  # rounds that found no backend to kill
-        self.backends_killed = 0
-        self.restarts = 0
-        self.restart_seconds = 0.0
-        self.errors: list[BaseException] = []
-        self.rng = random.Random(seed)
-
-    def run(self) -> None:
-        while not self.stop_event.wait(KILL_EVERY * self.rng.uniform(0.8, 1.2)):
-            try:
-                if self.restart_now.is_set() and not self.restarts:
-                    started = time.monotonic()
-                    self.cluster.restart("fast")
-                    self.restart_seconds = time.monotonic() - started
-                    self.restarts += 1
-                    continue
-                killed = self.cluster.terminate_backends(database=self.database)
-                if killed:
-                    self.rounds += 1
-                    self.backends_killed += killed
-                else:
-                    self.empty_rounds += 1
-            except Exception as exc:
-                self.errors.append(exc)
-                if not self.cluster.running():
-                    with suppress(Exception):
-                        self.cluster.start()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(120)
-
-
-def start_worker(env: dict[str, str], cwd: Path, logfile: Path) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        APP_MODULE,
-        "worker",
-        "--pool",
-        "prefork",
-        "--concurrency",
-        "2",
-        "--loglevel",
-        "INFO",
-        "-n",
-        f"chaos-{uuid.uuid4().hex[:6]}@%h",
-        "--without-mingle",
-        "--without-gossip",
-    ]
-    log = open(logfile, "ab")  # noqa: SIM115  (the worker writes to it; closed with the process)
-    try:
-        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        log.close()
-
-
-def stop_worker(proc: subprocess.Popen[bytes]) -> int | None:
-    """SIGTERM the worker (warm shutdown), then SIGKILL its session after WORKER_GRACE seconds."""
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGCONT)
-    with suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=WORKER_GRACE)
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the session this script started for it (pool children too)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
-    return proc.returncode
-
-
-def delete_queue_keys(redis_url: str, queue: str) -> int:
-    """Delete the queue's keys and its messages in kombu's shared `unacked` bookkeeping; return how many."""
-    client = redis.Redis.from_url(redis_url)
-    removed = 0
-    try:
-        keys = list(client.scan_iter(match=f"*{queue}*"))
-        if keys:
-            removed += int(client.delete(*keys))
-        for tag, raw in client.hscan_iter("unacked"):
-            try:
-                _message, _exchange, routing_key = json.loads(raw)
-            except (ValueError, TypeError):
-                continue
-            if routing_key == queue:
-                removed += int(client.hdel("unacked", tag))
-                client.zrem("unacked_index", tag)
-    finally:
-        client.close()
-    return removed
-
-
-def queue_length(redis_url: str, queue: str) -> int:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return int(client.llen(queue))
-    finally:
-        client.close()
-
-
 def main() -> int:
+    """Run the chaos, count lost and duplicated effects, print them; 1 if any (or too little chaos)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--jobs", type=int, default=500)
     parser.add_argument("--broker-url", default="redis://127.0.0.1:6379/12")

@@ -21,6 +21,7 @@ row and a counter is handed out again.
 from __future__ import annotations
 
 import json
+import random
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,8 +39,8 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
 from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
-from oncelery.runs import Runs, RunView
-from oncelery.statements import LETTERS, SECRETS, VERSIONS, Statements, statements
+from oncelery.runs import Runs, RunView, run_view
+from oncelery.statements import LETTERS, OUTCOME_SHARDS, SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
 
 # Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
@@ -93,6 +94,7 @@ class ClaimResult:
     claim: Claim | None = None
     run: RunView | None = None
     killed: bool = False  # DEAD because this claim found its max_deliveries-th lost delivery
+    counted: bool = False  # COMPLETED, and the replay was counted by the claim's own statement (PostgreSQL)
 
 
 @dataclass(frozen=True)
@@ -221,18 +223,30 @@ class RunStore:
                 "p_task_id": celery_task_id,
                 "p_message": message,
                 "p_abandoned": abandoned or "",
+                "p_shard": random.randrange(OUTCOME_SHARDS),  # the replayed counter's row, if one is counted
                 **self.lease_params(lease),
             }
             try:
-                row, _ = self.db.one(self.sql.insert_claim, params, durable=False)
-                if row is not None:
-                    claim = Claim(row.id, task_name, ident.key, 1, owner, lease, 1, False, ident.tenant)
+                if self.sql.claim_or_replay is not None:
+                    # One round trip: a new key is claimed, a duplicate of a finished run answered and counted,
+                    # anything else read for the decision below. Asynchronous commit, as every claim: see
+                    # docs/benchmarks.md (a server crash may forget the last moments' replay counts).
+                    row, _ = self.db.one(self.sql.claim_or_replay, params, durable=False)
+                    run = run_view(row._mapping, "run_") if row.run_id is not None else None
+                    new_id = row.new_id
+                    if row.replayed and run is not None:
+                        return ClaimResult(Decision.COMPLETED, run=run, counted=True)
+                else:
+                    row, _ = self.db.one(self.sql.insert_claim, params, durable=False)
+                    new_id = None if row is None else row.id
+                    # The key exists. Read it first: a duplicate of a finished or live run (the common case)
+                    # is then decided by this one read, and only a FAILED or expired run needs a takeover.
+                    run = self.get(task_name, ident.key, ident.tenant) if new_id is None else None
+                if new_id is not None:
+                    claim = Claim(new_id, task_name, ident.key, 1, owner, lease, 1, False, ident.tenant)
                     return ClaimResult(Decision.CLAIMED, claim=claim)
-                # The key exists. Read it first: a duplicate of a finished or live run (the common case)
-                # is then decided by this one read, and only a FAILED or expired run needs a takeover.
-                run = self.get(task_name, ident.key, ident.tenant)
                 if run is None:
-                    continue  # purged between our statements: try the insert again
+                    continue  # purged between our statements, or inserted after our snapshot: look again
                 if run.fingerprint != ident.fingerprint:
                     return ClaimResult(Decision.CONFLICT, run=run)
                 if run.status is RunStatus.COMPLETED:
@@ -305,7 +319,7 @@ class RunStore:
     def letter_without_run(
         self, task_name: str, tenant: str, reason: str, error: str, message: Any, key: str | None = None
     ) -> None:
-        """Dead-letter a message that has no run of its own (a bad message, a conflict), counted `dead`."""
+        """Dead-letter a message that has no run of its own (a bad message, a conflict), and count its outcome."""
         row = {
             "task_name": task_name,
             "tenant": tenant,
@@ -317,8 +331,11 @@ class RunStore:
         }
         with self.db.begin() as conn:
             conn.execute(LETTERS.insert().values(**row))
-            if reason != CONFLICT:  # a conflict is counted as such; the first payload's run stands
-                record_outcome_txn(conn, self.dialect, task_name, Outcome.DEAD, tenant)
+            # Counted with its letter, in one transaction: a fault between the two can neither leave a letter
+            # uncounted nor, once the copy is re-sent, write the letter twice. A conflict is counted as such
+            # (the first payload's run stands); any other reason as `dead`.
+            outcome = Outcome.CONFLICT if reason == CONFLICT else Outcome.DEAD
+            record_outcome_txn(conn, self.dialect, task_name, outcome, tenant)
 
     def applied_version(self, task_name: str, tenant: str, entity: str) -> int | None:
         """The last applied version of `entity` for this task and tenant, or None before the first."""
@@ -342,21 +359,19 @@ class RunStore:
         result: Any,
         outcome: Outcome = Outcome.EXECUTED,
         version: EntityVersionOf | None = None,
+        steps: tuple[int, int] = (0, 0),
     ) -> None:
         """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write).
 
         With `version`, the entity's applied version moves to it in the same transaction, or StaleVersion
-        is raised (nothing written) if a newer version was applied first.
+        is raised (nothing written) if a newer version was applied first. `steps`: the run's checkpointed steps
+        and those this delivery replayed, added with its takeovers to the outcome's running totals.
         """
         if version is not None:
             vparams = {"p_task": claim.task_name, "p_tenant": claim.tenant, **version.params()}
             if conn.execute(self.sql.advance_version, vparams).first() is None:
                 raise StaleVersion.of(version.entity, version.version)
-        params = {
-            **self.fence_params(claim),
-            "p_result": result,
-            **outcome_params(claim.task_name, outcome, claim.tenant),
-        }
+        params = {**self.fence_params(claim), "p_result": result, **completion_counts(claim, outcome, steps)}
         sql = self.sql
         if sql.complete_and_count is not None:
             if conn.execute(sql.complete_and_count, params).first() is None:
@@ -373,26 +388,23 @@ class RunStore:
         effects: Connection | Session | None = None,
         outcome: Outcome = Outcome.EXECUTED,
         version: EntityVersionOf | None = None,
+        steps: tuple[int, int] = (0, 0),
     ) -> None:
         """Commit the run's completion (and the open `effects` transaction) atomically, fenced by the token."""
         if effects is None:
             sql = self.sql
             if sql.complete_and_count is not None and version is None:
                 # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
-                params = {
-                    **self.fence_params(claim),
-                    "p_result": result,
-                    **outcome_params(claim.task_name, outcome, claim.tenant),
-                }
+                params = {**self.fence_params(claim), "p_result": result, **completion_counts(claim, outcome, steps)}
                 if self.db.one(sql.complete_and_count, params)[0] is None:
                     raise lease_lost(claim)
                 return
             with self.db.begin() as conn:
-                self.complete_txn(conn, claim, result, outcome, version)
+                self.complete_txn(conn, claim, result, outcome, version, steps)
             return
         with translated(self.url):
             try:
-                self.complete_txn(effects, claim, result, outcome, version)
+                self.complete_txn(effects, claim, result, outcome, version, steps)
                 effects.commit()
             except BaseException:
                 effects.rollback()
@@ -456,6 +468,19 @@ class RunStore:
     def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
         """Return {outcome: count} summed over all tasks, or for one task (or tenant)."""
         return outcome_counts(self.db, task_name, tenant)
+
+
+def completion_counts(claim: Claim, outcome: Outcome, steps: tuple[int, int]) -> dict[str, Any]:
+    """The outcome counter's parameters for a completion: its steps (checkpointed, replayed) and takeovers."""
+    executed, replayed = steps
+    return outcome_params(
+        claim.task_name,
+        outcome,
+        claim.tenant,
+        steps_executed=executed,
+        steps_replayed=replayed,
+        takeovers=claim.token - 1,
+    )
 
 
 def lease_lost(claim: Claim, what: str = "this holder's writes were rolled back") -> LeaseLost:

@@ -18,15 +18,8 @@ DEFAULT_PORT = 9808  # registered for no other exporter on the Prometheus defaul
 @click.command()
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option(
-    "--ledger/--no-ledger",
-    default=False,
-    show_default=True,
-    # Off by default: the ledger's sums read every model_calls row and join the replayed runs on each scrape.
-    help="Also export model calls, tokens and cost made and saved (scans model_calls per scrape).",
-)
 @click.pass_context
-def metrics(ctx: click.Context, port: int, addr: str, ledger: bool) -> None:
+def metrics(ctx: click.Context, port: int, addr: str) -> None:
     """Serve /metrics for Prometheus: every value read from the claims database at scrape time."""
     from oncelery.cli import resolve_database_url  # oncelery.cli adds this command to its group on import
 
@@ -39,7 +32,7 @@ def metrics(ctx: click.Context, port: int, addr: str, ledger: bool) -> None:
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server, thread = start_http_server(port, addr, registry=claims_registry(url, ledger))
+        server, thread = start_http_server(port, addr, registry=claims_registry(url))
         try:
             bound = server.server_address[1]
             click.echo(f"metrics: serving http://{addr}:{bound}/metrics for {safe_url(url)} (Ctrl-C or SIGTERM stops)")

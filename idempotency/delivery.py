@@ -179,8 +179,8 @@ class Delivery:
             fault_point("dead_letter", task=self.task.name, key=self.ident.key)
             self.store.letter_without_run(
                 self.task.name, self.ident.tenant, CONFLICT, str(conflict), self.letter, self.ident.key
-            )
-            self._count(Outcome.CONFLICT)
+            )  # the letter and the `conflict` count, in one transaction
+            self.task.tell_caller(Outcome.CONFLICT, self.ident)
             raise conflict
         if res.decision is Decision.DEAD:
             return self._dead(res)
@@ -191,7 +191,11 @@ class Delivery:
     def _replay(self, res: ClaimResult) -> Any:
         run = res.run
         # The token of the run whose result answers this delivery (Flower shows which holder produced it).
-        self._count(Outcome.REPLAYED, run.run_id if run is not None else None, run.token if run is not None else None)
+        token = run.token if run is not None else None
+        if res.counted:  # counted by the claim's own statement
+            self.task.tell_caller(Outcome.REPLAYED, self.ident, token)
+        else:
+            self._count(Outcome.REPLAYED, run.run_id if run is not None else None, token)
         logger.info("replayed %s[%s] from its stored result", self.task.name, self.ident.key)
         return res.run.result if res.run is not None else None
 
@@ -287,7 +291,8 @@ class Delivery:
                 outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
                 fault_point("complete", task=task.name, key=claim.key)
                 try:
-                    store.complete(claim, encoded, ctx.effects.connection, outcome, self.version)
+                    steps = ctx.steps.counts()
+                    store.complete(claim, encoded, ctx.effects.connection, outcome, self.version, steps)
                     task.tell_caller(outcome, self.ident, claim.token)
                 except StaleVersion as stale:
                     # A newer version of the entity was applied while this one ran: its effects roll back,
@@ -295,7 +300,7 @@ class Delivery:
                     ctx.effects.discard()
                     logger.info("%s[%s]: %s", task.name, claim.key, stale)
                     encoded = None
-                    store.complete(claim, None, None, Outcome.STALE)
+                    store.complete(claim, None, None, Outcome.STALE, steps=steps)
                     task.tell_caller(Outcome.STALE, self.ident, claim.token)
             finally:
                 # Stopped only after the commit: on SQLite a renewal may wait for the effects

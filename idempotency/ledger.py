@@ -29,11 +29,12 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from celery import current_app
 from celery._state import get_current_task
-from sqlalchemy import Table, insert
+from sqlalchemy import BigInteger, Float, Table, bindparam, insert, update
 
 from oncelery.errors import ConfigurationError
-from oncelery.models import ModelCall
+from oncelery.models import LedgerTotal, ModelCall
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
+from oncelery.statements import RUNS
 from oncelery.steps import current_step
 from oncelery.store import Database
 from oncelery.task import IdempotentTask
@@ -46,7 +47,20 @@ PER_TOKENS = 1_000_000  # prices are per this many tokens
 MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
 
 CALLS = cast(Table, ModelCall.__table__)
+TOTALS = cast(Table, LedgerTotal.__table__)
 _INSERT = insert(CALLS)
+_TOTAL_FIGURES = ("calls", "failed_calls", "input_tokens", "output_tokens", "cost", "unpriced_calls")
+# The run's ok calls (what each of its replays saves), added as each is recorded.
+_ADD_TO_RUN = (
+    update(RUNS)
+    .where(RUNS.c.id == bindparam("p_run_id"))
+    .values(
+        llm_calls=RUNS.c.llm_calls + 1,
+        llm_input_tokens=RUNS.c.llm_input_tokens + bindparam("p_input", type_=BigInteger),
+        llm_output_tokens=RUNS.c.llm_output_tokens + bindparam("p_output", type_=BigInteger),
+        llm_cost=RUNS.c.llm_cost + bindparam("p_cost", type_=Float),
+    )
+)
 # Where SDKs put token counts: Anthropic and OpenAI Responses, OpenAI Chat Completions, Google Gemini.
 _INPUT_FIELDS = ("input_tokens", "prompt_tokens", "prompt_token_count")
 _OUTPUT_FIELDS = ("output_tokens", "completion_tokens", "candidates_token_count")
@@ -328,7 +342,25 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
     }
     db = _database(origin.url)
     db.require_file()  # never creates a SQLite file as a side effect of a call
-    db.one(_INSERT, row)
+    figures = {
+        "calls": 1,
+        "failed_calls": 0 if call.ok else 1,
+        "input_tokens": call.input_tokens,
+        "output_tokens": call.output_tokens,
+        "cost": call.cost or 0.0,
+        "unpriced_calls": 1 if call.cost is None else 0,
+    }
+    # One transaction: the row, the running totals the exporter reads, and the run's (what replays save).
+    with db.begin() as conn:
+        conn.execute(_INSERT, row)
+        totals = db.dialect.insert(TOTALS).values(
+            task_name=origin.task_name or "", tenant=origin.tenant, model=call.model, **figures
+        )
+        added = {name: TOTALS.c[name] + totals.excluded[name] for name in _TOTAL_FIGURES}
+        conn.execute(totals.on_conflict_do_update(index_elements=["task_name", "tenant", "model"], set_=added))
+        if call.ok and origin.run_id is not None:
+            params = {"p_run_id": origin.run_id, "p_input": call.input_tokens, "p_output": call.output_tokens}
+            conn.execute(_ADD_TO_RUN, {**params, "p_cost": call.cost or 0.0})
     logger.debug(
         "ledger: %s %s[%s] step=%s ok=%s tokens=%d/%d",
         call.model,

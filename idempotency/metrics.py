@@ -18,10 +18,10 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, text, type_coerce
 
-from oncelery.costs import cost_report
 from oncelery.errors import OnceleryError
+from oncelery.ledger import TOTALS
 from oncelery.models import Outcome
-from oncelery.statements import LETTERS, OUTBOX, OUTCOMES, RUNS, STEPS
+from oncelery.statements import LETTERS, OUTBOX, OUTCOME_TOTALS, OUTCOMES, RUNS, STEPS
 from oncelery.store import Database
 
 __all__ = ["ClaimsCollector", "claims_registry"]
@@ -43,11 +43,9 @@ COMPLETING_OUTCOMES = (Outcome.EXECUTED.value, Outcome.RESUMED.value, Outcome.ST
 class ClaimsCollector(Collector):
     """Yields every `oncelery_*` metric from one read of the claims database per scrape."""
 
-    def __init__(self, url: str, ledger: bool = False) -> None:
+    def __init__(self, url: str) -> None:
         self.db = Database(url)
         self.url = url
-        # Opt-in: the ledger's sums read all of model_calls and join the replayed runs (docs/metrics.md).
-        self.ledger = ledger
 
     def describe(self) -> Iterable[Metric]:
         """Nothing: registering must not query the database (the registry then calls collect on scrape only)."""
@@ -78,14 +76,13 @@ class ClaimsCollector(Collector):
             yield from run_families(conn, self.db, clock)
             yield from step_families(conn)
             yield from queue_families(conn, clock)
-        if self.ledger:
-            yield from ledger_families(self.url)
+            yield from ledger_families(conn)
 
 
-def claims_registry(url: str, ledger: bool = False) -> CollectorRegistry:
+def claims_registry(url: str) -> CollectorRegistry:
     """A registry holding only the claims collector (no process metrics: they would differ per exporter)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClaimsCollector(url, ledger))
+    registry.register(ClaimsCollector(url))
     return registry
 
 
@@ -95,8 +92,9 @@ def claims_registry(url: str, ledger: bool = False) -> CollectorRegistry:
 def outcome_families(conn: Connection) -> Iterator[Metric]:
     """Deliveries per outcome, lease_lost writes, completed runs, and the lifetime duplicate ratio per task."""
     c = OUTCOMES.c
+    sums = [func.sum(c[name]) for name in OUTCOME_TOTALS]
     rows = conn.execute(
-        select(c.task_name, c.tenant, c.outcome, func.sum(c.count)).group_by(c.task_name, c.tenant, c.outcome)
+        select(c.task_name, c.tenant, c.outcome, func.sum(c.count), *sums).group_by(c.task_name, c.tenant, c.outcome)
     ).all()
     deliveries = CounterMetricFamily(
         f"{PREFIX}_deliveries",
@@ -115,8 +113,14 @@ def outcome_families(conn: Connection) -> Iterator[Metric]:
     )
     per_task: dict[str, list[int]] = {}  # task -> [duplicates, all]
     done: dict[tuple[str, str], int] = {}
-    for task, tenant, outcome, n in rows:
+    lifetime: dict[tuple[str, str], list[float]] = {}  # (task, tenant) -> OUTCOME_TOTALS summed over outcomes
+    for task, tenant, outcome, n, *added in rows:
         n, value = int(n), outcome.value
+        into = lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
+        for i, figure in enumerate(added):
+            into[i] += float(figure or 0)
+        if n == 0:  # a backfill row (migration 0007) carries totals only
+            continue
         deliveries.add_metric([task, tenant, value], n)
         if value == Outcome.LEASE_LOST.value:
             refused.add_metric([task, tenant], n)
@@ -135,6 +139,35 @@ def outcome_families(conn: Connection) -> Iterator[Metric]:
     for task, (duplicates, total) in sorted(per_task.items()):
         ratio.add_metric([task], duplicates / total if total else 0.0)
     yield from (deliveries, refused, completed, ratio)
+    yield from lifetime_families(lifetime)
+
+
+_LIFETIME = {
+    "steps_executed": ("steps_executed", "Checkpointed steps of completed runs, executed by any of their holders."),
+    "steps_replayed": ("steps_replayed", "Steps completing deliveries took from checkpoints instead of executing."),
+    "takeovers": ("takeovers", "Takeovers (fencing_token - 1) of completed runs: retries and lost holders."),
+    "saved_calls": ("llm_saved_calls", "Model calls replays did not make (each replay x the run's ok calls)."),
+    "saved_cost": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
+}
+
+
+def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Metric]:
+    """Counters kept with the outcome counts (steps, takeovers, what replays saved) per task and tenant."""
+    index = {name: i for i, name in enumerate(OUTCOME_TOTALS)}
+    families = {
+        name: CounterMetricFamily(f"{PREFIX}_{metric}", help_text, labels=["task", "tenant"])
+        for name, (metric, help_text) in _LIFETIME.items()
+    }
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=["task", "tenant", "direction"]
+    )
+    for (task, tenant), figures in sorted(totals.items()):
+        for name, family in families.items():
+            value = figures[index[name]]
+            family.add_metric([task, tenant], value if name == "saved_cost" else int(value))
+        tokens.add_metric([task, tenant, "input"], int(figures[index["saved_input_tokens"]]))
+        tokens.add_metric([task, tenant, "output"], int(figures[index["saved_output_tokens"]]))
+    yield from (*families.values(), tokens)
 
 
 # -- runs (the partial index of RUNNING runs; the (status, updated_at) index for FAILED and DEAD) -------------
@@ -277,38 +310,26 @@ def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
     yield from (backlog, age, dead, replayed)
 
 
-# -- the model-call ledger (oncelery.costs: two grouped queries) ----------------------------------------------
+# -- the model-call ledger (ledger_totals: a row per task, tenant and model) ----------------------------------
 
 
-def ledger_families(url: str) -> Iterator[Metric]:
-    """Model calls, tokens and estimated USD made, and what replays saved, per task, tenant and model."""
+def ledger_families(conn: Connection) -> Iterator[Metric]:
+    """Model calls made, their tokens and estimated USD, per task, tenant and model (running totals)."""
     labels = ["task", "tenant", "model"]
     calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Model calls made (failed ones included).", labels=labels)
+    failed = CounterMetricFamily(f"{PREFIX}_llm_failed_calls", "Model calls that raised.", labels=labels)
     tokens = CounterMetricFamily(
         f"{PREFIX}_llm_tokens", "Tokens of the model calls made.", labels=[*labels, "direction"]
     )
     cost = CounterMetricFamily(f"{PREFIX}_llm_cost_usd", "Estimated USD of the priced calls made.", labels=labels)
-    saved_calls = CounterMetricFamily(
-        f"{PREFIX}_llm_saved_calls", "Model calls replays did not make (replays x the run's ok calls).", labels=labels
-    )
-    saved_tokens = CounterMetricFamily(
-        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=[*labels, "direction"]
-    )
-    saved_cost = CounterMetricFamily(f"{PREFIX}_llm_saved_cost_usd", "Estimated USD replays saved.", labels=labels)
-    for line in cost_report(url).lines:
-        key = [line.task_name or "", line.tenant, line.model]
-        for made, saved, (c, t, usd) in (
-            (line.made, False, (calls, tokens, cost)),
-            (line.saved, True, (saved_calls, saved_tokens, saved_cost)),
-        ):
-            if saved and made.calls == 0:
-                continue
-            c.add_metric(key, made.calls)
-            t.add_metric([*key, "input"], made.input_tokens)
-            t.add_metric([*key, "output"], made.output_tokens)
-            usd.add_metric(key, _usd(made.cost))
-    yield from (calls, tokens, cost, saved_calls, saved_tokens, saved_cost)
-
-
-def _usd(value: Any) -> float:
-    return 0.0 if value is None else float(value)
+    t = TOTALS.c
+    for row in conn.execute(
+        select(t.task_name, t.tenant, t.model, t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost)
+    ):
+        key = [row.task_name, row.tenant, row.model]
+        calls.add_metric(key, int(row.calls))
+        failed.add_metric(key, int(row.failed_calls))
+        tokens.add_metric([*key, "input"], int(row.input_tokens))
+        tokens.add_metric([*key, "output"], int(row.output_tokens))
+        cost.add_metric(key, float(row.cost))
+    yield from (calls, failed, tokens, cost)

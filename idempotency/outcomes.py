@@ -12,15 +12,19 @@ from sqlalchemy import Connection, func, select
 from sqlalchemy.orm import Session
 
 from oncelery.models import Outcome
-from oncelery.statements import OUTCOME_SHARDS, OUTCOMES, statements
+from oncelery.statements import OUTCOME_SHARDS, OUTCOME_TOTALS, OUTCOMES, statements
 from oncelery.store import Database
 
 __all__ = ["Outcome", "outcome_counts", "outcome_params", "record_outcome", "record_outcome_txn"]
 
 
-def outcome_params(task_name: str, outcome: Outcome, tenant: str = "") -> dict[str, Any]:
-    """The parameters of one counter increment (a random shard)."""
-    return {"p_task": task_name, "p_tenant": tenant, "p_outcome": outcome, "p_shard": random.randrange(OUTCOME_SHARDS)}
+def outcome_params(task_name: str, outcome: Outcome, tenant: str = "", **totals: float) -> dict[str, Any]:
+    """The parameters of one counter increment (a random shard), adding `totals` (OUTCOME_TOTALS, default 0)."""
+    params: dict[str, Any] = {f"p_{name}": totals.pop(name, 0) for name in OUTCOME_TOTALS}
+    if totals:
+        raise TypeError(f"not an outcome total: {sorted(totals)}")
+    shard = random.randrange(OUTCOME_SHARDS)
+    return {"p_task": task_name, "p_tenant": tenant, "p_outcome": outcome, "p_shard": shard, **params}
 
 
 def record_outcome_txn(
@@ -48,7 +52,15 @@ def record_outcome(
         db.one(sql.count_replay, params)
         return
     with db.begin() as conn:
-        conn.execute(sql.count_replay_on_run, params)
+        run = conn.execute(sql.count_replay_on_run, params).first()
+        if run is not None:  # purged meanwhile: the replay is counted, saving nothing known
+            calls, input_tokens, output_tokens, cost = run
+            params.update(
+                p_saved_calls=calls,
+                p_saved_input_tokens=input_tokens,
+                p_saved_output_tokens=output_tokens,
+                p_saved_cost=cost,
+            )
         conn.execute(sql.count_outcome, params)
 
 

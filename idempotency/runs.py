@@ -9,6 +9,7 @@ import builtins
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any, cast
 
 from sqlalchemy import Select, Table, and_, func, select
@@ -89,6 +90,12 @@ def _runs_query(db: Database) -> Select[Any]:
     now = db.dialect.now()
     retry_wait = and_(RUNS.c.not_before.is_not(None), RUNS.c.not_before > now)
     return select(RUNS, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
+
+
+def run_view(mapping: Any, prefix: str) -> RunView:
+    """The RunView of a row whose run columns are named `prefix` + column (a statement's joined view)."""
+    n = len(prefix)
+    return _view(SimpleNamespace(**{name[n:]: value for name, value in mapping.items() if name.startswith(prefix)}))
 
 
 def _view(row: Any) -> RunView:

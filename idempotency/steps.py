@@ -144,11 +144,16 @@ class StepRunner:
         self.claim = claim
         # By their STORED position, never their index: a step that raised leaves a gap that must stay one.
         self.checkpoints = {c.position: c for c in checkpoints}
+        self.loaded = len(checkpoints)  # steps executed (and checkpointed) by earlier holders of the run
         self.position = 0
         self.occurrences: dict[str, int] = {}
         self.replayed: list[str] = []
         self.executed: list[str] = []
         self.superseded = False
+
+    def counts(self) -> tuple[int, int]:
+        """(checkpointed steps of the run: earlier holders' and this one's, replayed steps of this delivery)."""
+        return self.loaded + len(self.executed), len(self.replayed)
 
     def seed(self, name: str, occurrence: int = 0) -> int:
         """The deterministic seed of the `occurrence`-th step called `name` in this run (0: the first)."""

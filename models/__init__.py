@@ -6,7 +6,7 @@ user's database.
 """
 
 from oncelery.models.base import Base
-from oncelery.models.ledger import ModelCall
+from oncelery.models.ledger import LedgerTotal, ModelCall
 from oncelery.models.runs import (
     DIGEST_KEY_SECRET,
     DeadLetter,
@@ -27,6 +27,7 @@ __all__ = [
     "DeadLetter",
     "DeliveryOutcome",
     "EntityVersion",
+    "LedgerTotal",
     "ModelCall",
     "OutboxMessage",
     "OutboxStatus",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Float, Index, Integer, String, Text, func
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from oncelery.models.base import Base, BigId, Json
@@ -49,3 +49,22 @@ class ModelCall(Base):
         # Per-run sums (`oncelery costs`: what each replay of a run saved) and retention's delete by run.
         Index("ix_model_calls_run_id", "run_id"),
     )
+
+
+class LedgerTotal(Base):
+    """Running totals of `model_calls` per (task, tenant, model), added in each call's own transaction.
+
+    The metrics exporter reads this small table instead of summing model_calls; retention never lowers it.
+    """
+
+    __tablename__ = "ledger_totals"
+
+    task_name: Mapped[str] = mapped_column(String(255), primary_key=True)  # "" for calls outside any task
+    tenant: Mapped[str] = mapped_column(String(255), primary_key=True)
+    model: Mapped[str] = mapped_column(String(255), primary_key=True)
+    calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    failed_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    cost: Mapped[float] = mapped_column(Float, nullable=False, default=0.0, server_default="0")
+    unpriced_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")

@@ -46,6 +46,7 @@ FRAMEWORK = Branch(
             "dead_letters",
             "entity_versions",
             "model_calls",
+            "ledger_totals",
         }
     ),
 )

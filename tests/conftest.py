@@ -23,6 +23,7 @@ from tests import services
 ORDERED_TABLES = [
     "article_scores",
     "model_calls",
+    "ledger_totals",
     "step_results",
     "dead_letters",
     "outbox",

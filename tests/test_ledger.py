@@ -28,6 +28,7 @@ from oncelery.cli import oncelery as oncelery_cli
 from oncelery.models import ModelCall, TaskRun
 from oncelery.store import get_engine
 from tests.services import LocalHTTPServer, QuietHandler, count_rows, effects_table, wait_for
+from tests.test_metrics import scrape
 
 MODEL = "gpt-4o-mini"
 UNPRICED = "local-small"  # no entry in the price table: its calls cost NULL
@@ -217,6 +218,23 @@ def test_calls_made_and_saved_by_replays_are_exact(
     assert costs(db_url, "--task", "oncelery.other")["lines"] == []
     table = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs"])
     assert table.exit_code == 0 and "total" in table.output and "(20 calls of models without a price" in table.output
+
+    # The exporter's running totals (no scan of model_calls) agree with the ledger's own sums, line by line.
+    got = scrape(db_url)
+    for (task, who, model), line in lines.items():
+        key = (("model", model), ("task", task), ("tenant", who))
+        made = line["made"]
+        assert got["oncelery_llm_calls_total", key] == made["calls"]
+        assert got["oncelery_llm_cost_usd_total", key] == pytest.approx(made["cost"] or 0.0)
+        assert got["oncelery_llm_tokens_total", (("direction", "output"), *key)] == made["output_tokens"]
+    for who in ("acme", "globex"):
+        spared = costs(db_url, "--tenant", who)["total"]["saved"]
+        key = (("task", "oncelery.t_ledger_job"), ("tenant", who))
+        assert got["oncelery_llm_saved_calls_total", key] == spared["calls"]
+        assert got["oncelery_llm_saved_cost_usd_total", key] == pytest.approx(spared["cost"] or 0.0)
+        assert got["oncelery_llm_saved_tokens_total", (("direction", "input"), *key)] == spared["input_tokens"]
+        assert got["oncelery_steps_executed_total", key] == 2 * 10
+        assert got["oncelery_steps_replayed_total", key] == 0
 
     run = RunStore(db_url).get("oncelery.t_ledger_job", "doc:3", "globex")
     assert run is not None

@@ -23,8 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, text
 from sqlalchemy.engine import make_url
 
+from oncelery.costs import cost_report
+from oncelery.ledger import MeteredCall, _Origin, _record
 from oncelery.metrics import claims_registry
 from oncelery.models import OutboxStatus, Outcome, RunStatus
+from oncelery.models.migrate import downgrade
 from oncelery.outcomes import record_outcome
 from oncelery.schema import upgrade_schema
 from oncelery.statements import LETTERS, OUTBOX, RUNS
@@ -79,6 +82,11 @@ def samples(exposition: str) -> Samples:
     }
 
 
+def scrape(url: str) -> Samples:
+    """One scrape of the exporter's registry for `url`, parsed."""
+    return samples(generate_latest(claims_registry(url)).decode())
+
+
 def _run_row(key: str, status: RunStatus, **values: Any) -> dict[str, Any]:
     return {
         "task_name": TASK,
@@ -114,18 +122,15 @@ def test_every_metric_equals_the_database(metrics_url: str) -> None:
             )
         )
         conn.execute(insert(LETTERS).values(task_name=TASK, reason="never_succeeds", attempts=1))
-        conn.execute(
-            text(
-                "INSERT INTO model_calls (task_name, tenant, run_id, model, input_tokens, output_tokens, "
-                "latency_ms, ok, cost) VALUES (:t, '', :r, 'gpt-x', 100, 20, 5.0, true, 0.25)"
-            ),
-            {"t": TASK, "r": run_id},
-        )
+    # What the ledger records when a run's step makes a call (same code path as model_call's).
+    call = MeteredCall("gpt-x", "summarize", {})
+    call.input_tokens, call.output_tokens, call.latency_ms, call.ok, call.cost = 100, 20, 5.0, True, 0.25
+    _record(_Origin(metrics_url, None, TASK, "", "done", "summarize", run_id, 1), call)
     record_outcome(Database(metrics_url), TASK, Outcome.REPLAYED, replayed_run=run_id)
     record_outcome(Database(metrics_url), TASK, Outcome.LEASE_LOST)
     _orphan(metrics_url)
 
-    got = samples(generate_latest(claims_registry(metrics_url, ledger=True)).decode())
+    got = samples(generate_latest(claims_registry(metrics_url)).decode())
 
     def value(name: str, **labels: str) -> float:
         return got[name, tuple(sorted(labels.items()))]
@@ -149,8 +154,9 @@ def test_every_metric_equals_the_database(metrics_url: str) -> None:
     assert value("oncelery_llm_tokens_total", task=TASK, tenant="", model="gpt-x", direction="input") == 100
     assert value("oncelery_llm_cost_usd_total", task=TASK, tenant="", model="gpt-x") == pytest.approx(0.25)
     # One replay of a run that made one ok call saved that call, its tokens and its cost.
-    assert value("oncelery_llm_saved_calls_total", task=TASK, tenant="", model="gpt-x") == 1
-    assert value("oncelery_llm_saved_cost_usd_total", task=TASK, tenant="", model="gpt-x") == pytest.approx(0.25)
+    assert value("oncelery_llm_saved_calls_total", task=TASK, tenant="") == 1
+    assert value("oncelery_llm_saved_cost_usd_total", task=TASK, tenant="") == pytest.approx(0.25)
+    assert value("oncelery_llm_saved_tokens_total", task=TASK, tenant="", direction="output") == 20
 
 
 def test_unreadable_database_reports_down(tmp_path: Path) -> None:
@@ -239,3 +245,59 @@ def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, r
         for worker in workers:
             worker.stop()
         services.delete_queue_keys(redis_url, queue)
+
+
+def test_upgrade_backfills_the_running_totals_from_existing_rows(metrics_url: str) -> None:
+    """A database at 0006 with runs, steps, replays and model calls: after `db upgrade`, the exporter's totals
+    equal the ledger's scan (`cost_report`) and the rows, and no delivery count moved."""
+    engine = get_engine(metrics_url)
+    downgrade(engine, "0006")
+    with engine.begin() as conn:
+        for key, token, replays in (("a", 2, 3), ("b", 1, 0)):
+            row = _run_row(key, RunStatus.COMPLETED, fencing_token=token, replays=replays)
+            conn.execute(
+                text(
+                    "INSERT INTO task_runs (task_name, tenant, idempotency_key, fingerprint, field_digests, status, "
+                    "fencing_token, attempts, replays) VALUES (:task_name, '', :idempotency_key, :fingerprint, "
+                    "'{}', 'COMPLETED', :fencing_token, 1, :replays)"
+                ),
+                row,
+            )
+        ids = dict(conn.execute(text("SELECT idempotency_key, id FROM task_runs")).all())
+        for position in range(2):
+            conn.execute(
+                text("INSERT INTO step_results (run_id, position, step_name, token) VALUES (:r, :p, 's', 1)"),
+                {"r": ids["a"], "p": position},
+            )
+        calls = [("a", 100, 10, True, 0.5), ("a", 50, 5, True, None), ("a", 7, 0, False, 0.1), ("b", 30, 3, True, 0.2)]
+        for key, tokens_in, tokens_out, ok, cost in calls:
+            conn.execute(
+                text(
+                    "INSERT INTO model_calls (task_name, tenant, run_id, model, input_tokens, output_tokens, "
+                    "latency_ms, ok, cost) VALUES (:t, '', :r, 'gpt-x', :i, :o, 1.0, :ok, :c)"
+                ),
+                {"t": TASK, "r": ids[key], "i": tokens_in, "o": tokens_out, "ok": ok, "c": cost},
+            )
+        conn.execute(
+            text(
+                "INSERT INTO delivery_outcomes (task_name, tenant, outcome, shard, count) "
+                "VALUES (:t, '', 'executed', 0, 1)"
+            ),
+            {"t": TASK},
+        )
+    upgrade_schema(metrics_url)
+
+    got = scrape(metrics_url)
+    line = cost_report(metrics_url).lines[0]
+    run = (("task", TASK), ("tenant", ""))
+    assert got["oncelery_llm_calls_total", (("model", "gpt-x"), *run)] == line.made.calls == 4
+    assert got["oncelery_llm_failed_calls_total", (("model", "gpt-x"), *run)] == 1
+    assert got["oncelery_llm_cost_usd_total", (("model", "gpt-x"), *run)] == pytest.approx(line.made.cost)
+    # Run a's 2 ok calls (150 + 15 tokens, $0.5 priced) saved 3 times over.
+    assert got["oncelery_llm_saved_calls_total", run] == line.saved.calls == 6
+    assert got["oncelery_llm_saved_tokens_total", (("direction", "input"), *run)] == line.saved.input_tokens == 450
+    assert got["oncelery_llm_saved_cost_usd_total", run] == pytest.approx(line.saved.cost) == 1.5
+    assert got["oncelery_steps_executed_total", run] == 2
+    assert got["oncelery_takeovers_total", run] == 1
+    assert got["oncelery_deliveries_total", (("outcome", "executed"), *run)] == 1
+    assert ("oncelery_deliveries_total", (("outcome", "replayed"), *run)) not in got

@@ -29,6 +29,7 @@ FRAMEWORK_TABLES = {
     "dead_letters",
     "entity_versions",
     "model_calls",
+    "ledger_totals",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}

@@ -31,6 +31,7 @@ from oncelery.keys import Identity
 from oncelery.models import RunStatus, TaskRun
 from oncelery.steps import StepRunner, load_checkpoints
 from tests.services import delete_queue_keys, wait_for
+from tests.test_metrics import scrape
 from tests.test_store_contract import expire_lease
 
 
@@ -68,6 +69,13 @@ def test_retry_replays_finished_steps_and_executes_only_the_failed_one(
     assert run is not None and run.status is RunStatus.COMPLETED and run.token == 2
     assert [c.name for c in load_checkpoints(store, run.run_id)] == ["summarize", "keywords", "score"]
     assert three_steps.outcome_counts() == {"failed": 1, "resumed": 1}
+    # The exporter's lifetime counters, kept with the outcome counts: 3 checkpointed steps (2 by the failed
+    # attempt, 1 by the retry), 2 replayed by the retry, 1 takeover.
+    got = scrape(db_url)
+    labels = (("task", "oncelery.t_steps"), ("tenant", ""))
+    assert got["oncelery_steps_executed_total", labels] == 3
+    assert got["oncelery_steps_replayed_total", labels] == 2
+    assert got["oncelery_takeovers_total", labels] == 1
 
 
 def test_changed_step_order_raises_step_mismatch_and_the_run_goes_dead(app: Celery, db_url: str) -> None:

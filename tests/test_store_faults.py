@@ -443,7 +443,10 @@ def test_a_store_fault_at_each_stage_ends_once(
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_store_fault_counting_a_replay_ends_once(fault: str, pg_db: Db, pg_app: Celery, logs: LogLines) -> None:
-    """A duplicate answered from the stored result meets the fault as it counts its outcome: counted once."""
+    """A duplicate answered from the stored result meets the fault as it counts its outcome: counted once.
+
+    On PostgreSQL the duplicate's claim statement is what counts it (claim, replay and count in one round
+    trip), so the fault strikes right before that statement."""
     n = 8
     job = define_job(pg_app, pg_db, f"oncelery.t_fault_count_{fault}")
     killed: list[int] = []
@@ -451,9 +454,9 @@ def test_a_store_fault_counting_a_replay_ends_once(fault: str, pg_db: Db, pg_app
 
     with running_worker(pg_app, concurrency=4):
         assert_once(pg_db, job, n, job.delay(n), logs)
-        with fault_injected("count_outcome", hook):
+        with fault_injected("claim", hook):
             again = job.delay(n)
-            wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the fault at 'count_outcome'")
+            wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the fault at the duplicate's claim")
             assert again.get(timeout=JOB_TIMEOUT) == expected(n), report(pg_db, job.name, job_key(n), logs)
 
     assert hook.error is None, f"the fault could not be injected: {hook.error!r}"
@@ -466,6 +469,62 @@ def test_a_store_fault_counting_a_replay_ends_once(fault: str, pg_db: Db, pg_app
     # The run's replays count moves with the outcome count (one statement): once, whatever the fault undid.
     run = pg_db.run(job.name, job_key(n))
     assert run is not None and run.replays == 1, detail
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_store_fault_counting_an_in_progress_wait_ends_once(
+    fault: str, pg_db: Db, pg_app: Celery, logs: LogLines
+) -> None:
+    """A duplicate that finds the run held meets the fault as it counts `in_progress`: sent again, it waits,
+    then replays; the job's effect is written once and nothing is counted as failed."""
+    n = 10
+    key = job_key(n)
+    gate = threading.Event()
+
+    name = f"oncelery.t_fault_wait_{fault}"
+
+    @pg_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=LEASE)
+    def job(self: IdempotentTask, n: int) -> dict[str, int]:
+        # The holder stays inside a step (no transaction open) until the test has seen the duplicate's fault.
+        self.step("wait", lambda: gate.wait(JOB_TIMEOUT))
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
+        return expected(n)
+
+    killed: list[int] = []
+    hook = Once(fault_of(fault, pg_db, killed), key)
+    try:
+        with running_worker(pg_app, concurrency=4):
+            holder = job.delay(n)
+            wait_for(lambda: _status(pg_db, job.name, key) is RunStatus.RUNNING, JOB_TIMEOUT, what="the holder")
+            with fault_injected("count_outcome", hook):
+                again = job.delay(n)
+                wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the fault counting in_progress")
+                # Counted through a fresh connection (pre-ping) or not at all and sent again: either way, once.
+                wait_for(
+                    lambda: (
+                        pg_db.counts(job.name).get("in_progress", 0) >= 1
+                        or logs.has("claims database failed delivering", f"[{key}]")
+                    ),
+                    timeout=JOB_TIMEOUT,
+                    what="the duplicate's wait counted, or given up on the fault",
+                )
+            gate.set()
+            assert holder.get(timeout=JOB_TIMEOUT) == again.get(timeout=JOB_TIMEOUT) == expected(n)
+    finally:
+        gate.set()
+    assert hook.error is None, f"the fault could not be injected: {hook.error!r}"
+    assert killed and killed[0] != 0, f"no backend to kill: {killed}"
+    counts = pg_db.counts(job.name)
+    detail = report(pg_db, job.name, key, logs)
+    assert counts.get("executed", 0) + counts.get("resumed", 0) == 1 and counts.get("replayed") == 1, detail
+    assert counts.get("failed", 0) == 0, detail
+    assert pg_db.rows(effects_table, key) == 1, detail
+
+
+def _status(db: Db, task_name: str, key: str) -> RunStatus | None:
+    run = db.run(task_name, key)
+    return None if run is None else run.status
 
 
 # -- 2. the server stopped while a job completes, started again after the next claim fails -------------------
