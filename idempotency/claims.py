@@ -232,7 +232,7 @@ class RunStore:
                     # anything else read for the decision below. Asynchronous commit, as every claim: see
                     # docs/benchmarks.md (a server crash may forget the last moments' replay counts).
                     row, _ = self.db.one(self.sql.claim_or_replay, params, durable=False)
-                    run = run_view(row._mapping, "run_") if row.run_id is not None else None
+                    run = run_view(row) if row.id is not None else None
                     new_id = row.new_id
                     if row.replayed and run is not None:
                         return ClaimResult(Decision.COMPLETED, run=run, counted=True)

@@ -137,6 +137,11 @@ class SQLite(Dialect):
             cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
             cur.execute(f"PRAGMA busy_timeout={busy_ms}")
             cur.execute("PRAGMA foreign_keys=ON")
+            if mode == MODE_FAST:
+                # Claims and lease renewals, as on PostgreSQL (synchronous_commit=off): committed without an
+                # fsync, so a power loss (never a process crash: WAL) may forget the last ones; the fence makes
+                # a forgotten claim harmless, and the next durable commit (a completion) syncs them too.
+                cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
         @event.listens_for(engine, "begin")
@@ -162,7 +167,7 @@ class SQLite(Dialect):
     def insert(self) -> Callable[..., Any]:
         return sqlite.insert
 
-    own_engine_modes = frozenset({MODE_DEFAULT, MODE_READ})
+    own_engine_modes = frozenset({MODE_DEFAULT, MODE_READ, MODE_FAST})
 
 
 @cache

@@ -9,7 +9,6 @@ import builtins
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from types import SimpleNamespace
 from typing import Any, cast
 
 from sqlalchemy import Select, Table, and_, func, select
@@ -92,10 +91,9 @@ def _runs_query(db: Database) -> Select[Any]:
     return select(RUNS, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
 
 
-def run_view(mapping: Any, prefix: str) -> RunView:
-    """The RunView of a row whose run columns are named `prefix` + column (a statement's joined view)."""
-    n = len(prefix)
-    return _view(SimpleNamespace(**{name[n:]: value for name, value in mapping.items() if name.startswith(prefix)}))
+def run_view(row: Any) -> RunView:
+    """The RunView of a row holding statements.RUN_VIEW_COLUMNS, lease_live and retry_wait."""
+    return _view(row)
 
 
 def _view(row: Any) -> RunView:

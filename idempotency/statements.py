@@ -6,6 +6,7 @@ Building a statement per call costs more CPU than the database round trip on a f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 from typing import Any, cast
 
@@ -45,6 +46,32 @@ OUTCOME_TOTALS = (
     "saved_input_tokens",
     "saved_output_tokens",
     "saved_cost",
+)
+# The task_runs columns a RunView (oncelery.runs) is made of.
+RUN_VIEW_COLUMNS = (
+    "id",
+    "task_name",
+    "tenant",
+    "idempotency_key",
+    "fingerprint",
+    "field_digests",
+    "status",
+    "fencing_token",
+    "owner",
+    "attempts",
+    "result",
+    "error",
+    "lease_expires_at",
+    "concurrency_key",
+    "celery_task_id",
+    "message",
+    "created_at",
+    "updated_at",
+    "finished_at",
+    "retries",
+    "not_before",
+    "lost",
+    "replays",
 )
 # What a replay saved: the replayed run's ok model calls, tokens and USD.
 _SAVED_FROM = {
@@ -347,8 +374,10 @@ class Statements:
         c = RUNS.c
         ins = self.insert_claim.cte("ins")
         retry_wait = and_(c.not_before.is_not(None), c.not_before > now)
+        # Only what a RunView holds: psycopg caches its parsing of a query only below 4096 characters.
+        viewed = [c[name] for name in RUN_VIEW_COLUMNS]
         cur = (
-            select(RUNS, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
+            select(*viewed, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
             .where(
                 c.task_name == bindparam("p_task"),
                 c.tenant == bindparam("p_tenant"),
@@ -373,19 +402,17 @@ class Statements:
             literal(Outcome.REPLAYED.value, type_=o.outcome.type),
             bindparam("p_shard", type_=Integer),
             literal(1),
-            literal(0),
-            literal(0),
-            literal(0),
             *(bumped.c[column] for column in _SAVED_FROM.values()),
         ).select_from(bumped)
-        count = postgresql.insert(OUTCOMES).from_select([*_OUTCOME_KEY, "count", *OUTCOME_TOTALS], rows)
-        counted = count.on_conflict_do_update(index_elements=_OUTCOME_KEY, set_=_added(count)).cte("counted")
+        count = postgresql.insert(OUTCOMES).from_select([*_OUTCOME_KEY, "count", *_SAVED_FROM], rows)
+        upsert = count.on_conflict_do_update(index_elements=_OUTCOME_KEY, set_=_added(count, _SAVED_FROM))
+        counted = upsert.cte("counted")
         one = select(literal(1).label("one")).subquery("one")
         return (
             select(
                 select(ins.c.id).scalar_subquery().label("new_id"),
                 select(func.count()).select_from(bumped).scalar_subquery().label("replayed"),
-                *(column.label(f"run_{column.name}") for column in cur.c),
+                *cur.c,
             )
             .select_from(one.outerjoin(cur, literal(True)))
             .add_cte(counted)
@@ -424,9 +451,9 @@ def _count(insert: Any, totals: dict[str, Any]) -> Any:
     return stmt.on_conflict_do_update(index_elements=_OUTCOME_KEY, set_=_added(stmt))
 
 
-def _added(stmt: Any) -> dict[str, Any]:
+def _added(stmt: Any, totals: Iterable[str] = OUTCOME_TOTALS) -> dict[str, Any]:
     o, new = OUTCOMES.c, stmt.excluded
-    return {"count": o.count + 1, **{name: o[name] + new[name] for name in OUTCOME_TOTALS}}
+    return {"count": o.count + 1, **{name: o[name] + new[name] for name in totals}}
 
 
 @cache

@@ -203,7 +203,8 @@ class Database:
         """Run one statement on its own; return (first returned row or None, rows matched).
 
         Autocommit where the dialect allows it (no BEGIN/COMMIT round trips), else a short transaction.
-        `durable=False` lets PostgreSQL acknowledge before the WAL flush (claims and lease renewals).
+        `durable=False` commits without waiting for the disk (claims and lease renewals): PostgreSQL's
+        synchronous_commit=off, SQLite's synchronous=NORMAL.
         """
         with translated(self.url):
             try:
@@ -221,7 +222,7 @@ class Database:
         if self.dialect.autocommit_statements:
             with get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST).connect() as conn:
                 return first_and_count(conn.execute(stmt, params))
-        with self.engine.begin() as conn:
+        with (self.engine if durable else self.fast_engine).begin() as conn:
             return first_and_count(conn.execute(stmt, params))
 
     def require_file(self) -> None:

@@ -88,19 +88,19 @@ class TaskRun(Base):
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     # Celery retries of this run (its body called self.retry or autoretry fired), counted per run, not per
     # message, and the database-clock moment before which no delivery may take the FAILED run over.
-    retries: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    retries: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Deliveries whose holder vanished (lease expired while RUNNING: SIGKILL, OOM, segfault): a run that loses
     # max_deliveries of them is a poison message and goes DEAD instead of killing another worker.
-    lost: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    lost: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     # Duplicate deliveries answered from this run's stored result (what `oncelery costs` counts as saved).
-    replays: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    replays: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     # The run's ok model calls, their tokens and priced USD, added by the ledger as each call is recorded:
     # what each replay of this run saved, added to the replayed outcome's totals without reading model_calls.
-    llm_calls: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
-    llm_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    llm_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    llm_cost: Mapped[float] = mapped_column(Float, nullable=False, default=0.0, server_default="0")
+    llm_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    llm_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    llm_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    llm_cost: Mapped[float] = mapped_column(Float, nullable=False, server_default="0")
     first_failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # When the relay's sweeper last re-sent this run's stored message (so it re-sends once per interval).
     swept_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -179,13 +179,13 @@ class DeliveryOutcome(Base):
     # a completing delivery (executed/resumed/stale) adds its run's checkpointed steps (executed by any holder),
     # the steps it replayed from checkpoints, and its takeovers (fencing_token - 1); a replayed duplicate adds
     # the run's ok model calls, tokens and USD it did not spend again (the run's llm_* columns).
-    steps_executed: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    steps_replayed: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    takeovers: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    saved_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    saved_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    saved_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    saved_cost: Mapped[float] = mapped_column(Float, nullable=False, default=0.0, server_default="0")
+    steps_executed: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    steps_replayed: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    takeovers: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    saved_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    saved_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    saved_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    saved_cost: Mapped[float] = mapped_column(Float, nullable=False, server_default="0")
 
 
 class OutboxStatus(enum.Enum):

@@ -8,14 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, text
+from sqlalchemy import event, insert, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from oncelery import LeaseLost, testing
 from oncelery.claims import Claim, Decision, RunStore
 from oncelery.keys import Identity
-from oncelery.models import RunStatus, TaskRun
+from oncelery.models import Outcome, RunStatus, TaskRun
 from tests.services import count_rows, effects_table, wait_for
 
 TASK = "oncelery.contract"
@@ -185,3 +185,45 @@ def test_outcome_counts_are_exact_under_concurrency(db_url: str) -> None:
     store = RunStore(db_url)
     race(20, lambda: store.record_outcome(TASK, Outcome.REPLAYED))
     assert store.outcome_counts(TASK) == {"replayed": 20}
+
+
+def test_a_duplicate_is_claimed_answered_and_counted_in_one_statement(db_url: str) -> None:
+    """PostgreSQL: a duplicate of a COMPLETED run sends ONE statement, which counts the replay and its run's
+    `replays`; a racing burst of duplicates counts each once. The hot statements stay short enough for
+    psycopg to cache their parsing (MAX_CACHED_STATEMENT_LENGTH): past it, each call re-parses the SQL."""
+    store = RunStore(db_url)
+    ident = Identity("dup", "fp", {})
+    first = store.claim("oncelery.contract", ident, lease=30)
+    assert first.claim is not None
+    store.complete(first.claim, {"v": 1})
+    sent: list[str] = []
+    engine = store.db.fast_engine if store.dialect == "postgresql" else store.db.engine
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        again = store.claim("oncelery.contract", ident, lease=30)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert again.decision is Decision.COMPLETED and again.run is not None and again.run.result == {"v": 1}
+    if store.dialect == "postgresql":
+        assert len(sent) == 1 and again.counted, sent
+    else:
+        store.record_outcome("oncelery.contract", Outcome.REPLAYED, "", again.run.run_id)
+    results = race(20, lambda: store.claim("oncelery.contract", ident, lease=30))
+    for res in results:
+        assert res.decision is Decision.COMPLETED
+        if not res.counted:
+            assert res.run is not None
+            store.record_outcome("oncelery.contract", Outcome.REPLAYED, "", res.run.run_id)
+    run = store.get("oncelery.contract", "dup")
+    assert run is not None and run.replays == 21
+    assert store.outcome_counts("oncelery.contract") == {"executed": 1, "replayed": 21}
+    if store.dialect == "postgresql":
+        from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
+
+        for name in ("claim_or_replay", "insert_claim", "complete_and_count", "takeover", "heartbeat"):
+            sql = str(getattr(store.sql, name).compile(dialect=store.db.engine.dialect))
+            assert len(sql) <= MAX_CACHED_STATEMENT_LENGTH, f"{name}: {len(sql)} characters"
