@@ -20,7 +20,6 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,6 @@ from oncelery.errors import (
     LeaseLost,
     ResultNotJSON,
     RunIsDead,
-    SchemaMissing,
     StaleVersion,
     StepMismatch,
     StoreError,
@@ -56,6 +54,10 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity, differing_fields
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome
+from oncelery.resend import SendAgain as SendAgain
+from oncelery.resend import after_store_fault as after_store_fault
+from oncelery.resend import can_resend as can_resend
+from oncelery.resend import wait_backoff
 from oncelery.settings import DEFAULT_LEASE_SECONDS, DIRECT_WAIT_TIMEOUT
 from oncelery.steps import StepRunner, load_checkpoints
 
@@ -76,26 +78,6 @@ class RunContext:
     heartbeat: Heartbeat
     steps: StepRunner
     effects: EffectsScope
-
-
-def can_resend(task: IdempotentTask, direct: bool) -> bool:
-    """Whether a delivery can be sent again through the broker: not a direct call, not an eager one."""
-    return not direct and not bool(getattr(task.request, "is_eager", False))
-
-
-SendAgain = Callable[..., Any]  # (exc, abandoned=owner or None): re-sends the delivery and raises Retry
-
-
-def after_store_fault(exc: StoreError, what: str, resend: bool, send_again: SendAgain, owner: str | None = None) -> Any:
-    """A store fault: re-send the message (never ack it as a failure); a direct or eager caller gets it.
-
-    `owner`: the claimant this delivery was (or tried to be); its re-send does not count it as lost.
-    """
-    if not resend:
-        raise exc
-    log = logger.error if isinstance(exc, SchemaMissing) else logger.warning
-    log("claims database failed %s: %s; sending the job again", what, exc)
-    return send_again(exc, abandoned=owner)
 
 
 class Delivery:
@@ -405,6 +387,4 @@ def _seconds_until(when: Any) -> float:
 
 
 def _direct_backoff(waits: int) -> float:
-    from oncelery.task import wait_backoff
-
     return wait_backoff(waits, base=0.02, cap=0.5)

@@ -1,0 +1,53 @@
+"""How every `oncelery` command prints: plain-text tables, times in UTC, and the `--json` documents."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from oncelery.models import Outcome, RunStatus
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Return `rows` as a left-aligned plain-text table under `headers` (None shows as "-")."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    lines = [headers, ["-" * w for w in widths], *cells]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, RunStatus | Outcome):
+        return str(value.value)
+    if isinstance(value, datetime):
+        return _utc(value).strftime("%Y-%m-%d %H:%M:%S")
+    return str(value)
+
+
+def _utc(value: datetime) -> datetime:
+    # Both dialects store UTC; PostgreSQL hands it back in the session's time zone, SQLite without one.
+    return value.astimezone(UTC) if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def to_json(value: Any) -> Any:
+    """Return `value` as JSON-ready data: datetimes as ISO 8601 UTC, statuses as their strings, recursively."""
+    if isinstance(value, RunStatus | Outcome):
+        return value.value
+    if isinstance(value, datetime):
+        return _utc(value).isoformat()
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    return value
+
+
+def echo_json(document: dict[str, Any]) -> None:
+    """Print `document` as the indented, key-sorted JSON every `--json` option prints."""
+    click.echo(json.dumps(to_json(document), indent=2, sort_keys=True, ensure_ascii=False))
