@@ -20,13 +20,10 @@ row and a counter is handed out again.
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from sqlalchemy import Connection, select
@@ -34,109 +31,54 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from oncelery.errors import LeaseLost, ResultNotJSON, StaleVersion, StoreError
+from oncelery.claim_types import (
+    BAD_MESSAGE,
+    CONFLICT,
+    MAX_DELIVERIES,
+    MAX_ERROR_CHARS,
+    NEVER_SUCCEEDS,
+    RETRIES_EXHAUSTED,
+    Claim,
+    ClaimResult,
+    Death,
+    Decision,
+    EntityVersionOf,
+    clean_error,
+    completion_counts,
+    encode_result,
+    lease_lost,
+)
+from oncelery.errors import StaleVersion, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
-from oncelery.outcomes import outcome_counts, outcome_params, record_outcome, record_outcome_txn
+from oncelery.outcomes import outcome_counts, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView, run_view
 from oncelery.statements import LETTERS, OUTCOME_SHARDS, SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
 
-# Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
-MAX_ERROR_CHARS = 10_000
-
-
-def clean_error(text: str) -> str:
-    """Return error text that every database can store: no NUL characters, at most MAX_ERROR_CHARS."""
-    text = text.replace("\x00", "\\x00")
-    if len(text) > MAX_ERROR_CHARS:
-        text = text[: MAX_ERROR_CHARS - 20] + "\n...[truncated]"
-    return text
-
+# The claim types are re-exported: oncelery.claims is where callers import them from.
+__all__ = [
+    "BAD_MESSAGE",
+    "CONFLICT",
+    "MAX_DELIVERIES",
+    "MAX_ERROR_CHARS",
+    "NEVER_SUCCEEDS",
+    "RETRIES_EXHAUSTED",
+    "Claim",
+    "ClaimResult",
+    "Death",
+    "Decision",
+    "EntityVersionOf",
+    "RunStore",
+    "clean_error",
+    "completion_counts",
+    "encode_result",
+    "lease_lost",
+]
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
-
-
-class Decision(Enum):
-    """What a claim attempt found."""
-
-    CLAIMED = "claimed"  # this caller holds the run and must execute it
-    COMPLETED = "completed"  # finished before: answer with the stored result
-    IN_PROGRESS = "in_progress"  # a live holder runs this key
-    ENTITY_BUSY = "entity_busy"  # another key of the same concurrency_key is RUNNING
-    CONFLICT = "conflict"  # same key, different payload fingerprint
-    DEAD = "dead"  # DEAD (dead-lettered): no delivery runs it until `oncelery dlq replay`
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A held claim: the run row, its fencing token and owner id, and the lease length."""
-
-    run_id: int
-    task_name: str
-    key: str
-    token: int
-    owner: str
-    lease: float
-    attempts: int
-    takeover: bool
-    tenant: str = ""
-    retries: int = 0  # Celery retries already spent on this run (by any message)
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    """The outcome of `RunStore.claim`: a decision plus the claim (if CLAIMED) or the row seen."""
-
-    decision: Decision
-    claim: Claim | None = None
-    run: RunView | None = None
-    killed: bool = False  # DEAD because this claim found its max_deliveries-th lost delivery
-    counted: bool = False  # COMPLETED, and the replay was counted by the claim's own statement (PostgreSQL)
-
-
-@dataclass(frozen=True)
-class EntityVersionOf:
-    """The version an event carries for its entity (entity_version=): applied only forward."""
-
-    entity: str
-    version: int
-
-    def params(self) -> dict[str, Any]:
-        """The statement parameters of this entity and version."""
-        return {"p_entity": self.entity, "p_version": self.version}
-
-
-@dataclass(frozen=True)
-class Death:
-    """Why a run goes DEAD, and what `oncelery dlq replay` sends again (the message's args and key headers)."""
-
-    reason: str
-    traceback: str | None = None
-    message: Any = None
-    error: str | None = None  # the letter's one-line error (default: the run's error)
-
-
-# Dead-letter reasons (dead_letters.reason).
-RETRIES_EXHAUSTED = "retries_exhausted"
-NEVER_SUCCEEDS = "never_succeeds"
-MAX_DELIVERIES = "max_deliveries"
-CONFLICT = "conflict"
-BAD_MESSAGE = "bad_message"
-
-
-def encode_result(value: Any, what: str) -> Any:
-    """Return `value` round-tripped through strict JSON, raising ResultNotJSON with the fix if it can't."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise ResultNotJSON(
-            f"{what} is not JSON-serializable ({exc}); return JSON types (dict, list, str, int, float, "
-            f"bool, None) — convert objects with .model_dump()/dataclasses.asdict() first",
-            what=what,
-        ) from exc
 
 
 class RunStore:
@@ -468,21 +410,3 @@ class RunStore:
     def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
         """Return {outcome: count} summed over all tasks, or for one task (or tenant)."""
         return outcome_counts(self.db, task_name, tenant)
-
-
-def completion_counts(claim: Claim, outcome: Outcome, steps: tuple[int, int]) -> dict[str, Any]:
-    """The outcome counter's parameters for a completion: its steps (checkpointed, replayed) and takeovers."""
-    executed, replayed = steps
-    return outcome_params(
-        claim.task_name,
-        outcome,
-        claim.tenant,
-        steps_executed=executed,
-        steps_replayed=replayed,
-        takeovers=claim.token - 1,
-    )
-
-
-def lease_lost(claim: Claim, what: str = "this holder's writes were rolled back") -> LeaseLost:
-    """The LeaseLost of `claim`'s holder (the one factory every fenced write uses)."""
-    return LeaseLost.for_holder(claim.task_name, claim.key, claim.token, what)

@@ -6,80 +6,45 @@ Building a statement per call costs more CPU than the database round trip on a f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from functools import cache
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import JSON, Integer, String, Table, and_, bindparam, case, func, literal, or_, select, update
-from sqlalchemy.dialects import postgresql
+from sqlalchemy import JSON, String, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.dialects import dialect as get_dialect
-from oncelery.leases import lease_expired, lease_live
-from oncelery.models import (
-    DeadLetter,
-    DeliveryOutcome,
-    EntityVersion,
-    OutboxMessage,
-    Outcome,
-    RunStatus,
-    Secret,
-    StepResult,
-    TaskRun,
+from oncelery.leases import lease_expired
+from oncelery.models import RunStatus
+from oncelery.one_trip import claim_or_replay, complete_and_count, count_replay, count_statement
+from oncelery.tables import (
+    LETTERS,
+    OUTBOX,
+    OUTCOME_SHARDS,
+    OUTCOME_TOTALS,
+    OUTCOMES,
+    RUN_VIEW_COLUMNS,
+    RUNS,
+    SAVED_FROM,
+    SECRETS,
+    STEPS,
+    VERSIONS,
 )
 
-RUNS = cast(Table, TaskRun.__table__)
-OUTCOMES = cast(Table, DeliveryOutcome.__table__)
-LETTERS = cast(Table, DeadLetter.__table__)
-VERSIONS = cast(Table, EntityVersion.__table__)
-OUTBOX = cast(Table, OutboxMessage.__table__)
-STEPS = cast(Table, StepResult.__table__)
-SECRETS = cast(Table, Secret.__table__)
-OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
-_OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
-# Running totals each counted delivery adds to its counter row (models.runs.DeliveryOutcome says which).
-OUTCOME_TOTALS = (
-    "steps_executed",
-    "steps_replayed",
-    "takeovers",
-    "saved_calls",
-    "saved_input_tokens",
-    "saved_output_tokens",
-    "saved_cost",
-)
-# The task_runs columns a RunView (oncelery.runs) is made of.
-RUN_VIEW_COLUMNS = (
-    "id",
-    "task_name",
-    "tenant",
-    "idempotency_key",
-    "fingerprint",
-    "field_digests",
-    "status",
-    "fencing_token",
-    "owner",
-    "attempts",
-    "result",
-    "error",
-    "lease_expires_at",
-    "concurrency_key",
-    "celery_task_id",
-    "message",
-    "created_at",
-    "updated_at",
-    "finished_at",
-    "retries",
-    "not_before",
-    "lost",
-    "replays",
-)
-# What a replay saved: the replayed run's ok model calls, tokens and USD.
-_SAVED_FROM = {
-    "saved_calls": "llm_calls",
-    "saved_input_tokens": "llm_input_tokens",
-    "saved_output_tokens": "llm_output_tokens",
-    "saved_cost": "llm_cost",
-}
+__all__ = [
+    "LETTERS",
+    "OUTBOX",
+    "OUTCOMES",
+    "OUTCOME_SHARDS",
+    "OUTCOME_TOTALS",
+    "RUNS",
+    "RUN_VIEW_COLUMNS",
+    "SECRETS",
+    "STEPS",
+    "VERSIONS",
+    "Statements",
+    "retry_due",
+    "statements",
+]
 
 
 def retry_due(now: ColumnElement[Any]) -> ColumnElement[bool]:
@@ -188,18 +153,18 @@ class Statements:
             )
         )
         self.demote_expired_entity = self._demote_expired_entity(now)
-        self.count_outcome = _count(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
-        self.complete_and_count = self._complete_and_count() if dia.dml_in_cte else None
+        self.count_outcome = count_statement(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
+        self.complete_and_count = complete_and_count(self.complete) if dia.dml_in_cte else None
         # A duplicate answered from a COMPLETED run's stored result: one more replay on that run (fenced by its
         # id and status), counted with the `replayed` outcome in the same transaction, with what it saved.
         self.count_replay_on_run = (
             update(RUNS)
             .where(RUNS.c.id == bindparam("p_run_id"), RUNS.c.status == RunStatus.COMPLETED)
             .values(replays=RUNS.c.replays + 1)
-            .returning(*(RUNS.c[column] for column in _SAVED_FROM.values()))
+            .returning(*(RUNS.c[column] for column in SAVED_FROM.values()))
         )
-        self.count_replay = self._count_replay(insert) if dia.dml_in_cte else None
-        self.claim_or_replay = self._claim_or_replay(now) if dia.dml_in_cte else None
+        self.count_replay = count_replay(self.count_replay_on_run, insert) if dia.dml_in_cte else None
+        self.claim_or_replay = claim_or_replay(self.insert_claim, now) if dia.dml_in_cte else None
 
     @staticmethod
     def _demote_expired_entity(now: ColumnElement[Any]) -> Any:
@@ -352,108 +317,6 @@ class Statements:
             set_={"version": x.version, "updated_at": now},
             where=VERSIONS.c.version < x.version,
         ).returning(VERSIONS.c.version)
-
-    def _count_replay(self, insert: Any) -> Any:
-        # PostgreSQL: ONE statement (WITH bumped AS (UPDATE ... RETURNING llm_*) INSERT INTO delivery_outcomes
-        # ...): a data-modifying WITH runs once whether or not the INSERT reads it, so the outcome is counted
-        # (saving 0) even if the run was purged meanwhile.
-        bumped = self.count_replay_on_run.cte("bumped")
-        totals: dict[str, Any] = {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS}
-        for name, column in _SAVED_FROM.items():
-            totals[name] = func.coalesce(select(bumped.c[column]).scalar_subquery(), 0)
-        return _count(insert, totals).add_cte(bumped)
-
-    def _claim_or_replay(self, now: ColumnElement[Any]) -> Any:
-        # PostgreSQL: a delivery's claim in ONE statement (one round trip), whatever it finds:
-        #   ins     INSERT the run ... ON CONFLICT DO NOTHING RETURNING id      (a new key: claimed)
-        #   cur     the existing run, as RunStore.get reads it                  (else: decided in Python)
-        #   bumped  a COMPLETED run of the same payload: replays + 1 RETURNING what it saves
-        #   counted the `replayed` outcome with those savings, only if bumped (a duplicate is answered here)
-        # All CTEs share one snapshot: `cur` never sees `ins`'s row, and a key inserted by a transaction that
-        # committed after the snapshot is neither inserted nor seen (no row: the caller reads it again).
-        c = RUNS.c
-        ins = self.insert_claim.cte("ins")
-        retry_wait = and_(c.not_before.is_not(None), c.not_before > now)
-        # Only what a RunView holds: psycopg caches its parsing of a query only below 4096 characters.
-        viewed = [c[name] for name in RUN_VIEW_COLUMNS]
-        cur = (
-            select(*viewed, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
-            .where(
-                c.task_name == bindparam("p_task"),
-                c.tenant == bindparam("p_tenant"),
-                c.idempotency_key == bindparam("p_key"),
-            )
-            .cte("cur")
-        )
-        finished = select(cur.c.id).where(
-            cur.c.status == RunStatus.COMPLETED, cur.c.fingerprint == bindparam("p_fingerprint")
-        )
-        bumped = (
-            update(RUNS)
-            .where(c.id == finished.scalar_subquery(), c.status == RunStatus.COMPLETED)
-            .values(replays=c.replays + 1)
-            .returning(c.id, *(c[column] for column in _SAVED_FROM.values()))
-            .cte("bumped")
-        )
-        o = OUTCOMES.c
-        rows = select(
-            bindparam("p_task", type_=String),
-            bindparam("p_tenant", type_=String),
-            literal(Outcome.REPLAYED.value, type_=o.outcome.type),
-            bindparam("p_shard", type_=Integer),
-            literal(1),
-            *(bumped.c[column] for column in _SAVED_FROM.values()),
-        ).select_from(bumped)
-        count = postgresql.insert(OUTCOMES).from_select([*_OUTCOME_KEY, "count", *_SAVED_FROM], rows)
-        upsert = count.on_conflict_do_update(index_elements=_OUTCOME_KEY, set_=_added(count, _SAVED_FROM))
-        counted = upsert.cte("counted")
-        one = select(literal(1).label("one")).subquery("one")
-        return (
-            select(
-                select(ins.c.id).scalar_subquery().label("new_id"),
-                select(func.count()).select_from(bumped).scalar_subquery().label("replayed"),
-                *cur.c,
-            )
-            .select_from(one.outerjoin(cur, literal(True)))
-            .add_cte(counted)
-        )
-
-    def _complete_and_count(self) -> Any:
-        # PostgreSQL: the fenced completion and the outcome counter in ONE statement (one round trip):
-        # WITH done AS (UPDATE task_runs ... RETURNING id) INSERT INTO delivery_outcomes SELECT ... FROM done.
-        # No row returned means the fence refused the completion (LeaseLost) and nothing was written.
-        done = self.complete.returning(RUNS.c.id).cte("done")
-        o = OUTCOMES.c
-        rows = select(
-            bindparam("p_task", type_=String),
-            bindparam("p_tenant", type_=String),
-            bindparam("p_outcome", type_=o.outcome.type),
-            bindparam("p_shard", type_=Integer),
-            literal(1),
-            *(bindparam(f"p_{name}", type_=o[name].type) for name in OUTCOME_TOTALS),
-        ).select_from(done)
-        stmt = postgresql.insert(OUTCOMES).from_select([*_OUTCOME_KEY, "count", *OUTCOME_TOTALS], rows)
-        return (
-            stmt.on_conflict_do_update(index_elements=_OUTCOME_KEY, set_=_added(stmt)).returning(o.count).add_cte(done)
-        )
-
-
-def _count(insert: Any, totals: dict[str, Any]) -> Any:
-    """INSERT one counter row (a shard of task, tenant, outcome) or add this delivery's figures to it."""
-    stmt = insert(OUTCOMES).values(
-        task_name=bindparam("p_task"),
-        tenant=bindparam("p_tenant"),
-        outcome=bindparam("p_outcome"),
-        shard=bindparam("p_shard"),
-        count=1,
-        **totals,
-    )
-    return stmt.on_conflict_do_update(index_elements=_OUTCOME_KEY, set_=_added(stmt))
-
-
-def _added(stmt: Any, totals: Iterable[str] = OUTCOME_TOTALS) -> dict[str, Any]:
-    o, new = OUTCOMES.c, stmt.excluded
-    return {"count": o.count + 1, **{name: o[name] + new[name] for name in totals}}
 
 
 @cache

@@ -1,0 +1,70 @@
+"""The framework's tables as SQLAlchemy Core handles, and the column groups the claim SQL is built from."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from sqlalchemy import Table
+
+from oncelery.models import (
+    DeadLetter,
+    DeliveryOutcome,
+    EntityVersion,
+    OutboxMessage,
+    Secret,
+    StepResult,
+    TaskRun,
+)
+
+RUNS = cast(Table, TaskRun.__table__)
+OUTCOMES = cast(Table, DeliveryOutcome.__table__)
+LETTERS = cast(Table, DeadLetter.__table__)
+VERSIONS = cast(Table, EntityVersion.__table__)
+OUTBOX = cast(Table, OutboxMessage.__table__)
+STEPS = cast(Table, StepResult.__table__)
+SECRETS = cast(Table, Secret.__table__)
+OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
+OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
+# Running totals each counted delivery adds to its counter row (models.runs.DeliveryOutcome says which).
+OUTCOME_TOTALS = (
+    "steps_executed",
+    "steps_replayed",
+    "takeovers",
+    "saved_calls",
+    "saved_input_tokens",
+    "saved_output_tokens",
+    "saved_cost",
+)
+# The task_runs columns a RunView (oncelery.runs) is made of.
+RUN_VIEW_COLUMNS = (
+    "id",
+    "task_name",
+    "tenant",
+    "idempotency_key",
+    "fingerprint",
+    "field_digests",
+    "status",
+    "fencing_token",
+    "owner",
+    "attempts",
+    "result",
+    "error",
+    "lease_expires_at",
+    "concurrency_key",
+    "celery_task_id",
+    "message",
+    "created_at",
+    "updated_at",
+    "finished_at",
+    "retries",
+    "not_before",
+    "lost",
+    "replays",
+)
+# What a replay saved: the replayed run's ok model calls, tokens and USD.
+SAVED_FROM = {
+    "saved_calls": "llm_calls",
+    "saved_input_tokens": "llm_input_tokens",
+    "saved_output_tokens": "llm_output_tokens",
+    "saved_cost": "llm_cost",
+}
