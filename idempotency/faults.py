@@ -19,6 +19,7 @@ POINTS = (
     "claim",  # before the claim statement
     "load_checkpoints",  # before a taken-over run loads its steps
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
+    "ledger_write",  # before a model call's ledger row (and running totals) is written
     "step_save",  # before a step's checkpoint is written
     "effects_flush",  # before an effects() block is flushed
     "complete",  # before the completion (and the effects commit)

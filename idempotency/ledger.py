@@ -29,9 +29,10 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from celery import current_app
 from celery._state import get_current_task
-from sqlalchemy import BigInteger, Float, Table, bindparam, insert, update
+from sqlalchemy import BigInteger, Connection, Float, Table, bindparam, insert, update
 
 from oncelery.errors import ConfigurationError
+from oncelery.faults import fault_point
 from oncelery.models import LedgerTotal, ModelCall
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.statements import RUNS
@@ -350,8 +351,10 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
         "cost": call.cost or 0.0,
         "unpriced_calls": 1 if call.cost is None else 0,
     }
-    # One transaction: the row, the running totals the exporter reads, and the run's (what replays save).
-    with db.begin() as conn:
+
+    # One transaction: the row, the running totals the exporter reads, and the run's (what replays save);
+    # tried once more if a restart or a killed backend had broken the pooled connection (as `Database.one`).
+    def write(conn: Connection) -> None:
         conn.execute(_INSERT, row)
         totals = db.dialect.insert(TOTALS).values(
             task_name=origin.task_name or "", tenant=origin.tenant, model=call.model, **figures
@@ -361,6 +364,9 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
         if call.ok and origin.run_id is not None:
             params = {"p_run_id": origin.run_id, "p_input": call.input_tokens, "p_output": call.output_tokens}
             conn.execute(_ADD_TO_RUN, {**params, "p_cost": call.cost or 0.0})
+
+    fault_point("ledger_write", task=origin.task_name, key=origin.key, model=call.model)
+    db.write(write)
     logger.debug(
         "ledger: %s %s[%s] step=%s ok=%s tokens=%d/%d",
         call.model,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -217,6 +217,22 @@ class Database:
                 # safe for claims, renewals and completions (ON CONFLICT and the token fence guard them); an
                 # outcome counter whose commit succeeded but whose answer was lost would count twice (rare).
                 return self._one(stmt, params, durable)
+
+    def write(self, body: Callable[[Connection], None]) -> None:
+        """Run `body` in one transaction, once more on a fresh connection if a killed pooled one failed it.
+
+        For writes whose repeat is harmless, as in `one` (e.g. a ledger row, which a repeat could only write
+        twice if the first commit's answer were lost): never for effects.
+        """
+        with translated(self.url):
+            try:
+                with self.engine.begin() as conn:
+                    body(conn)
+            except DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+                with self.engine.begin() as conn:
+                    body(conn)
 
     def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
         if self.dialect.autocommit_statements:

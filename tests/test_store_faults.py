@@ -32,7 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
-from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, Runs, RunStatus, RunView, StoreError
+from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, Runs, RunStatus, RunView, StoreError, model_call
 from oncelery.faults import fault_injected
 from oncelery.models.migrate import JOBS, upgrade
 from oncelery.settings import ENV_SQLITE_BUSY_TIMEOUT, sqlite_busy_timeout_ms
@@ -525,6 +525,55 @@ def test_a_store_fault_counting_an_in_progress_wait_ends_once(
 def _status(db: Db, task_name: str, key: str) -> RunStatus | None:
     run = db.run(task_name, key)
     return None if run is None else run.status
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_store_fault_writing_a_model_calls_ledger_row_loses_no_row(
+    fault: str, pg_db: Db, pg_app: Celery, logs: LogLines
+) -> None:
+    """The ledger row of a model call meets a killed pooled connection (or a restart) as it is written: it is
+    written once, on a fresh connection, with its running totals; the job ends once."""
+    n = 11
+    key = job_key(n)
+    name = f"oncelery.t_fault_ledger_{fault}"
+
+    @pg_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=LEASE)
+    def job(self: IdempotentTask, n: int) -> dict[str, int]:
+        def ask() -> int:
+            with model_call("fake-llm", prompt="draft") as call:
+                call.tokens(12, 3)
+            return 2 * n
+
+        self.step("first", ask)
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
+        return expected(n)
+
+    killed: list[int] = []
+    hook = Once(fault_of(fault, pg_db, killed), key)
+    with running_worker(pg_app, concurrency=4), fault_injected("ledger_write", hook):
+        assert job.delay(n).get(timeout=JOB_TIMEOUT) == expected(n), report(pg_db, name, key, logs)
+    assert hook.error is None and hook.injected.is_set(), f"the fault was not injected: {hook.error!r}"
+    assert killed and killed[0] != 0, f"no backend to kill: {killed}"
+    detail = report(pg_db, name, key, logs)
+    assert pg_db.rows(effects_table, key) == 1, detail
+    assert not logs.has("could not record model call"), detail
+    run = pg_db.run(name, key)
+    assert run is not None
+    calls = retrying(lambda: query_ledger(pg_db, name), "reading the ledger")
+    assert calls == [(run.run_id, "fake-llm", 12, 3)], detail
+
+
+def query_ledger(db: Db, task_name: str) -> list[tuple[Any, ...]]:
+    """The model_calls rows of a task, and a check that ledger_totals agrees with them."""
+    with db.observer.connect() as conn:
+        rows = conn.execute(
+            text("SELECT run_id, model, input_tokens, output_tokens FROM model_calls WHERE task_name = :t"),
+            {"t": task_name},
+        ).all()
+        totals = conn.execute(text("SELECT calls FROM ledger_totals WHERE task_name = :t"), {"t": task_name}).all()
+    assert [tuple(t) for t in totals] == [(len(rows),)], totals
+    return [tuple(r) for r in rows]
 
 
 # -- 2. the server stopped while a job completes, started again after the next claim fails -------------------

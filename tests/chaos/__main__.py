@@ -1,0 +1,120 @@
+"""`python -m tests.chaos [--preset ci|full] [--jobs N --duplicates P --kills K ...]`: run the chaos checker.
+
+Prints `jobs=N faults=F lost=0 duplicated=0 unexpected=0` (plus per-fault counts, the fence and the LLM ledger
+summaries) and exits 0 only for a clean verdict (no job inconsistent with its stored result either), every
+fault kind at its minimum count, and a system that settled (no copy still delivered at the end); 1 otherwise;
+2 if the run could not start (no PostgreSQL binaries, no `postgres` user, a service that would not start);
+130 if interrupted (SIGINT/SIGTERM: every process is stopped first, the logs are kept).
+
+Presets (an option given on the command line overrides the preset's value):
+
+- ci   (the default): 500 jobs, 20 % duplicates, 6 kills (2 pool children, 2 main processes, 2 whole workers),
+       1 Redis flush, 3 backend kills (claim, step, commit), 2 PostgreSQL restarts (a fast stop, then an
+       immediate one: a crash), 1 proxy cut (of a holder about to commit), 2 zombies (one mid-steps, one
+       about to commit), 2 % long jobs past a 4 s visibility timeout; about 2 minutes on a 2-core machine.
+- full (for the docs): 10,000 jobs, 30 % duplicates, 51 kills, 3 flushes, 12 backend kills, 2 restarts,
+       3 cuts, 3 zombies; jobs spread over 15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "ci": {
+        "jobs": 500,
+        "duplicates": 20.0,
+        "kills": 6,
+        "flushes": 1,
+        "backend_kills": 3,
+        "restarts": 2,
+        "cuts": 1,
+        "zombies": 2,
+        "timeout": 230.0,
+        "workers": 2,
+        "seed": 1,
+        "window": 75.0,
+        "lease": 3.0,
+        "visibility_timeout": 4.0,
+        "long_share": 2.0,
+        "republish_after": 10.0,
+    },
+    "full": {
+        "jobs": 10_000,
+        "duplicates": 30.0,
+        "kills": 51,
+        "flushes": 3,
+        "backend_kills": 12,
+        "restarts": 2,
+        "cuts": 3,
+        "zombies": 3,
+        "timeout": 2400.0,
+        "workers": 2,
+        "seed": 1,
+        "window": 900.0,
+        "lease": 3.0,
+        "visibility_timeout": 4.0,
+        "long_share": 1.0,
+        "republish_after": 10.0,
+    },
+}
+
+
+def parse(argv: list[str]) -> dict[str, Any]:
+    """Return the run's values: the preset's, overridden by the options given."""
+    p = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="ci")
+    p.add_argument("--jobs", type=int, help="jobs to submit (each a distinct idempotency key)")
+    p.add_argument("--duplicates", type=float, help="percent of jobs sent a second time with the same key")
+    p.add_argument("--kills", type=int, help="SIGKILLs of pool children, worker main processes, whole workers")
+    p.add_argument("--flushes", type=int, help="Redis FLUSHALLs")
+    p.add_argument("--backend-kills", type=int, help="pg_terminate_backend in claims, steps, commits")
+    p.add_argument("--restarts", type=int, help="restarts of the throwaway PostgreSQL cluster")
+    p.add_argument("--cuts", type=int, help="blackholes of the cut-off worker's database proxy")
+    p.add_argument("--zombies", type=int, help="SIGSTOPs of a holder past its lease (then SIGCONT)")
+    p.add_argument("--timeout", type=float, help="overall bound in seconds (startup to verdict)")
+    p.add_argument("--workers", type=int, help="ordinary workers (>= 2), besides the cut-off one")
+    p.add_argument("--seed", type=int, help="seed of the plan: duplicates, long jobs, fault order")
+    p.add_argument("--window", type=float, help="seconds over which the jobs are submitted")
+    p.add_argument("--lease", type=float, help="the job's lease in seconds")
+    p.add_argument("--visibility-timeout", type=float, help="Redis visibility timeout (shorter than long jobs)")
+    p.add_argument("--long-share", type=float, help="percent of jobs that outlast the visibility timeout")
+    p.add_argument("--republish-after", type=float, help="the relay's --republish-after in seconds")
+    p.add_argument("--keep", action="store_true", help="keep the logs and the ledger (kept anyway on failure)")
+    given = vars(p.parse_args(argv))
+    values = dict(PRESETS[given.pop("preset")])
+    values.update({k: v for k, v in given.items() if v is not None})
+    if values["workers"] < 2:
+        p.error("--workers: give at least 2")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chaos checker; return its exit code."""
+    values = parse(sys.argv[1:] if argv is None else argv)
+    from tests.pg_cluster import postgres_runnable
+
+    if not postgres_runnable():
+        print("needs the PostgreSQL server binaries (initdb, pg_ctl, postgres) and a `postgres` user", file=sys.stderr)
+        return 2
+    from tests.chaos.runner import Run, options_from
+
+    def interrupt(signum: int, frame: object) -> None:
+        # `timeout`, a CI runner or a test's kill: the cleanup in Run.execute must still stop every process.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    run = Run(options_from(values))
+    print("chaos: " + " ".join(f"{k}={v}" for k, v in values.items()), flush=True)
+    try:
+        return run.execute()
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({exc}): every process was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Reads of the system under test, and the verdict: lost, duplicated and unexpected effects (Jepsen's queue checker).
+
+- lost: a submitted job (the ledger's `submissions`) with no committed effect row;
+- duplicated: a job with more than one committed effect row (an effect applied more than once);
+- unexpected: a committed effect row for a job never submitted, or written by an attempt the ledger never
+  staged (an effect nobody's code made);
+- inconsistent (checked too, reported on its own line): a job whose one effect does not match its COMPLETED
+  run's stored result (other attempt, or a draft the fake model would not have given).
+
+The committed effect rows are read once, at the end, through the runner's own connection (a final read).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
+
+from oncelery import StoreError, cost_report, step_seed
+from tests.chaos.jobs import TASK_NAME, expected_draft
+from tests.chaos.ledger import Ledger
+
+T = TypeVar("T")
+
+
+def key_of(job: int) -> str:
+    """The idempotency key the chaos task derives for `job`."""
+    return f"chaos:{job}"
+
+
+class Sut:
+    """The runner's reads of the claims database: plain connections (NullPool), retried through restarts."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+
+    def retrying(self, fn: Callable[[Any], T], timeout: float = 90.0) -> T:
+        """Run `fn(connection)`, again after a database fault, for at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with self.engine.connect() as conn:
+                    return fn(conn)
+            except (DBAPIError, StoreError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def rows(self, sql: str, **params: Any) -> list[Any]:
+        """Return the rows of `sql` (retried)."""
+        return self.retrying(lambda conn: list(conn.execute(text(sql), params)))
+
+    def run_of(self, job: int) -> tuple[str, int] | None:
+        """Return (status, fencing token) of the job's run, or None before its first claim."""
+        rows = self.rows(
+            "SELECT status, fencing_token FROM task_runs WHERE task_name = :t AND idempotency_key = :k",
+            t=TASK_NAME,
+            k=key_of(job),
+        )
+        return (str(rows[0][0]), int(rows[0][1])) if rows else None
+
+    def holds(self, job: int, token: int) -> bool:
+        """Whether the job's run is RUNNING under `token` (that attempt holds it)."""
+        run = self.run_of(job)
+        return run is not None and run[0].endswith("RUNNING") and run[1] == token
+
+    def effect_attempts(self, job: int) -> list[str]:
+        """Return the attempts whose effect for `job` committed."""
+        return [str(a) for (a,) in self.rows("SELECT attempt FROM chaos_effects WHERE job = :j", j=job)]
+
+    def jobs_done(self) -> int:
+        """Return how many distinct jobs have a committed effect."""
+        return int(self.rows("SELECT count(DISTINCT job) FROM chaos_effects")[0][0])
+
+    def unsettled(self) -> int:
+        """Return runs still RUNNING plus outbox rows not yet published (work the system still owes)."""
+        running = self.rows("SELECT count(*) FROM task_runs WHERE status = 'RUNNING'")[0][0]
+        pending = self.rows("SELECT count(*) FROM outbox WHERE status = 'PENDING'")[0][0]
+        return int(running) + int(pending)
+
+    def outcomes(self) -> dict[str, int]:
+        """Return the task's delivery outcome counts (the framework's G7 counters)."""
+        rows = self.rows(
+            "SELECT outcome, sum(count) FROM delivery_outcomes WHERE task_name = :t GROUP BY outcome", t=TASK_NAME
+        )
+        return {str(o).lower().rsplit(".", 1)[-1]: int(n) for o, n in rows}
+
+    def close(self) -> None:
+        """Close the engine."""
+        self.engine.dispose()
+
+
+@dataclass
+class Verdict:
+    """The checker's counts, and the job ids behind them (for the report)."""
+
+    jobs: int = 0
+    lost: list[int] = field(default_factory=list)
+    duplicated: list[int] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    inconsistent: list[int] = field(default_factory=list)
+    refused: int = 0  # staged effects that never committed: completions the fence refused
+    fenced: int = 0  # attempts that raised LeaseLost in the body
+    completions_refused: int = 0  # bodies that returned, whose fenced completion was refused
+    summary: list[str] = field(default_factory=list)
+
+    def ok(self) -> bool:
+        """Whether nothing was lost, duplicated, unexpected or inconsistent."""
+        return not (self.lost or self.duplicated or self.unexpected or self.inconsistent)
+
+
+def check(ledger: Ledger, sut: Sut) -> Verdict:
+    """Compare the ledger's history with the system's committed effects and stored results."""
+    v = Verdict()
+    submitted = {int(j) for (j,) in ledger.rows("SELECT DISTINCT job FROM submissions")}
+    staged = {str(a) for (a,) in ledger.rows("SELECT attempt FROM staged")}
+    v.jobs = len(submitted)
+    effects = sut.rows("SELECT job, attempt FROM chaos_effects")
+    per_job = Counter(int(job) for job, _ in effects)
+    v.lost = sorted(j for j in submitted if per_job[j] == 0)
+    v.duplicated = sorted(j for j, n in per_job.items() if n > 1)
+    v.unexpected = [f"job {job} attempt {a}" for job, a in effects if int(job) not in submitted or a not in staged]
+    committed = {str(a) for _, a in effects}
+    v.refused = len(staged - committed)
+    v.fenced = ledger.scalar("SELECT count(*) FROM attempts WHERE how = 'fenced'")
+    returned = {str(a) for (a,) in ledger.rows("SELECT attempt FROM attempts WHERE how = 'returned'")}
+    v.completions_refused = len((returned & staged) - committed)
+    runs = {
+        str(k): (str(s), r)
+        for k, s, r in sut.rows(
+            "SELECT idempotency_key, status, result FROM task_runs WHERE task_name = :t", t=TASK_NAME
+        )
+    }
+    only = {int(job): str(a) for job, a in effects if per_job[int(job)] == 1}
+    for job, attempt in sorted(only.items()):
+        status, result = runs.get(key_of(job), ("", None))
+        result = json.loads(result) if isinstance(result, str) else result
+        draft = expected_draft(job, step_seed(TASK_NAME, key_of(job), "draft"))
+        want = {"job": job, "attempt": attempt, "draft": draft}
+        if not status.endswith("COMPLETED") or not result or any(result.get(k) != w for k, w in want.items()):
+            v.inconsistent.append(job)
+    v.summary.append(llm_summary(ledger, sut, v.jobs))
+    return v
+
+
+def llm_summary(ledger: Ledger, sut: Sut, jobs: int) -> str:
+    """One line: model calls made (framework ledger and runner ledger) vs jobs, calls repeated, calls saved."""
+    per_key = sut.rows(
+        "SELECT idempotency_key, count(*) FROM model_calls WHERE task_name = :t GROUP BY idempotency_key", t=TASK_NAME
+    )
+    made = sum(int(n) for _, n in per_key)
+    repeated_jobs = sum(1 for _, n in per_key if int(n) > 1)
+    repeated = sum(int(n) - 1 for _, n in per_key if int(n) > 1)
+    seen = ledger.scalar("SELECT count(*) FROM llm_calls")
+    # Calls the job made that the framework's ledger has no row for (a call cut short by SIGKILL, or a row
+    # whose own write hit a database fault: logged at ERROR, never raised). Informative, not a verdict.
+    rows = {str(k): int(n) for k, n in per_key}
+    missing = [
+        (int(job), int(n) - rows.get(key_of(int(job)), 0))
+        for job, n in ledger.rows("SELECT job, count(*) FROM llm_calls GROUP BY job")
+        if int(n) > rows.get(key_of(int(job)), 0)
+    ]
+    try:
+        saved = sut.retrying(lambda _conn: cost_report(sut.url, task_name=TASK_NAME).saved.calls)
+    except Exception as exc:  # the summary is informative; the verdict does not depend on it
+        saved = f"? ({type(exc).__name__})"
+    return (
+        f"llm: model_calls={made} for jobs={jobs} (runner ledger saw {seen} calls), calls_repeated={repeated} "
+        f"in {repeated_jobs} jobs, calls_saved_by_replays={saved}, calls_without_a_row={sum(n for _, n in missing)} "
+        f"(jobs {[job for job, _ in missing][:10]})"
+    )

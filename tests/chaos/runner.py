@@ -1,0 +1,356 @@
+"""The chaos run: start everything, submit the jobs, inject the fault schedule, settle, check, stop everything.
+
+Timeline: the jobs are submitted at a steady rate over `window` seconds (originals through the outbox, p % of
+them a second time, through the outbox or straight to the broker), the last few held back until every fault
+was tried, so the faults always find jobs in flight. The faults run one at a time, spread over the window in a
+seeded order. Then the run settles: every submitted job has its effect and nothing is RUNNING or unpublished
+(bounded), and the checker compares the ledger with the committed effects.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from tests.chaos.ledger import Ledger
+from tests.chaos.procs import RedisServer, Relay, Sessions, Worker, wait_for
+from tests.chaos.proxy import BlackholeProxy
+from tests.pg_cluster import PgCluster, postgres_bindir
+from tests.services import clean_env
+
+STARTUP_TIMEOUT = 90.0
+RESERVE = 0.3  # the share of jobs held back to trickle while faults remain
+TRICKLE = 2.0  # jobs per second while they trickle
+BURST = 10  # originals sent at once when a fault asks for a backlog
+
+
+@dataclass
+class Options:
+    """The run's parameters (see __main__ for their meaning and the presets)."""
+
+    jobs: int
+    duplicates: float  # percent
+    kills: int
+    flushes: int
+    backend_kills: int
+    restarts: int
+    cuts: int
+    zombies: int
+    timeout: float
+    workers: int
+    seed: int
+    window: float
+    lease: float
+    visibility_timeout: float
+    long_share: float  # percent of jobs longer than the visibility timeout
+    republish_after: float
+    keep: bool = False
+
+
+class Run:
+    """One chaos run; `execute()` returns the exit code and always stops every process it started."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.rng = random.Random(opts.seed)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + opts.timeout
+        self.workdir = Path(tempfile.mkdtemp(prefix="oncelery-chaos-"))
+        self.sessions = Sessions()
+        self.ledger = Ledger(self.workdir / "ledger.db")
+        self.cluster: PgCluster | None = None
+        self.proxy: BlackholeProxy | None = None
+        self.workers: dict[str, Worker] = {}
+        self.relay: Relay | None = None
+        self.stopping = threading.Event()
+        self.faults_done = threading.Event()
+        self.burst_left = 0  # originals to send at once (a fault asked for a backlog in the queue)
+        self.seconds: dict[int, float | None] = {}
+        self.sent = {"outbox": 0, "direct": 0, "fault": 0}
+        self.errors: list[str] = []
+        self.threads: list[threading.Thread] = []
+        self.settled = False
+        self.failed = False
+        self._last_note = 0.0
+
+    def log(self, line: str) -> None:
+        """Print a progress line with the elapsed time."""
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {line}", flush=True)
+
+    def left(self) -> float:
+        """Seconds left before the overall timeout."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    # -- setup -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start Redis, the cluster (migrated), the proxy, the workers and the relay; wait until all are ready."""
+        opts = self.opts
+        self.ledger.create()
+        redis = RedisServer(self.sessions, self.workdir)
+        bindir = postgres_bindir()
+        if bindir is None:
+            raise RuntimeError("no PostgreSQL binaries (initdb, pg_ctl, postgres)")
+        self.cluster = PgCluster(bindir)
+        self.cluster.start()
+        self.database, url = self.cluster.create_database("chaos")
+        self.proxy = BlackholeProxy("127.0.0.1", self.cluster.port).start()
+        cut_url = make_url(url).set(port=self.proxy.port).render_as_string(hide_password=False)
+        if not redis.wait_ready():
+            raise RuntimeError(f"redis-server did not start: see {self.workdir / 'redis.log'}")
+        self.redis = redis
+        env = clean_env(
+            ONCELERY_DATABASE_URL=url,
+            ONCELERY_BROKER_URL=f"{redis.url}/0",
+            ONCELERY_RESULT_BACKEND=f"{redis.url}/1",
+            ONCELERY_VISIBILITY_TIMEOUT=f"{opts.visibility_timeout:g}",
+            ONCELERY_UNACKED_RESTORE_INTERVAL="1",
+            ONCELERY_DATA_DIR=str(self.workdir / "data"),
+            CHAOS_LEDGER=str(self.ledger.path),
+            CHAOS_LEASE=f"{opts.lease:g}",
+        )
+        # This process is a client of the same app (outbox writes, direct sends): the same settings.
+        os.environ.update({k: v for k, v in env.items() if k.startswith(("ONCELERY_", "CHAOS_"))})
+        os.environ["CHAOS_ROLE"] = "runner"
+        from oncelery import upgrade_schema
+        from tests.chaos import jobs
+        from tests.chaos.checker import Sut
+
+        self.jobs = jobs
+        self.url = url
+        self.log(upgrade_schema(url))
+        self.sut = Sut(url)
+        jobs.metadata.create_all(self.sut.engine)
+        names = ["w1", "w2"] + [f"w{i}" for i in range(3, opts.workers + 1)]
+        for name in names:
+            self.workers[name] = Worker(self.sessions, name, 2, env, self.workdir)
+        # The cut-off host: one pool child (it takes no other job while its holder hangs), through the proxy.
+        self.workers["cut"] = Worker(self.sessions, "cut", 1, {**env, "ONCELERY_DATABASE_URL": cut_url}, self.workdir)
+        for worker in self.workers.values():
+            worker.start()
+        self.relay = Relay(self.sessions, env, self.workdir, opts.republish_after)
+        ready = wait_for(lambda: all(w.ready() for w in self.workers.values()) and self.relay.ready(), STARTUP_TIMEOUT)
+        if not ready:
+            raise RuntimeError(f"workers or relay not ready after {STARTUP_TIMEOUT}s: see {self.workdir}")
+        self.log(f"ready: redis {redis.port}, postgres {self.cluster.port}, proxy {self.proxy.port}, {self.workdir}")
+
+    # -- submissions ---------------------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[bool, str | None]]:
+        """Per job, seeded: whether it is long (outlasts the visibility timeout) and how its duplicate is sent."""
+        opts, rng = self.opts, self.rng
+        plan = []
+        for job in range(opts.jobs):
+            long = rng.random() * 100 < opts.long_share
+            self.seconds[job] = opts.visibility_timeout + 2.0 if long else None
+            duplicate = rng.random() * 100 < opts.duplicates
+            plan.append((long, rng.choice(("outbox", "direct")) if duplicate else None))
+        return plan
+
+    def submit(self, job: int, copy: int, via: str) -> None:
+        """Record, then send one copy of `job` (the outbox write retried through database faults)."""
+        from sqlalchemy.orm import Session
+
+        from oncelery import outbox
+
+        self.ledger.submitted(job, copy, via)
+        self.sent[via] += 1
+        args = (job, self.seconds[job])
+        if via != "outbox":
+            self.jobs.chaos_job.apply_async(args)
+            return
+        while not self.stopping.is_set():
+            try:
+                with Session(self.sut.engine) as session, session.begin():
+                    outbox.enqueue(session, self.jobs.chaos_job, *args)
+                return
+            except Exception as exc:  # a killed backend or a restart: the row was not written, write it again
+                self.errors.append(f"enqueue {job}: {type(exc).__name__}")
+                time.sleep(0.2)
+
+    def ask_burst(self) -> None:
+        """Send the next BURST originals at once (a backlog for the flush to lose)."""
+        self.burst_left = BURST
+
+    def resend(self, job: int) -> None:
+        """A client's retry of `job` (a fault's contender for the key), straight to the broker."""
+        self.submit(job, 2, "fault")
+
+    def submitter(self, plan: list[tuple[bool, str | None]]) -> None:
+        """Send the originals at jobs/window per second, each duplicate 0.05-3 s after its original.
+
+        The last RESERVE of the jobs trickle at TRICKLE per second until every fault was tried, so the faults
+        always find jobs in flight; a fault may ask for a burst (a backlog in the queue) through ask_burst().
+        """
+        jobs = self.opts.jobs
+        interval = self.opts.window / jobs
+        trickle_from = int(jobs * (1 - RESERVE))
+        copies: list[tuple[float, int, str]] = []
+        next_at = time.monotonic()
+        job = 0
+        while not self.stopping.is_set() and (job < jobs or copies):
+            now = time.monotonic()
+            while copies and copies[0][0] <= now:
+                _, dup, via = heapq.heappop(copies)
+                self.send(dup, 1, via)
+            burst = self.burst_left > 0
+            if job < jobs and (now >= next_at or burst):
+                self.send(job, 0, "outbox")
+                if plan[job][1] is not None:
+                    heapq.heappush(copies, (now + self.rng.uniform(0.05, 3.0), job, plan[job][1]))
+                job += 1
+                if burst:
+                    self.burst_left -= 1
+                slow = job >= trickle_from and not self.faults_done.is_set()
+                next_at = max(next_at + interval, now + 1 / TRICKLE) if slow else next_at + interval
+                continue
+            wakes = [c[0] for c in copies[:1]] + ([next_at] if job < jobs else [])
+            wake = min(wakes, default=now + 0.5)
+            self.stopping.wait(min(0.5, max(0.0, wake - now)))
+
+    def send(self, job: int, copy: int, via: str) -> None:
+        """submit(), and a failed direct send noted (the job's outbox copy still carries it)."""
+        try:
+            self.submit(job, copy, via)
+        except Exception as exc:
+            self.errors.append(f"send {job}/{copy}: {type(exc).__name__}: {exc}")
+
+    def keeper(self) -> None:
+        """Restart every worker that exited (killed, or refused to start during a restart), and the relay."""
+        while not self.stopping.wait(0.2):
+            for worker in self.workers.values():
+                if worker.exited():
+                    worker.restarts += 1
+                    worker.start()
+            if self.relay is not None and self.relay.keep_alive():
+                self.log("relay restarted")
+
+    # -- the run ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> list[str]:
+        """The faults in a seeded order (kills cycle child, main, host; backend kills cycle claim, step, commit)."""
+        opts = self.opts
+        kinds = [("kill_child", "kill_main", "kill_host")[i % 3] for i in range(opts.kills)]
+        kinds += [f"backend_{('claim', 'step', 'commit')[i % 3]}" for i in range(opts.backend_kills)]
+        kinds += ["flush"] * opts.flushes + ["restart"] * opts.restarts
+        kinds += ["cut"] * opts.cuts + ["zombie"] * opts.zombies
+        self.rng.shuffle(kinds)
+        return kinds
+
+    def execute(self) -> int:
+        """Run everything; return 0 for a clean verdict with the minimum faults, else 1 (2: could not start)."""
+        try:
+            try:
+                self.start()
+            except Exception as exc:
+                self.log(f"could not start: {type(exc).__name__}: {exc}")
+                self.failed = True
+                return 2
+            return self.drive()
+        except BaseException:
+            self.failed = True  # an interrupt or a runner error: keep the logs and the ledger
+            raise
+        finally:
+            self.stop()
+
+    def drive(self) -> int:
+        """Submit, inject, settle and check (the processes are up)."""
+        from tests.chaos.faults import Chaos
+        from tests.chaos.report import report
+
+        if self.cluster is None or self.proxy is None:
+            raise RuntimeError("drive() needs start() first")
+        chaos = Chaos(self.cluster, self.database, self.redis, self.workers, self.proxy, self.ledger, self.sut,
+                      self.resend, self.ask_burst, self.log)  # fmt: skip
+        self.threads = threads = [
+            threading.Thread(target=self.submitter, args=(self.plan(),), name="submitter", daemon=True),
+            threading.Thread(target=self.keeper, name="keeper", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        started = time.monotonic()
+        kinds = self.schedule()
+        fault_window = self.opts.window * 0.85
+        for i, kind in enumerate(kinds):
+            due = started + fault_window * (i + 0.5) / max(1, len(kinds))
+            if self.left() < 30 or self.stopping.wait(max(0.0, due - time.monotonic())):
+                break
+            chaos.inject(kind)
+        self.faults_done.set()
+        threads[0].join(self.left())
+        self.log(f"submitted: {self.sent}; settling")
+        self.settle()
+        self.stopping.set()
+        return report(self, chaos)
+
+    def settle(self) -> None:
+        """Wait (bounded) until every submitted job has an effect, then until the system is quiet.
+
+        Quiet: nothing RUNNING, nothing unpublished in the outbox, nothing queued, and no delivery for longer than
+        a waiting copy's longest backoff (or a visibility timeout). A system that keeps delivering copies after
+        every job finished (e.g. duplicates answered "in progress" for ever) has not settled: a failed run.
+        """
+        from oncelery import WAIT_BACKOFF_CAP
+
+        jobs = self.opts.jobs
+        quiet_for = max(WAIT_BACKOFF_CAP, self.opts.visibility_timeout) + 2.0
+
+        def progress() -> bool:
+            done = self.sut.jobs_done()
+            if time.monotonic() - self._last_note > 10:
+                self._last_note = time.monotonic()
+                self.log(f"  {done}/{jobs} jobs have their effect")
+            return done >= jobs
+
+        def quiet() -> bool:
+            idle = time.time() - self.ledger.last_delivery() >= quiet_for
+            return idle and self.sut.unsettled() == 0 and self.redis.queued() == 0
+
+        self._last_note = time.monotonic()
+        if not wait_for(progress, max(0.0, self.left() - 15), 0.5):
+            self.log("settle: not every job has its effect before the timeout")
+        # Copies still in flight (duplicates, waits, redeliveries) must be answered before the final read:
+        # a late one that wrongly applied an effect again must be counted.
+        self.settled = bool(wait_for(quiet, min(quiet_for + 60.0, self.left()), 0.5))
+        self.log("settled" if self.settled else "settle: deliveries, runs or messages still in flight at the end")
+
+    def stop(self) -> None:
+        """Stop every process this run started, by PID, and remove the cluster (always: also on errors)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup short
+                signal.signal(sig, signal.SIG_IGN)
+        self.stopping.set()
+        self.faults_done.set()
+        for thread in self.threads:  # the keeper must not start a worker the stop below would miss
+            thread.join(30)
+        if self.proxy is not None:
+            self.proxy.heal()
+        self.sessions.stop_all()
+        if self.proxy is not None:
+            self.proxy.close()
+        if hasattr(self, "sut"):
+            self.sut.close()
+        if self.cluster is not None:
+            self.cluster.remove()
+        self.ledger.close()
+        if not self.opts.keep and not self.failed:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        else:
+            self.log(f"logs and ledger kept in {self.workdir}")
+
+
+def options_from(values: dict[str, Any]) -> Options:
+    """Build Options from a dict of argparse values."""
+    names = Options.__dataclass_fields__
+    return Options(**{k: v for k, v in values.items() if k in names})
