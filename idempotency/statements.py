@@ -159,7 +159,8 @@ class Statements:
         # id and status), counted with the `replayed` outcome in the same transaction, with what it saved.
         self.count_replay_on_run = (
             update(RUNS)
-            .where(RUNS.c.id == bindparam("p_run_id"), RUNS.c.status == RunStatus.COMPLETED)
+            # By id alone: the run was read COMPLETED, which is final (see one_trip.claim_or_replay's `bumped`).
+            .where(RUNS.c.id == bindparam("p_run_id"))
             .values(replays=RUNS.c.replays + 1)
             .returning(*(RUNS.c[column] for column in SAVED_FROM.values()))
         )
