@@ -77,6 +77,9 @@ __all__ = [
     "lease_lost",
 ]
 
+# How each driver names a violation of the partial unique index "one RUNNING run per entity"
+# (models.runs.TaskRun): PostgreSQL by the index, SQLite by its last column.
+ENTITY_INDEX = ("uq_task_runs_running_concurrency_key", "task_runs.concurrency_key")
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
 
@@ -210,10 +213,18 @@ class RunStore:
                     # (The retry itself carries the run's task id: it may go, even a moment early.)
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
                 row, _ = self.db.one(self.sql.takeover, params, durable=False)
-            except IntegrityError:
+            except IntegrityError as exc:
+                if concurrency_key is None or not any(name in str(exc.orig) for name in ENTITY_INDEX):
+                    # Not the entity lock: a schema that does not match the code (NOT NULL, CHECK). Taking it
+                    # for a busy entity would re-send the job "in progress" forever; a store error re-sends it
+                    # too, but says what is wrong, every time.
+                    raise StoreError(
+                        f"{task_name}[{ident.key}]: the claims database refused the claim: {exc.orig}; is its "
+                        f"schema at the code's revision? Run `oncelery db upgrade`"
+                    ) from exc
                 # The partial unique index refused a second RUNNING run for this entity. If its holder's lease
                 # expired (database clock), demote that run and claim again; a live holder keeps the entity.
-                if concurrency_key is not None and self.db.one(self.sql.demote_expired_entity, params)[1] > 0:
+                if self.db.one(self.sql.demote_expired_entity, params)[1] > 0:
                     continue
                 return ClaimResult(Decision.ENTITY_BUSY)
             if row is not None:

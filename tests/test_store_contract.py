@@ -12,7 +12,7 @@ from sqlalchemy import event, insert, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from oncelery import LeaseLost, testing
+from oncelery import LeaseLost, StoreError, testing
 from oncelery.claims import Claim, Decision, RunStore
 from oncelery.keys import Identity
 from oncelery.models import Outcome, RunStatus, TaskRun
@@ -227,3 +227,20 @@ def test_a_duplicate_is_claimed_answered_and_counted_in_one_statement(db_url: st
         for name in ("claim_or_replay", "insert_claim", "complete_and_count", "takeover", "heartbeat"):
             sql = str(getattr(store.sql, name).compile(dialect=store.db.engine.dialect))
             assert len(sql) <= MAX_CACHED_STATEMENT_LENGTH, f"{name}: {len(sql)} characters"
+
+
+def test_a_schema_that_refuses_the_claim_is_a_store_error_not_a_busy_entity(db_url: str) -> None:
+    """An integrity error that is not the entity lock (here a CHECK the code does not expect) is a StoreError
+    naming `oncelery db upgrade`: taken for a busy entity, the job would bounce "in progress" for ever."""
+    store = RunStore(db_url)
+    if store.dialect != "postgresql":
+        pytest.skip("SQLite cannot add a constraint to an existing table")
+    with store.db.begin() as conn:
+        conn.execute(text("ALTER TABLE task_runs ADD CONSTRAINT t_never CHECK (attempts > 5) NOT VALID"))
+    try:
+        with pytest.raises(StoreError, match="oncelery db upgrade"):
+            store.claim(TASK, ident("schema"), lease=30, concurrency_key="entity-1")
+        assert store.get(TASK, "schema") is None
+    finally:
+        with store.db.begin() as conn:
+            conn.execute(text("ALTER TABLE task_runs DROP CONSTRAINT t_never"))
