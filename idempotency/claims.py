@@ -20,7 +20,6 @@ row and a counter is handed out again.
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,9 +51,9 @@ from oncelery.errors import StaleVersion, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
-from oncelery.outcomes import outcome_counts, record_outcome, record_outcome_txn
+from oncelery.outcomes import counter_shard, outcome_counts, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView, run_view
-from oncelery.statements import LETTERS, OUTCOME_SHARDS, SECRETS, VERSIONS, Statements, statements
+from oncelery.statements import LETTERS, SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
 
 # The claim types are re-exported: oncelery.claims is where callers import them from.
@@ -168,7 +167,7 @@ class RunStore:
                 "p_task_id": celery_task_id,
                 "p_message": message,
                 "p_abandoned": abandoned or "",
-                "p_shard": random.randrange(OUTCOME_SHARDS),  # the replayed counter's row, if one is counted
+                "p_shard": counter_shard(),  # the replayed counter's row, if one is counted
                 **self.lease_params(lease),
             }
             try:

@@ -18,6 +18,7 @@ POINTS = (
     "version_check",  # before a versioned event reads its entity's applied version
     "claim",  # before the claim statement
     "load_checkpoints",  # before a taken-over run loads its steps
+    "heartbeat",  # before a holder's lease renewal (on the heartbeat thread, while the body runs)
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "ledger_write",  # before a model call's ledger row (and running totals) is written
     "step_save",  # before a step's checkpoint is written

@@ -21,6 +21,7 @@ from sqlalchemy import and_, not_
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.errors import LeaseLost
+from oncelery.faults import fault_point
 from oncelery.models import TaskRun
 from oncelery.settings import HEARTBEATS_PER_LEASE
 
@@ -86,6 +87,7 @@ class Heartbeat:
             )
             return False
         try:
+            fault_point("heartbeat", task=self.claim.task_name, key=self.claim.key, token=self.claim.token)
             ok = self.store.heartbeat(self.claim)
         except Exception as exc:
             # A database blip is not a takeover: keep trying; the fenced completion decides.

@@ -15,7 +15,7 @@ from oncelery.models import Outcome
 from oncelery.statements import OUTCOME_SHARDS, OUTCOME_TOTALS, OUTCOMES, statements
 from oncelery.store import Database
 
-__all__ = ["Outcome", "outcome_counts", "outcome_params", "record_outcome", "record_outcome_txn"]
+__all__ = ["Outcome", "counter_shard", "outcome_counts", "outcome_params", "record_outcome", "record_outcome_txn"]
 
 
 def outcome_params(task_name: str, outcome: Outcome, tenant: str = "", **totals: float) -> dict[str, Any]:
@@ -23,8 +23,12 @@ def outcome_params(task_name: str, outcome: Outcome, tenant: str = "", **totals:
     params: dict[str, Any] = {f"p_{name}": totals.pop(name, 0) for name in OUTCOME_TOTALS}
     if totals:
         raise TypeError(f"not an outcome total: {sorted(totals)}")
-    shard = random.randrange(OUTCOME_SHARDS)
-    return {"p_task": task_name, "p_tenant": tenant, "p_outcome": outcome, "p_shard": shard, **params}
+    return {"p_task": task_name, "p_tenant": tenant, "p_outcome": outcome, "p_shard": counter_shard(), **params}
+
+
+def counter_shard() -> int:
+    """A random shard of an outcome counter (concurrent workers rarely queue on one counter row)."""
+    return random.randrange(OUTCOME_SHARDS)
 
 
 def record_outcome_txn(

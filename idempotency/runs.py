@@ -93,10 +93,6 @@ def _runs_query(db: Database) -> Select[Any]:
 
 def run_view(row: Any) -> RunView:
     """The RunView of a row holding statements.RUN_VIEW_COLUMNS, lease_live and retry_wait."""
-    return _view(row)
-
-
-def _view(row: Any) -> RunView:
     return RunView(
         run_id=row.id,
         task_name=row.task_name,
@@ -150,7 +146,7 @@ class Runs:
         stmt = _runs_query(self.db).where(c.task_name == task_name, c.tenant == tenant, c.idempotency_key == key)
         with self.db.read() as conn:
             row = conn.execute(stmt).first()
-        return None if row is None else _view(row)
+        return None if row is None else run_view(row)
 
     def find(self, key: str, task_name: str | None = None, tenant: str | None = None) -> list[RunView]:
         """Return every run with `key` (of one task, one tenant, if given), ordered by task and tenant."""
@@ -161,7 +157,7 @@ class Runs:
         if tenant is not None:
             stmt = stmt.where(c.tenant == tenant)
         with self.db.read() as conn:
-            return [_view(row) for row in conn.execute(stmt)]
+            return [run_view(row) for row in conn.execute(stmt)]
 
     def list(
         self,
@@ -186,7 +182,7 @@ class Runs:
         if limit is not None:
             stmt = stmt.limit(limit)
         with self.db.read() as conn:
-            return [_view(row) for row in conn.execute(stmt)]
+            return [run_view(row) for row in conn.execute(stmt)]
 
     def statuses(self, task_name: str, keys: Collection[str]) -> dict[RunStatus, int]:
         """Return how many of `keys`' runs are in each status (keys without a run are not counted)."""

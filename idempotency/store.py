@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, CursorResult
 from sqlalchemy.engine import Engine, make_url
@@ -18,6 +18,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from oncelery.dialects import MODE_AUTOCOMMIT, MODE_DEFAULT, MODE_FAST, MODE_READ, Dialect, dialect_of
 from oncelery.errors import SchemaMissing, StoreUnavailable
+
+T = TypeVar("T")
 
 _engines: dict[tuple[str, int, str], Engine] = {}
 _lock = threading.RLock()
@@ -206,17 +208,7 @@ class Database:
         `durable=False` commits without waiting for the disk (claims and lease renewals): PostgreSQL's
         synchronous_commit=off, SQLite's synchronous=NORMAL.
         """
-        with translated(self.url):
-            try:
-                return self._one(stmt, params, durable)
-            except DBAPIError as exc:
-                if not exc.connection_invalidated:
-                    raise
-                # A pooled connection that a restart or failover killed: SQLAlchemy has invalidated the pool,
-                # so one more try gets a fresh connection instead of costing the job a re-send. Repeating is
-                # safe for claims, renewals and completions (ON CONFLICT and the token fence guard them); an
-                # outcome counter whose commit succeeded but whose answer was lost would count twice (rare).
-                return self._one(stmt, params, durable)
+        return self._once_more_if_invalidated(lambda: self._one(stmt, params, durable))
 
     def write(self, body: Callable[[Connection], None]) -> None:
         """Run `body` in one transaction, once more on a fresh connection if a killed pooled one failed it.
@@ -224,15 +216,26 @@ class Database:
         For writes whose repeat is harmless, as in `one` (e.g. a ledger row, which a repeat could only write
         twice if the first commit's answer were lost): never for effects.
         """
+
+        def transaction() -> None:
+            with self.engine.begin() as conn:
+                body(conn)
+
+        self._once_more_if_invalidated(transaction)
+
+    def _once_more_if_invalidated(self, attempt: Callable[[], T]) -> T:
         with translated(self.url):
             try:
-                with self.engine.begin() as conn:
-                    body(conn)
+                return attempt()
             except DBAPIError as exc:
                 if not exc.connection_invalidated:
                     raise
-                with self.engine.begin() as conn:
-                    body(conn)
+                # A pooled connection that a restart or failover killed: SQLAlchemy has invalidated the pool,
+                # so one more try gets a fresh connection instead of costing the job a re-send. Repeating is
+                # safe for claims, renewals and completions (ON CONFLICT and the token fence guard them); an
+                # outcome counter or ledger row whose commit succeeded but whose answer was lost would be
+                # written twice (rare).
+                return attempt()
 
     def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
         if self.dialect.autocommit_statements:

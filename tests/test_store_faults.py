@@ -522,6 +522,42 @@ def test_a_store_fault_counting_an_in_progress_wait_ends_once(
     assert pg_db.rows(effects_table, key) == 1, detail
 
 
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_store_fault_renewing_the_lease_ends_once(fault: str, pg_db: Db, pg_app: Celery, logs: LogLines) -> None:
+    """The holder's lease renewal meets killed backends (or a restart) while the body runs: the heartbeat
+    keeps trying, a later renewal lands, and the job completes once, never taken over or fenced."""
+    n = 12
+    key = job_key(n)
+    name = f"oncelery.t_fault_heartbeat_{fault}"
+    hook = Once(fault_of(fault, pg_db, killed := []), key)
+    seen: list[Any] = []
+
+    def renewed_after_the_fault() -> bool:
+        run = pg_db.run(name, key)
+        if run is None or not hook.injected.is_set():
+            return False
+        seen.append(run.lease_expires_at)
+        return len(seen) > 1 and seen[-1] > seen[0]
+
+    @pg_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=LEASE)
+    def job(self: IdempotentTask, n: int) -> dict[str, int]:
+        # The body outlives the fault and one more renewal (observed in the database), then writes its effect.
+        self.step("wait", lambda: wait_for(renewed_after_the_fault, JOB_TIMEOUT, what="a renewal after the fault"))
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
+        return expected(n)
+
+    with running_worker(pg_app, concurrency=4), fault_injected("heartbeat", hook):
+        assert job.delay(n).get(timeout=JOB_TIMEOUT) == expected(n), report(pg_db, name, key, logs)
+    assert hook.error is None and hook.injected.is_set(), f"the fault was not injected: {hook.error!r}"
+    assert killed and killed[0] != 0, f"no backend to kill: {killed}"
+    detail = report(pg_db, name, key, logs)
+    assert pg_db.rows(effects_table, key) == 1, detail
+    run = pg_db.run(name, key)
+    assert run is not None and run.status is RunStatus.COMPLETED and run.token == 1, detail
+    assert pg_db.counts(name) == {"executed": 1}, detail
+
+
 def _status(db: Db, task_name: str, key: str) -> RunStatus | None:
     run = db.run(task_name, key)
     return None if run is None else run.status
