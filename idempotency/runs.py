@@ -97,7 +97,7 @@ def run_view(row: Any) -> RunView:
         run_id=row.id,
         task_name=row.task_name,
         key=row.idempotency_key,
-        status=row.status,
+        status=RunStatus(row.status),  # a driver row holds the text
         fingerprint=row.fingerprint,
         field_digests=row.field_digests,
         token=row.fencing_token,

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from oncelery.dialects import MODE_AUTOCOMMIT, MODE_DEFAULT, MODE_FAST, MODE_READ, Dialect, dialect_of
+from oncelery.driver import run_on_driver
 from oncelery.errors import SchemaMissing, StoreUnavailable
 
 T = TypeVar("T")
@@ -239,7 +240,11 @@ class Database:
 
     def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
         if self.dialect.autocommit_statements:
-            with get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST).connect() as conn:
+            engine = get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST)
+            if engine.dialect.driver == "psycopg":
+                # The hot path (a claim, a completion, a renewal): SQLAlchemy compiles, psycopg runs it.
+                return run_on_driver(engine, stmt, params)
+            with engine.connect() as conn:
                 return first_and_count(conn.execute(stmt, params))
         with (self.engine if durable else self.fast_engine).begin() as conn:
             return first_and_count(conn.execute(stmt, params))

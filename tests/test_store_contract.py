@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, insert, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
 from oncelery import LeaseLost, StoreError, testing
 from oncelery.claims import Claim, Decision, RunStore
+from oncelery.driver import driver_statement, statement_listeners
 from oncelery.keys import Identity
 from oncelery.models import Outcome, RunStatus, TaskRun
+from oncelery.tables import OUTCOME_TOTALS
+from tests.conftest import ON_POSTGRESQL
 from tests.services import count_rows, effects_table, wait_for
 
 TASK = "oncelery.contract"
@@ -202,11 +205,17 @@ def test_a_duplicate_is_claimed_answered_and_counted_in_one_statement(db_url: st
     def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         sent.append(statement)
 
+    def count_driver(statement: str, _params: Any) -> None:
+        sent.append(statement)
+
+    # Statements go through SQLAlchemy (SQLite) or straight to psycopg (PostgreSQL): count both ways.
     event.listen(engine, "before_cursor_execute", count)
+    statement_listeners.append(count_driver)
     try:
         again = store.claim("oncelery.contract", ident, lease=30)
     finally:
         event.remove(engine, "before_cursor_execute", count)
+        statement_listeners.remove(count_driver)
     assert again.decision is Decision.COMPLETED and again.run is not None and again.run.result == {"v": 1}
     if store.dialect == "postgresql":
         assert len(sent) == 1 and again.counted, sent
@@ -227,6 +236,39 @@ def test_a_duplicate_is_claimed_answered_and_counted_in_one_statement(db_url: st
         for name in ("claim_or_replay", "insert_claim", "complete_and_count", "takeover", "heartbeat"):
             sql = str(getattr(store.sql, name).compile(dialect=store.db.engine.dialect))
             assert len(sql) <= MAX_CACHED_STATEMENT_LENGTH, f"{name}: {len(sql)} characters"
+
+
+@ON_POSTGRESQL
+def test_the_driver_path_sends_what_sqlalchemy_would(db_url: str) -> None:
+    """PostgreSQL's one-statement calls bypass SQLAlchemy's execution (oncelery.driver): the parameters they
+    send must be exactly SQLAlchemy's, converted the same way (JSON None is JSON null, enums are text), and a
+    statement of the wrong shape must still say which parameter is missing."""
+    store = RunStore(db_url)
+    engine = store.db.fast_engine
+    given = {
+        "p_task": "t", "p_tenant": "", "p_key": "k", "p_fingerprint": "f", "p_digests": None, "p_owner": "o",
+        "p_entity": None, "p_task_id": None, "p_message": {"m": [1]}, "p_abandoned": "", "p_shard": 3,
+        "p_lease": 30.0, "p_run_id": 1, "p_token": 1, "p_result": None, "p_outcome": Outcome.EXECUTED,
+        "p_error": "e", "p_delay": 1.0,
+        **{f"p_{name}": 0 for name in OUTCOME_TOTALS},
+    }  # fmt: skip
+
+    def plain(value: Any) -> Any:
+        return ("json", value.obj) if type(value).__name__ in ("Json", "Jsonb") else value
+
+    for name in ("claim_or_replay", "complete_and_count", "takeover", "heartbeat", "count_outcome"):
+        stmt = getattr(store.sql, name)
+        ours = driver_statement(stmt, engine)
+        compiled = stmt.compile(dialect=engine.dialect)
+        expected = compiled.construct_params(given)
+        for key, convert in compiled._bind_processors.items():
+            if key in expected:
+                expected[key] = convert(expected[key])
+        sent = ours.params(given)
+        assert {k: plain(v) for k, v in sent.items() if k in expected} == {k: plain(v) for k, v in expected.items()}
+        assert ours.sql == compiled.string
+    with pytest.raises(InvalidRequestError, match="p_token"):
+        driver_statement(store.sql.heartbeat, engine).params({"p_run_id": 1, "p_owner": "o", "p_lease": 1.0})
 
 
 def test_a_schema_that_refuses_the_claim_is_a_store_error_not_a_busy_entity(db_url: str) -> None:

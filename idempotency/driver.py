@@ -1,0 +1,131 @@
+"""One statement on its own, straight through the driver (psycopg 3): compiled once, no SQLAlchemy per call.
+
+A delivery's hot statements (the claim that also answers a duplicate, the completion, a lease renewal) run
+once per job. For a statement that costs the server ~0.1 ms, SQLAlchemy's execution context, parameter
+processing and result setup cost the worker more CPU than the statement itself (docs/benchmarks.md). So
+SQLAlchemy still builds, compiles and pools, and raises its error classes; this module runs the compiled text
+on the pooled psycopg connection and returns a plain named tuple.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable
+from typing import Any, cast
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+
+class DriverStatement:
+    """A statement compiled once for an engine's dialect: its text, its parameter converters, its row type."""
+
+    __slots__ = ("compiled", "converters", "defaults", "renamed", "required", "row_type", "sql")
+
+    def __init__(self, stmt: Any, engine: Engine) -> None:
+        dialect = engine.dialect
+        self.compiled = stmt.compile(dialect=dialect)
+        self.sql: str = self.compiled.string
+        # The statement's literals (and None for the parameters a call gives), by the name in the SQL text.
+        self.defaults: dict[str, Any] = dict(self.compiled.params)
+        self.required = frozenset(bind.key for bind in self.compiled.bind_names if bind.required)
+        # A call gives parameters by key; SQLAlchemy may render a key under another name (rare: truncation).
+        self.renamed = {bind.key: name for bind, name in self.compiled.bind_names.items() if bind.key != name}
+        # The same conversion SQLAlchemy applies to every bound value (JSON, enums, ...), None included:
+        # a JSON column's None is JSON null, not SQL NULL.
+        self.converters: dict[str, Callable[[Any], Any]] = {}
+        for bind, name in self.compiled.bind_names.items():
+            convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if convert is not None:
+                self.converters[name] = convert
+        self.row_type: Any = None
+
+    def params(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The driver's parameters, as SQLAlchemy would send them: `given` by key, the literals, each converted."""
+        if self.renamed or not self.required <= given.keys():
+            values: dict[str, Any] = self.compiled.construct_params(given)  # it also says what is missing
+        else:
+            # The hot path: no per-call walk of the statement's binds (extra keys are ignored by psycopg).
+            values = {**self.defaults, **given}
+        for name, convert in self.converters.items():
+            values[name] = convert(values[name])
+        return values
+
+    def make_row(self, cursor: Any) -> Callable[[Any], Any]:
+        """psycopg row factory: named tuples with the statement's column names (the type built once)."""
+        if self.row_type is None:
+            if cursor.description is None:
+                return tuple  # no rows to make (an UPDATE without RETURNING)
+            names = [column.name for column in cursor.description]
+            self.row_type = namedtuple("Row", names, rename=True)  # type: ignore[misc]
+        return self.row_type._make  # type: ignore[no-any-return]
+
+
+_compiled: dict[tuple[int, int], DriverStatement] = {}
+
+#: Called with (SQL, parameters) before each statement this module sends: what SQLAlchemy's
+#: before_cursor_execute event is for the other statements (tests and benchmarks count round trips).
+statement_listeners: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def driver_statement(stmt: Any, engine: Engine) -> DriverStatement:
+    """The DriverStatement of `stmt` for `engine` (statements are built once per process and kept)."""
+    key = (id(stmt), id(engine.dialect))
+    found = _compiled.get(key)
+    if found is None or found.compiled.statement is not stmt:
+        found = _compiled[key] = DriverStatement(stmt, engine)
+    return found
+
+
+def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[Any, int]:
+    """Run `stmt` alone in autocommit on a pooled connection; return (first row or None, rows matched).
+
+    Driver errors are raised as SQLAlchemy's (IntegrityError, OperationalError, ...), with
+    `connection_invalidated` set, and the pool emptied, when the connection was lost: the caller's error
+    handling is the same as for any other statement.
+    """
+    import psycopg
+    from psycopg.pq import ExecStatus
+
+    compiled = driver_statement(stmt, engine)
+    values = compiled.params(params)
+    for listener in statement_listeners:
+        listener(compiled.sql, values)
+    try:
+        fairy = engine.raw_connection()
+    except psycopg.Error as exc:
+        # No connection at all (server down, refused): raised as SQLAlchemy raises a failed checkout.
+        lost = engine.dialect.is_disconnect(cast(Any, exc), None, None)
+        raise DBAPIError.instance(
+            compiled.sql, values, exc, psycopg.Error, connection_invalidated=lost, dialect=engine.dialect
+        ) from exc
+    conn: Any = fairy.driver_connection
+    broken = False
+    try:
+        # A connection of a transactional pool runs this one statement in autocommit (a client-side switch
+        # while idle, no round trip), then goes back as it came.
+        switched = not conn.autocommit
+        if switched:
+            conn.autocommit = True
+        try:
+            with conn.cursor(row_factory=compiled.make_row) as cur:
+                cur.execute(compiled.sql, values)
+                result = cur.pgresult
+                row = cur.fetchone() if result is not None and result.status == ExecStatus.TUPLES_OK else None
+                return row, cur.rowcount
+        finally:
+            if switched and not conn.closed:
+                conn.autocommit = False
+    except psycopg.Error as exc:
+        broken = bool(conn.closed or conn.broken or engine.dialect.is_disconnect(cast(Any, exc), conn, None))
+        raise DBAPIError.instance(
+            compiled.sql, values, exc, psycopg.Error, connection_invalidated=broken, dialect=engine.dialect
+        ) from exc
+    finally:
+        if broken:
+            # What SQLAlchemy itself does on a disconnect (Connection._handle_dbapi_exception): this connection
+            # is dropped, and the pool's others (likely dead too after a server restart) are reconnected at
+            # their next checkout, so the caller's one more try gets a live one.
+            engine.pool._invalidate(fairy, None)
+        else:
+            fairy.close()
