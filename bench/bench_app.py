@@ -49,6 +49,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import Pool
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask
+from oncelery.driver import statement_listeners
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/13"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
@@ -56,6 +57,7 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
 PLAIN_TASK = "oncelery.bench_plain"
 IDEM_TASK = "oncelery.bench_idem"
 FLOOR_TASK = "oncelery.bench_floor"
+FLOOR_DUP_TASK = "oncelery.bench_floordup"
 ONCE_TASK = "oncelery.bench_once"
 WHAT_IF = {w.strip() for w in os.environ.get("BENCH_WHAT_IF", "").split(",") if w.strip()}
 
@@ -239,6 +241,18 @@ def bench_floor(run: str, i: int) -> Any:
     return result
 
 
+@app.task(name=FLOOR_DUP_TASK, ignore_result=True)
+def bench_floordup(run: str, i: int) -> Any:
+    """Yardstick: the least a duplicate answered by the database costs, one statement (read + count, async commit)."""
+    params = {"task": FLOOR_TASK, "key": f"bench:{run}:{i}", "shard": os.getpid()}
+    answer = _floor_conn(True).execute(_FLOOR_ANSWER, params).fetchone()
+    _db_counts["statements"] += 1
+    _db_counts["round_trips"] += 1
+    if answer is None:
+        raise RuntimeError(f"floordup: no COMPLETED run for {params['key']}: run the floor phase first")
+    return answer[0]
+
+
 # -- what-if experiments (benchmark worker only): bench/what_if.py --------------------------------
 
 if WHAT_IF:
@@ -295,6 +309,15 @@ def _on_statement(conn: Any, *_args: Any) -> None:
     dbapi = _dbapi(conn)
     if not getattr(dbapi, "autocommit", True) and _in_transaction(dbapi) is False:
         _db_counts["round_trips"] += 1  # BEGIN
+
+
+def _on_driver_statement(_sql: str, _params: Any) -> None:
+    # PostgreSQL's one-statement calls skip SQLAlchemy's execution (oncelery.driver): one autocommit round trip.
+    _db_counts["statements"] += 1
+    _db_counts["round_trips"] += 1
+
+
+statement_listeners.append(_on_driver_statement)
 
 
 def _on_end(name: str) -> Any:

@@ -14,6 +14,8 @@ Every phase runs against a real `celery -A bench.bench_app worker` subprocess (p
     idem   N jobs of `oncelery.bench_idem`, each a distinct key: every job is a first execution
     dup    N jobs repeating the keys the idem phase just completed: every job is answered from the stored result
     floor  N jobs of `oncelery.bench_floor`: the cheapest database claim, a yardstick (not Oncelery)
+    floordup  N jobs of `oncelery.bench_floordup` on the keys floor just completed: the least a duplicate
+           answered by the database can cost (one raw statement reads the result and counts it), a yardstick
 
 The phases run in interleaved rounds (--repeat R): round r runs every phase once, the order rotated by r
 (dup always right after its idem, whose keys it answers), so a slow spell of the shared machine hits every
@@ -80,14 +82,17 @@ from bench.harness import (
 from bench.pyspy import attach_py_spy, print_profile
 from bench.report import PhaseResult, report, write_json
 
-PHASES = ("plain", "once", "idem", "dup", "floor")
+PHASES = ("plain", "once", "idem", "dup", "floor", "floordup")
+# A phase that answers the keys another phase just completed runs right after it.
+ANSWERS = {"dup": "idem", "floordup": "floor"}
 
 
 def round_order(phases: list[str], r: int) -> list[str]:
     """The phases of round `r`: rotated by r, dup kept right after idem (it answers idem's keys)."""
-    units = [[p] for p in phases if p != "dup"]
-    if "dup" in phases:
-        next(u for u in units if u[0] == "idem").append("dup")
+    units = [[p] for p in phases if p not in ANSWERS]
+    for answer, first in ANSWERS.items():
+        if answer in phases:
+            next(u for u in units if u[0] == first).append(answer)
     shift = r % len(units)
     return [p for unit in units[shift:] + units[:shift] for p in unit]
 
@@ -104,6 +109,7 @@ def enqueue(phase: str, run_tag: str, n: int, queue: str) -> tuple[int, float]:
         "idem": bench_app.bench_idem,
         "dup": bench_app.bench_idem,
         "floor": bench_app.bench_floor,
+        "floordup": bench_app.bench_floordup,
     }[phase]
     count = 0
     started = time.perf_counter()
@@ -127,7 +133,7 @@ def run_phase(
     dbname = make_url(url).database or ""
     queue = f"oncelery_bench.{phase}.{uuid.uuid4().hex[:8]}"
     prefix = f"bench:{queue}"
-    if phase != "dup":
+    if phase not in ANSWERS:
         truncate(url)
     jobs, enqueue_rate = enqueue(phase, run_tag, args.jobs, queue)
     env = {
@@ -238,8 +244,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     phases = args.phases.split(",")
     if unknown := [p for p in phases if p not in PHASES]:
         parser.error(f"unknown phase(s) {unknown}; choose from {PHASES}")
-    if "dup" in phases and "idem" not in phases:
-        parser.error("the dup phase answers keys of the idem phase")
+    for answer, first in ANSWERS.items():
+        if answer in phases and first not in phases:
+            parser.error(f"the {answer} phase answers keys of the {first} phase")
     if "once" in phases:
         try:
             import celery_once  # noqa: F401

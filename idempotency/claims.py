@@ -192,6 +192,9 @@ class RunStore:
                 if run is None:
                     continue  # purged between our statements, or inserted after our snapshot: look again
                 if run.fingerprint != ident.fingerprint:
+                    if self.sql.claim_or_replay is not None:
+                        # Its answer holds no field digests (one_trip.NOT_DECIDING): read them for the error.
+                        run = self.get(task_name, ident.key, ident.tenant) or run
                     return ClaimResult(Decision.CONFLICT, run=run)
                 if run.status is RunStatus.COMPLETED:
                     return ClaimResult(Decision.COMPLETED, run=run)

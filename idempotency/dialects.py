@@ -91,6 +91,8 @@ class PostgreSQL(Dialect):
                 pool_size=5,
                 max_overflow=10,
                 connect_args={"options": options},
+                # Autocommit only: a returned connection has no transaction to roll back.
+                pool_reset_on_return=None,
             )
         return create_engine(url, pool_size=5, max_overflow=10)
 

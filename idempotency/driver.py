@@ -30,13 +30,21 @@ class DriverStatement:
         self.defaults: dict[str, Any] = dict(self.compiled.params)
         self.required = frozenset(bind.key for bind in self.compiled.bind_names if bind.required)
         # A call gives parameters by key; SQLAlchemy may render a key under another name (rare: truncation).
-        self.renamed = {bind.key: name for bind, name in self.compiled.bind_names.items() if bind.key != name}
+        # (Literals are `unique` binds with generated keys: their values are in `defaults`.)
+        self.renamed = {
+            bind.key: name for bind, name in self.compiled.bind_names.items() if not bind.unique and bind.key != name
+        }
         # The same conversion SQLAlchemy applies to every bound value (JSON, enums, ...), None included:
         # a JSON column's None is JSON null, not SQL NULL.
+        # A literal's is done once, here; a call's parameters at each call.
         self.converters: dict[str, Callable[[Any], Any]] = {}
         for bind, name in self.compiled.bind_names.items():
             convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            if convert is not None:
+            if convert is None:
+                continue
+            if bind.unique:
+                self.defaults[name] = convert(self.defaults[name])
+            else:
                 self.converters[name] = convert
         self.row_type: Any = None
 
@@ -44,6 +52,7 @@ class DriverStatement:
         """The driver's parameters, as SQLAlchemy would send them: `given` by key, the literals, each converted."""
         if self.renamed or not self.required <= given.keys():
             values: dict[str, Any] = self.compiled.construct_params(given)  # it also says what is missing
+            values.update((name, self.defaults[name]) for name in values.keys() & self.defaults.keys() - given.keys())
         else:
             # The hot path: no per-call walk of the statement's binds (extra keys are ignored by psycopg).
             values = {**self.defaults, **given}

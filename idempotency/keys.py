@@ -155,7 +155,7 @@ class KeyBuilder:
         arguments = self.bind(args, kwargs)
         chosen = arguments if self.fields is None else {f: arguments[f] for f in self.fields}
         digests = (
-            {name: hmac.new(digest_key, canonical_json(v).encode(), "sha256").hexdigest() for name, v in chosen.items()}
+            {name: hmac.digest(digest_key, canonical_json(v).encode(), "sha256").hex() for name, v in chosen.items()}
             if digest_key
             else {}
         )

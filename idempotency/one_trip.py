@@ -10,13 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Integer, String, and_, bindparam, func, literal, select, update
+from sqlalchemy import Integer, String, and_, bindparam, func, literal, null, select, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.leases import lease_live
 from oncelery.models import Outcome, RunStatus
 from oncelery.tables import OUTCOME_KEY, OUTCOME_TOTALS, OUTCOMES, RUN_VIEW_COLUMNS, RUNS, SAVED_FROM
+
+# RunView columns the claim statement leaves NULL (no decision of a claim reads them).
+NOT_DECIDING = frozenset({"message", "field_digests"})
 
 
 def count_replay(count_replay_on_run: Any, insert: Any) -> Any:
@@ -43,8 +46,10 @@ def claim_or_replay(insert_claim: Any, now: ColumnElement[Any]) -> Any:
     c = RUNS.c
     ins = insert_claim.cte("ins")
     retry_wait = and_(c.not_before.is_not(None), c.not_before > now)
-    # Only what a RunView holds: psycopg caches its parsing of a query only below 4096 characters.
-    viewed = [c[name] for name in RUN_VIEW_COLUMNS]
+    # Only what a RunView holds: psycopg caches its parsing of a query only below 4096 characters. Not the
+    # JSON no decision reads (decoding them is most of a duplicate's client time): the stored message, and
+    # the field digests, which only a conflict reads (it reads the run again: see RunStore.claim).
+    viewed = [null().label(name) if name in NOT_DECIDING else c[name] for name in RUN_VIEW_COLUMNS]
     cur = (
         select(*viewed, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))
         .where(
