@@ -62,6 +62,8 @@ class ClaimResult:
 
     decision: Decision
     claim: Claim | None = None
+    # The row seen. From PostgreSQL's one-statement claim, the fields no decision reads are None
+    # (one_trip.NOT_DECIDING): read the run (RunStore.get) for them.
     run: RunView | None = None
     killed: bool = False  # DEAD because this claim found its max_deliveries-th lost delivery
     counted: bool = False  # COMPLETED, and the replay was counted by the claim's own statement (PostgreSQL)

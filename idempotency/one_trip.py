@@ -18,8 +18,26 @@ from oncelery.leases import lease_live
 from oncelery.models import Outcome, RunStatus
 from oncelery.tables import OUTCOME_KEY, OUTCOME_TOTALS, OUTCOMES, RUN_VIEW_COLUMNS, RUNS, SAVED_FROM
 
-# RunView columns the claim statement leaves NULL (no decision of a claim reads them).
-NOT_DECIDING = frozenset({"message", "field_digests"})
+# RunView columns the claim statement leaves NULL: no decision of a claim reads them, and decoding them (JSON,
+# timestamps) was most of a duplicate's client time. A ClaimResult's run holds what the decisions read (id,
+# names, key, fingerprint, status, token, owner, result, task id, lost, lease_live, retry_wait): RunStore.get
+# reads the rest.
+NOT_DECIDING = frozenset(
+    {
+        "message",
+        "field_digests",
+        "error",
+        "attempts",
+        "retries",
+        "replays",
+        "concurrency_key",
+        "lease_expires_at",
+        "not_before",
+        "created_at",
+        "updated_at",
+        "finished_at",
+    }
+)
 
 
 def count_replay(count_replay_on_run: Any, insert: Any) -> Any:
@@ -46,9 +64,8 @@ def claim_or_replay(insert_claim: Any, now: ColumnElement[Any]) -> Any:
     c = RUNS.c
     ins = insert_claim.cte("ins")
     retry_wait = and_(c.not_before.is_not(None), c.not_before > now)
-    # Only what a RunView holds: psycopg caches its parsing of a query only below 4096 characters. Not the
-    # JSON no decision reads (decoding them is most of a duplicate's client time): the stored message, and
-    # the field digests, which only a conflict reads (it reads the run again: see RunStore.claim).
+    # Only what a RunView holds (psycopg caches its parsing of a query only below 4096 characters), and of
+    # that only what a decision reads (NOT_DECIDING): a conflict reads the run again for its field digests.
     viewed = [null().label(name) if name in NOT_DECIDING else c[name] for name in RUN_VIEW_COLUMNS]
     cur = (
         select(*viewed, lease_live(now).label("lease_live"), retry_wait.label("retry_wait"))

@@ -217,7 +217,13 @@ class TaskOptions(Task):  # type: ignore[misc]
     def _keeps_messages(self) -> bool:
         if self.store_message is not None:
             return bool(self.store_message)
-        app_wide = self.settings().get(CONF_STORE_MESSAGE)
+        conf = self.settings()
+        app_wide = conf.get(CONF_STORE_MESSAGE)
         if app_wide is not None:
             return bool(app_wide)
-        return str(self.app.conf.broker_url or "").startswith("filesystem://")
+        # Celery's broker_url property is costly (environment, aliases) and is read once per app configuration.
+        seen = self.__dict__.get("_filesystem_broker")
+        if seen is None or seen[0] is not conf:
+            seen = (conf, str(conf.broker_url or "").startswith("filesystem://"))
+            self.__dict__["_filesystem_broker"] = seen
+        return bool(seen[1])
