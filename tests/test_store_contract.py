@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
 from oncelery import LeaseLost, StoreError, testing
+from oncelery.claim_types import completion_counts
 from oncelery.claims import Claim, Decision, RunStore
 from oncelery.driver import driver_statement, statement_listeners
 from oncelery.keys import Identity
@@ -269,6 +272,68 @@ def test_the_driver_path_sends_what_sqlalchemy_would(db_url: str) -> None:
         assert ours.sql == compiled.string
     with pytest.raises(InvalidRequestError, match="p_token"):
         driver_statement(store.sql.heartbeat, engine).params({"p_run_id": 1, "p_owner": "o", "p_lease": 1.0})
+
+
+@ON_POSTGRESQL
+def test_fenced_writes_find_their_run_by_its_primary_key_however_many_runs_are_in_flight(db_url: str) -> None:
+    """PostgreSQL runs the hot statements prepared, with a generic plan. A fence's `status = 'RUNNING'` let that
+    plan scan the (status, updated_at) index, reading every RUNNING run on each completion, renewal or failure
+    (~1 ms with 3,000 in flight, growing with them): each must find its run by the primary key."""
+    store = RunStore(db_url)
+    claims = [store.claim("oncelery.plans", Identity(f"k{i}", "f", {}), lease=60).claim for i in range(600)]
+    claim = claims[-1]
+    assert claim is not None
+    given: dict[str, Any] = {
+        **store.fence_params(claim),
+        **store.lease_params(60),
+        **completion_counts(claim, Outcome.EXECUTED, (0, 0)),
+        "p_result": None,
+        "p_error": "e",
+    }
+    engine = store.db.engine
+    fairy = engine.raw_connection()
+    try:
+        conn = fairy.driver_connection
+        assert conn is not None
+        conn.autocommit = True
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        for name in ("complete_and_count", "heartbeat", "fail", "kill_lost"):
+            stmt = driver_statement(getattr(store.sql, name), engine)
+            values = stmt.params(given)
+            order: list[str] = []
+
+            def number(match: re.Match[str], order: list[str] = order) -> str:
+                if match.group(1) not in order:
+                    order.append(match.group(1))
+                return f"${order.index(match.group(1)) + 1}"
+
+            conn.execute(f"PREPARE plan_{name} AS " + re.sub(r"%\((\w+)\)s", number, stmt.sql))
+            conn.execute("BEGIN")
+            try:
+                plan = [
+                    row[0] for row in conn.execute(f"EXPLAIN (ANALYZE) EXECUTE plan_{name}({_sql_args(order, values)})")
+                ]
+            finally:
+                conn.execute("ROLLBACK")
+            scans = [line for line in plan if "Scan" in line and "task_runs" in line]
+            removed = sum(int(n) for line in plan for n in re.findall(r"Rows Removed by Filter: (\d+)", line))
+            assert scans and all("pk_task_runs" in line for line in scans), (name, plan)
+            assert removed <= 1, (name, plan)
+    finally:
+        fairy.close()
+
+
+def _sql_args(order: list[str], values: dict[str, Any]) -> str:
+    def literal_of(value: Any) -> str:
+        if value is None:
+            return "NULL"
+        if hasattr(value, "obj"):  # psycopg's Json
+            value = json.dumps(value.obj)
+        if isinstance(value, str):
+            return "'" + value.replace("'", "''") + "'"
+        return str(value)
+
+    return ", ".join(literal_of(values[name]) for name in order)
 
 
 def test_a_schema_that_refuses_the_claim_is_a_store_error_not_a_busy_entity(db_url: str) -> None:
