@@ -125,11 +125,11 @@ def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None
     # --lease 3: a job held by a killed worker is taken over (or swept back by the relay) after 3 s, not 60 s.
     done = process(
         "--limit",
-        "100",
+        "60",
         "--duplicates",
         "0.3",
         "--kill-worker-every",
-        "30",
+        "20",
         "--lease",
         "3",
         cwd=tmp_path,
@@ -143,11 +143,11 @@ def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None
     assert len(worker_pids(done.out)) == kills + 1  # restarted after every kill
 
     state = database_state(f"sqlite:///{tmp_path / 'oncelery.db'}")
-    check_exactly_once(state, load_articles(100))  # 100 scores, each equal to the no-fault result
+    check_exactly_once(state, load_articles(60))  # 60 scores, each equal to the no-fault result
     # At most the call in flight at each kill is repeated; finished steps are never called again.
-    assert 300 <= state["calls"] <= 300 + kills
+    assert 180 <= state["calls"] <= 180 + kills
     assert done.summary["llm_calls"] == state["calls"]
-    assert done.summary["wasted_calls"] == state["calls"] - 300
+    assert done.summary["wasted_calls"] == state["calls"] - 180
 
 
 def test_a_malformed_line_names_its_number_and_sends_nothing(tmp_path: Path) -> None:

@@ -14,11 +14,12 @@ from sqlalchemy import event, insert, text
 from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
-from oncelery import LeaseLost, StoreError, testing
+from oncelery import LeaseLost, StoreError, leases, testing
 from oncelery.claim_types import completion_counts
 from oncelery.claims import Claim, Decision, RunStore
 from oncelery.driver import driver_statement, statement_listeners
 from oncelery.keys import Identity
+from oncelery.leases import Heartbeat
 from oncelery.models import Outcome, RunStatus, TaskRun
 from oncelery.tables import OUTCOME_TOTALS
 from tests.conftest import ON_POSTGRESQL
@@ -351,3 +352,19 @@ def test_a_schema_that_refuses_the_claim_is_a_store_error_not_a_busy_entity(db_u
     finally:
         with store.db.begin() as conn:
             conn.execute(text("ALTER TABLE task_runs DROP CONSTRAINT t_never"))
+
+
+def test_the_heartbeats_of_finished_runs_do_not_pile_up(db_url: str) -> None:
+    """The renewal thread sleeps until the first renewal is due (a lease/3 away) and is not woken per claim:
+    the heartbeats of runs that ended meanwhile must not accumulate until then (memory per worker child)."""
+    store = RunStore(db_url)
+    claim = store.claim("oncelery.heartbeats", Identity("hb", "f", {}), lease=60).claim
+    assert claim is not None
+    live = [Heartbeat(store, claim).start() for _ in range(10)]
+    service = leases._service()
+    before = len(service._heap)
+    for _ in range(3000):
+        Heartbeat(store, claim).start().stop()
+    assert len(service._heap) - before <= 2 * len(live) + 65, len(service._heap)
+    for hb in live:
+        hb.stop()
