@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError
 class DriverStatement:
     """A statement compiled once for an engine's dialect: its text, its parameter converters, its row type."""
 
-    __slots__ = ("compiled", "converters", "defaults", "renamed", "required", "row_type", "sql")
+    __slots__ = ("compiled", "converters", "defaults", "literals", "renamed", "required", "row_type", "sql")
 
     def __init__(self, stmt: Any, engine: Engine) -> None:
         dialect = engine.dialect
@@ -38,6 +38,7 @@ class DriverStatement:
         # a JSON column's None is JSON null, not SQL NULL.
         # A literal's is done once, here; a call's parameters at each call.
         self.converters: dict[str, Callable[[Any], Any]] = {}
+        self.literals = frozenset(name for bind, name in self.compiled.bind_names.items() if bind.unique)
         for bind, name in self.compiled.bind_names.items():
             convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if convert is None:
@@ -52,7 +53,7 @@ class DriverStatement:
         """The driver's parameters, as SQLAlchemy would send them: `given` by key, the literals, each converted."""
         if self.renamed or not self.required <= given.keys():
             values: dict[str, Any] = self.compiled.construct_params(given)  # it also says what is missing
-            values.update((name, self.defaults[name]) for name in values.keys() & self.defaults.keys() - given.keys())
+            values.update((name, self.defaults[name]) for name in self.literals)  # converted already
         else:
             # The hot path: no per-call walk of the statement's binds (extra keys are ignored by psycopg).
             values = {**self.defaults, **given}

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from oncelery import LeaseLost, StoreError, leases, testing
 from oncelery.claim_types import completion_counts
 from oncelery.claims import Claim, Decision, RunStore
-from oncelery.driver import driver_statement, statement_listeners
+from oncelery.driver import DriverStatement, driver_statement, statement_listeners
 from oncelery.keys import Identity
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome, RunStatus, TaskRun
@@ -271,6 +271,10 @@ def test_the_driver_path_sends_what_sqlalchemy_would(db_url: str) -> None:
         sent = ours.params(given)
         assert {k: plain(v) for k, v in sent.items() if k in expected} == {k: plain(v) for k, v in expected.items()}
         assert ours.sql == compiled.string
+        # The slower path, through SQLAlchemy's construct_params (a key rendered under another name): the same.
+        walked = DriverStatement(stmt, engine)
+        walked.renamed = {"": ""}
+        assert {k: plain(v) for k, v in walked.params(given).items()} == {k: plain(v) for k, v in expected.items()}
     with pytest.raises(InvalidRequestError, match="p_token"):
         driver_statement(store.sql.heartbeat, engine).params({"p_run_id": 1, "p_owner": "o", "p_lease": 1.0})
 
