@@ -194,6 +194,7 @@ class RunStore:
                 if run.fingerprint != ident.fingerprint:
                     if self.sql.claim_or_replay is not None:
                         # Its answer holds no field digests (one_trip.NOT_DECIDING): read them for the error.
+                        fault_point("conflict_read", task=task_name, key=ident.key)
                         run = self.get(task_name, ident.key, ident.tenant) or run
                     return ClaimResult(Decision.CONFLICT, run=run)
                 if run.status is RunStatus.COMPLETED:

@@ -17,6 +17,7 @@ from typing import Any
 POINTS = (
     "version_check",  # before a versioned event reads its entity's applied version
     "claim",  # before the claim statement
+    "conflict_read",  # before a conflicting payload's claim reads the run's field digests (PostgreSQL)
     "load_checkpoints",  # before a taken-over run loads its steps
     "heartbeat",  # before a holder's lease renewal (on the heartbeat thread, while the body runs)
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)

@@ -478,17 +478,20 @@ def test_repeated_database_faults_are_not_lost_deliveries(pg_db: Db, pg_app: Cel
 
 
 @pytest.mark.parametrize("fault", ["terminate"])  # one statement: a restart fails it the same way
+@pytest.mark.parametrize("point", ["conflict_read", "dead_letter"])
 def test_a_fault_writing_the_conflict_letter_still_raises_the_conflict(
-    fault: str, pg_db: Db, pg_app: Celery, logs: LogLines
+    point: str, fault: str, pg_db: Db, pg_app: Celery, logs: LogLines
 ) -> None:
-    n = 15
+    """A conflicting payload: the database fails where its claim reads the run's field digests, or where its
+    run-less letter is written. The delivery is sent again; one letter, one `conflict`, the first run stands."""
+    n = 15 if point == "dead_letter" else 19
     key = job_key(n)
 
     @pg_app.task(
         shared=False,
         base=IdempotentTask,
         bind=True,
-        name=f"oncelery.t_edge_conflict_{fault}",
+        name=f"oncelery.t_edge_conflict_{point}_{fault}",
         idempotency_key="fault:{n}",
         lease=LEASE,
     )
@@ -502,7 +505,7 @@ def test_a_fault_writing_the_conflict_letter_still_raises_the_conflict(
     hook = Once(fault_of(fault, pg_db, killed))
     with running_worker(pg_app, concurrency=4):
         assert job.delay(n, "first payload").get(timeout=JOB_TIMEOUT) == expected(n)
-        with fault_injected("dead_letter", only_for(job.name, key, hook)):
+        with fault_injected(point, only_for(job.name, key, hook)):
             second = job.delay(n, "another payload")
             with pytest.raises(IdempotencyConflict, match="different payload"):
                 second.get(timeout=JOB_TIMEOUT)
@@ -518,7 +521,7 @@ def test_a_fault_writing_the_conflict_letter_still_raises_the_conflict(
     assert run is not None and run.status is RunStatus.COMPLETED and run.result == expected(n), detail
     assert pg_db.rows(effects_table, key) == 1 and pg_db.rows(executions_table, key) == 1, detail
     assert pg_db.counts(job.name) == {"executed": 1, "conflict": 1}, detail
-    print(f"dead_letter(conflict)/{fault}: killed={killed}")
+    print(f"{point}(conflict)/{fault}: killed={killed}")
 
 
 @pytest.mark.parametrize("fault", ["terminate"])
