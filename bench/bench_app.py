@@ -58,6 +58,7 @@ PLAIN_TASK = "oncelery.bench_plain"
 IDEM_TASK = "oncelery.bench_idem"
 FLOOR_TASK = "oncelery.bench_floor"
 FLOOR_DUP_TASK = "oncelery.bench_floordup"
+CACHE_DUP_TASK = "oncelery.bench_cachedup"
 ONCE_TASK = "oncelery.bench_once"
 WHAT_IF = {w.strip() for w in os.environ.get("BENCH_WHAT_IF", "").split(",") if w.strip()}
 
@@ -105,6 +106,8 @@ app.conf.update(
     task_track_started=False,
     broker_connection_retry_on_startup=True,
     oncelery_database_url=database_url(),
+    # bench/throughput.py's idemc and dupc phases: the replay cache on (oncelery.replay_cache).
+    oncelery_replay_cache=os.environ.get("BENCH_REPLAY_CACHE") or None,
     timezone="UTC",
     enable_utc=True,
 )
@@ -251,6 +254,12 @@ def bench_floordup(run: str, i: int) -> Any:
     if answer is None:
         raise RuntimeError(f"floordup: no COMPLETED run for {params['key']}: run the floor phase first")
     return answer[0]
+
+
+@app.task(name=CACHE_DUP_TASK, ignore_result=True)
+def bench_cachedup(run: str, i: int) -> Any:
+    """Yardstick: a duplicate answered by one Redis GET of a cached result (no database, nothing counted)."""
+    return _stats_client().get(f"bench:cache:{run}:{i}")
 
 
 # -- what-if experiments (benchmark worker only): bench/what_if.py --------------------------------

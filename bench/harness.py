@@ -93,6 +93,17 @@ def count_completed(url: str, task_name: str, table: str = "task_runs") -> int:
     return int(n)
 
 
+def count_replayed(url: str, task_name: str) -> int:
+    """The `replayed` deliveries of `task_name` counted in delivery_outcomes (since the last truncate)."""
+    with get_engine(url).connect() as conn:
+        n = conn.execute(
+            text("SELECT coalesce(sum(count), 0) FROM delivery_outcomes WHERE task_name = :t AND outcome = 'replayed'"),
+            {"t": task_name},
+        ).scalar_one()
+    dispose_engines()
+    return int(n)
+
+
 def wait_no_backends(admin: Engine, dbname: str, timeout: float = 30.0) -> None:
     """Wait until no session is connected to `dbname`, so its transaction counters are flushed."""
     deadline = time.monotonic() + timeout

@@ -52,6 +52,7 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
 from oncelery.outcomes import counter_shard, outcome_counts, record_outcome, record_outcome_txn
+from oncelery.replay_cache import flush_replays
 from oncelery.runs import Runs, RunView, run_view
 from oncelery.statements import LETTERS, SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
@@ -422,5 +423,9 @@ class RunStore:
         record_outcome(self.db, task_name, outcome, tenant, replayed_run)
 
     def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
-        """Return {outcome: count} summed over all tasks, or for one task (or tenant)."""
+        """Return {outcome: count} summed over all tasks, or for one task (or tenant).
+
+        This process's replays answered by the replay cache are written first, so its own counts are exact.
+        """
+        flush_replays()
         return outcome_counts(self.db, task_name, tenant)

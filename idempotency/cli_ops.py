@@ -15,6 +15,7 @@ from oncelery.deadletters import DeadLetters, LetterView
 from oncelery.errors import ConfigurationError
 from oncelery.outbox import Relay
 from oncelery.reach import check_app
+from oncelery.replay_cache import purge_forgetter
 from oncelery.retention import parse_age, purge
 from oncelery.store import Database
 
@@ -132,7 +133,7 @@ def relay(
     if once:
         done = worker.run_once()
         if keep is not None:
-            done.purged = purge(worker.db, keep).runs
+            done.purged = purge(worker.db, keep, forget=purge_forgetter(app.conf, url)).runs
         click.echo(json.dumps(vars(done), sort_keys=True))
         return
     stop = threading.Event()
@@ -347,8 +348,10 @@ def dlq_purge(
 @click.pass_context
 def purge_command(ctx: click.Context, older_than: str, batch: int) -> None:
     """Delete runs finished before AGE ago, with their steps, dead letters and ledger rows (never RUNNING/DEAD)."""
-    db = Database(resolve_database_url(ctx))
-    report = purge(db, _age(older_than) or 0.0, batch)
+    url = resolve_database_url(ctx)
+    app = getattr(ctx.find_root().obj, "app", None) or getattr(ctx.obj, "app", None)
+    forget = purge_forgetter(getattr(app, "conf", None), url)  # the replay cache's entries go with the runs
+    report = purge(Database(url), _age(older_than) or 0.0, batch, forget=forget)
     click.echo(
         f"purged {report.runs} runs ({report.steps} steps, {report.dead_letters} dead letters, "
         f"{report.ledger} ledger rows) and {report.outbox} outbox rows in {report.batches} batches"

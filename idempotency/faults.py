@@ -28,6 +28,7 @@ POINTS = (
     "record_failure",  # before a failed run is recorded
     "count_outcome",  # before a replay, conflict, in-progress wait or lost lease is counted
     "dead_letter",  # before a poison run is made DEAD, or a run-less message (conflict, bad) is dead-lettered
+    "flush_replays",  # inside the transaction that writes the replay cache's counted replays, before its writes
     "relay_published",  # after the relay published a batch, before it marks the rows sent
 )
 

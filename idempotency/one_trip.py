@@ -131,19 +131,24 @@ def complete_and_count(complete: Any) -> Any:
     return stmt.on_conflict_do_update(index_elements=OUTCOME_KEY, set_=added(stmt)).returning(o.count).add_cte(done)
 
 
-def count_statement(insert: Any, totals: dict[str, Any]) -> Any:
-    """INSERT one counter row (a shard of task, tenant, outcome) or add this delivery's figures to it."""
+def count_statement(insert: Any, totals: dict[str, Any], count: Any = 1) -> Any:
+    """INSERT one counter row (a shard of task, tenant, outcome) or add this delivery's figures to it.
+
+    `count`: how many deliveries it adds (1, or a bind parameter for a batch of cached replays).
+    """
     stmt = insert(OUTCOMES).values(
         task_name=bindparam("p_task"),
         tenant=bindparam("p_tenant"),
         outcome=bindparam("p_outcome"),
         shard=bindparam("p_shard"),
-        count=1,
+        count=count,
         **totals,
     )
-    return stmt.on_conflict_do_update(index_elements=OUTCOME_KEY, set_=added(stmt))
+    by = count if isinstance(count, int) else None
+    return stmt.on_conflict_do_update(index_elements=OUTCOME_KEY, set_=added(stmt, by=by))
 
 
-def added(stmt: Any, totals: Iterable[str] = OUTCOME_TOTALS) -> dict[str, Any]:
+def added(stmt: Any, totals: Iterable[str] = OUTCOME_TOTALS, by: int | None = 1) -> dict[str, Any]:
+    """The upsert's SET: the counter grows by `by` (None: by the inserted row's count), each total by its value."""
     o, new = OUTCOMES.c, stmt.excluded
-    return {"count": o.count + 1, **{name: o[name] + new[name] for name in totals}}
+    return {"count": o.count + (new.count if by is None else by), **{name: o[name] + new[name] for name in totals}}

@@ -16,6 +16,7 @@ from celery import Task
 from oncelery.claims import EntityVersionOf, RunStore
 from oncelery.errors import ConfigurationError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec
+from oncelery.replay_cache import ReplayCache, configured_cache
 from oncelery.settings import (
     CONF_LEASE,
     CONF_ON_IN_PROGRESS,
@@ -196,6 +197,15 @@ class TaskOptions(Task):  # type: ignore[misc]
             cached = RunStore(url)
             self.__dict__["_store"] = cached
         return cached
+
+    def replay_cache(self) -> ReplayCache | None:
+        """The app's replay cache (app.conf.oncelery_replay_cache, else $ONCELERY_REPLAY_CACHE), or None if off."""
+        conf = self.settings()
+        seen = self.__dict__.get("_replay_cache")
+        if seen is None or seen[0] is not conf:  # read once per app configuration: this is on every delivery
+            seen = (conf, configured_cache(conf, require_database_url(conf, f"Task {self.name}")))
+            self.__dict__["_replay_cache"] = seen
+        return seen[1]  # type: ignore[no-any-return]
 
     def identity_of(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from sqlalchemy import Connection, and_, bindparam, case, select, update
 
 from oncelery.faults import fault_point
 from oncelery.models import OutboxStatus, RunStatus
+from oncelery.replay_cache import purge_forgetter
 from oncelery.settings import HEADER_KEY, HEADER_TENANT
 from oncelery.statements import OUTBOX, RUNS
 from oncelery.store import Database
@@ -109,6 +111,9 @@ class Relay:
         self._now = dia.now()
         self._locking = dia.name == "postgresql"
 
+    def _forget(self) -> Callable[[list[tuple[str, str, str]]], object] | None:
+        return purge_forgetter(self.app.conf, self.db.url)
+
     def run_once(self, republish: bool = True) -> RelayRound:
         """One round: publish pending rows, re-publish unfinished sent rows (if `republish`), sweep lost runs."""
         done = RelayRound()
@@ -142,7 +147,7 @@ class Relay:
             try:
                 done = self.run_once()
                 if retention is not None and time.monotonic() >= next_purge:
-                    done.purged = purge(self.db, retention).runs
+                    done.purged = purge(self.db, retention, forget=self._forget()).runs
                     next_purge = time.monotonic() + purge_every
                 failures = 0
             except Exception as exc:  # keep relaying through outages; the rows wait in the database

@@ -60,8 +60,13 @@ def purge(
     older_than: float,
     batch: int = DEFAULT_BATCH,
     on_batch: Callable[[PurgeReport], None] | None = None,
+    forget: Callable[[list[tuple[str, str, str]]], object] | None = None,
 ) -> PurgeReport:
-    """Delete runs that finished more than `older_than` seconds ago (database clock), `batch` per transaction."""
+    """Delete runs that finished more than `older_than` seconds ago (database clock), `batch` per transaction.
+
+    `forget`: called with the (task, tenant, key) of each batch's deleted runs once it committed (the replay
+    cache drops their entries, so a purged key is forgotten there too).
+    """
     if older_than < 0 or batch < 1:
         raise ConfigurationError("purge: older_than must be >= 0 seconds and batch >= 1")
     report = PurgeReport()
@@ -78,17 +83,21 @@ def purge(
     last_id = 0
     while True:
         query = (
-            select(r.id)
+            select(r.id, r.task_name, r.tenant, r.idempotency_key)
             .where(r.id > last_id, finished, func.coalesce(r.finished_at, r.updated_at) < cutoff)
             .order_by(r.id)
             .limit(batch)
         )
         with db.begin() as conn:
-            ids = list(conn.execute(query, params).scalars())
-            if not ids:
+            found = conn.execute(query, params).all()
+            if not found:
                 break
+            ids = [row.id for row in found]
             last_id = ids[-1]
             _delete_runs(conn, ids, ledgers, report)
+        if forget is not None:
+            # All found runs, kept ones included: an entry dropped for a run that stays is only a cache miss.
+            forget([(row.task_name, row.tenant, row.idempotency_key) for row in found])
         report.batches += 1
         if on_batch is not None:
             on_batch(report)

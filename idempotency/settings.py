@@ -29,9 +29,23 @@ CONF_STORE_MESSAGE = "oncelery_store_message"  # bool
 # task with no tenant option of its own; the tenant travels with the message as a header.
 CONF_TENANT = "oncelery_tenant"
 CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output": USD per 1M tokens}}
+# The replay cache (oncelery.replay_cache): a Redis URL; duplicates of finished runs are answered there.
+CONF_REPLAY_CACHE = "oncelery_replay_cache"
+ENV_REPLAY_CACHE = "ONCELERY_REPLAY_CACHE"
+CONF_REPLAY_CACHE_TTL = "oncelery_replay_cache_ttl"  # seconds an entry lives (default 600)
 # Every app.conf.oncelery_* setting there is: any other name is a typo, refused with its name.
 KNOWN_SETTINGS = frozenset(
-    {CONF_DATABASE_URL, CONF_DIGEST_KEY, CONF_LEASE, CONF_ON_IN_PROGRESS, CONF_STORE_MESSAGE, CONF_TENANT, CONF_PRICES}
+    {
+        CONF_DATABASE_URL,
+        CONF_DIGEST_KEY,
+        CONF_LEASE,
+        CONF_ON_IN_PROGRESS,
+        CONF_STORE_MESSAGE,
+        CONF_TENANT,
+        CONF_PRICES,
+        CONF_REPLAY_CACHE,
+        CONF_REPLAY_CACHE_TTL,
+    }
 )
 # The pass-through switch for plain unit tests (as Powertools' POWERTOOLS_IDEMPOTENCY_DISABLED): the body runs
 # with no claim, no lease and no stored result. Loud on purpose: a worker logs a warning at start and records

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import JSON, String, and_, bindparam, case, func, literal, or_, select, update
+from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.dialects import dialect as get_dialect
@@ -164,6 +164,10 @@ class Statements:
         )
         self.demote_expired_entity = self._demote_expired_entity(now)
         self.count_outcome = count_statement(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
+        # `p_count` deliveries at once: the replays the replay cache answered, written by its flusher.
+        self.count_outcomes = count_statement(
+            insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS}, count=bindparam("p_count", type_=Integer)
+        )
         self.complete_and_count = complete_and_count(self.complete) if dia.dml_in_cte else None
         # A duplicate answered from a COMPLETED run's stored result: one more replay on that run (fenced by its
         # id and status), counted with the `replayed` outcome in the same transaction, with what it saved.
