@@ -41,14 +41,21 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.models import Outcome
 from oncelery.outcomes import outcome_params
-from oncelery.settings import CONF_REPLAY_CACHE, CONF_REPLAY_CACHE_TTL, ENV_REPLAY_CACHE
+from oncelery.settings import (
+    CONF_REPLAY_CACHE,
+    CONF_REPLAY_CACHE_TTL,
+    ENV_REPLAY_CACHE,
+    ENV_REPLAY_FLUSH_INTERVAL,
+    env_seconds,
+)
 from oncelery.statements import statements
 from oncelery.store import Database, safe_url
 from oncelery.tables import RUNS, SAVED_FROM
 
 logger = logging.getLogger(__name__)
 
-# How often a process writes the replays it answered from the cache to the database (seconds).
+# How often a process writes the replays it answered from the cache to the database (seconds); the most a
+# SIGKILL can lose of them. $ONCELERY_REPLAY_FLUSH_INTERVAL overrides it.
 FLUSH_INTERVAL = 1.0
 # Runs with unwritten replay counts beyond which the cache answers nothing more (the database does) until a
 # flush succeeds: a database that is down for long costs no memory, and loses no count.
@@ -286,6 +293,7 @@ class _Flusher:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        self.interval = env_seconds(ENV_REPLAY_FLUSH_INTERVAL, FLUSH_INTERVAL)
         self.event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="oncelery-replay-counts", daemon=True)
         self.thread.start()
@@ -298,7 +306,7 @@ class _Flusher:
     def _loop(self) -> None:
         while True:
             self.event.wait()
-            time.sleep(FLUSH_INTERVAL)  # gather an interval's replays into one transaction
+            time.sleep(self.interval)  # gather an interval's replays into one transaction
             self.event.clear()
             try:
                 flush_replays()

@@ -33,6 +33,7 @@ CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output"
 CONF_REPLAY_CACHE = "oncelery_replay_cache"
 ENV_REPLAY_CACHE = "ONCELERY_REPLAY_CACHE"
 CONF_REPLAY_CACHE_TTL = "oncelery_replay_cache_ttl"  # seconds an entry lives (default 600)
+ENV_REPLAY_FLUSH_INTERVAL = "ONCELERY_REPLAY_FLUSH_INTERVAL"  # seconds between writes of cached replays' counts
 # Every app.conf.oncelery_* setting there is: any other name is a typo, refused with its name.
 KNOWN_SETTINGS = frozenset(
     {

@@ -28,6 +28,8 @@ from oncelery.testing_faults import wait_until
 from tests.chaos.procs import RedisServer, Sessions
 from tests.conftest import ON_POSTGRESQL, running_worker
 from tests.pg_cluster import pg_cluster  # noqa: F401  (the module's throwaway cluster)
+from tests.services import stop_sessions
+from tests.test_crash import EFFECT_TASK, JOB_TIMEOUT, STOP_GRACE, cluster, run_key
 from tests.test_store_faults import Db, app_on, fault_of, pg_db  # noqa: F401  (fixtures are used by name)
 
 TIMEOUT = 60
@@ -282,3 +284,34 @@ def test_replay_counts_survive_a_database_fault_at_their_flush(
     assert answers == [first] * 6 and calls == [8]
     assert counts == {"executed": 1, "replayed": 6}
     assert run is not None and run.replays == 6
+
+
+# -- real `celery worker` processes: the replays counted in a prefork child's memory reach the database -------
+
+
+@ON_POSTGRESQL
+def test_prefork_workers_write_their_cached_replay_counts_when_they_stop(
+    tmp_path: Path, db_url: str, redis_url: str, cache_redis: RedisServer
+) -> None:
+    key = "cached-prefork"
+    duplicates = 40
+    with cluster(tmp_path, db_url, redis_url) as c:
+        c.env["ONCELERY_REPLAY_CACHE"] = cache_redis.url
+        # No timed write before the stop: only the children's last word (worker_process_shutdown) writes them.
+        c.env["ONCELERY_REPLAY_FLUSH_INTERVAL"] = "3600"
+        a, b = c.start("a", concurrency=2), c.start("b", concurrency=1)
+        c.wait_ready(a, b)
+        first = c.send(EFFECT_TASK, key, 0.0).get(timeout=JOB_TIMEOUT)
+        answers = [r.get(timeout=JOB_TIMEOUT) for r in [c.send(EFFECT_TASK, key, 0.0) for _ in range(duplicates)]]
+        # Stopped at once (SIGTERM, warm shutdown): the last replays are still only in the children's memory.
+        codes = stop_sessions([w.proc for w in c.workers], grace=STOP_GRACE * 6)
+        assert codes == [0, 0], f"a worker did not stop cleanly: {codes}"
+        with cache_redis.client() as client:
+            assert client.dbsize() == 1  # the one finished key's entry
+        # Every duplicate was answered by the cache, in the children of both workers' logs together.
+        assert sum(w.log().count("from the replay cache") for w in (a, b)) == duplicates
+        assert answers == [first] * duplicates
+        assert c.executions(key) == 1 and c.effects(key) == 1
+        assert c.outcomes() == {"executed": 1, "replayed": duplicates}
+        run = c.store.get(EFFECT_TASK, run_key(key))
+        assert run is not None and run.replays == duplicates
