@@ -88,14 +88,18 @@ def broker_settings() -> dict[str, Any]:
     options = dict(celeryconfig.broker_transport_options)
     if os.environ.get("BENCH_POLLING_INTERVAL"):
         options["polling_interval"] = float(os.environ["BENCH_POLLING_INTERVAL"])
-    return {"broker_url": celeryconfig.broker_url, "broker_transport_options": options}
+    return {
+        "broker_url": celeryconfig.broker_url,
+        "broker_transport_options": options,
+        "worker_prefetch_multiplier": int(os.environ.get("BENCH_PREFETCH") or celeryconfig.worker_prefetch_multiplier),
+    }
 
 
 app = Celery("oncelery_bench")
 app.conf.update(
-    # The delivery semantics Oncelery is deployed with (what celeryconfig.py deploys).
-    **CELERY_DELIVERY_DEFAULTS,
-    **broker_settings(),
+    # The delivery semantics Oncelery is deployed with (what celeryconfig.py deploys; the embedded broker's
+    # prefetch included).
+    **{**CELERY_DELIVERY_DEFAULTS, **broker_settings()},
     # Measure the queue, not a result backend.
     result_backend=None,
     task_ignore_result=True,

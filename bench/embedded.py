@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds of plain + idem; medians reported")
     parser.add_argument("--concurrency", type=int, default=2, help="worker processes (prefork -c)")
     parser.add_argument("--polling-interval", type=float, help="override the embedded broker's polling_interval (s)")
+    parser.add_argument(
+        "--prefetch", type=int, help="override worker_prefetch_multiplier (an experiment: see docs/benchmarks.md)"
+    )
     parser.add_argument("--spawn-redis", type=int, default=6398, metavar="PORT", help="private Redis for the counters")
     parser.add_argument("--stats-url", help="use this Redis for the bench's counters instead of spawning one")
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
@@ -146,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.polling_interval is not None:
         env["BENCH_POLLING_INTERVAL"] = str(args.polling_interval)
+    if args.prefetch is not None:
+        env["BENCH_PREFETCH"] = str(args.prefetch)
     os.environ.update(env)  # bench.bench_app reads them at import, in this process (the producer) as in the worker
     os.environ.pop("ONCELERY_BROKER_URL", None)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
