@@ -8,6 +8,7 @@
 | IN_PROGRESS/ENTITY_BUSY | on_in_progress: re-send with backoff, skip, or raise       | in_progress            |
 | DEAD                    | raise RunIsDead (acked; `oncelery dlq replay` runs it)     | dead                   |
 | (before claiming) stale | a version not newer than the entity's applied one: ack     | stale                  |
+| (before claiming) cached| replay cache on: the COMPLETED run's answer from Redis     | replayed (batched)     |
 | store unavailable       | re-send the message (never acked as a failure)             | (none: not settled)    |
 | lease lost on finishing | roll back, re-send: the next delivery replays the taker's  | lease_lost             |
 
