@@ -133,8 +133,11 @@ class Run:
         self.sut = Sut(url)
         jobs.metadata.create_all(self.sut.engine)
         names = ["w1", "w2"] + [f"w{i}" for i in range(3, opts.workers + 1)]
+        # A mixed fleet: w2 answers duplicates of finished runs from the replay cache (the same Redis, database
+        # 3: a FLUSHALL empties it too), the others from the database.
+        cached = {"w2": {"ONCELERY_REPLAY_CACHE": f"{redis.url}/3"}}
         for name in names:
-            self.workers[name] = Worker(self.sessions, name, 2, env, self.workdir)
+            self.workers[name] = Worker(self.sessions, name, 2, {**env, **cached.get(name, {})}, self.workdir)
         # The cut-off host: one pool child (it takes no other job while its holder hangs), through the proxy.
         self.workers["cut"] = Worker(self.sessions, "cut", 1, {**env, "ONCELERY_DATABASE_URL": cut_url}, self.workdir)
         for worker in self.workers.values():
