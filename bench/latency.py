@@ -1,6 +1,7 @@
 """Claim and duplicate-answer latency against PostgreSQL as task_runs grows: 10 k, 100 k and 1 M rows.
 
     python bench/latency.py [--sizes 10000,100000,1000000] [--ops 2000] [--admin-url URL] [--keep] [--json FILE]
+                            [--replay-cache redis://127.0.0.1:6379/5]
 
 Creates its own database (`oncelery_bench_latency`, dropped at the end unless --keep), migrates it with the
 project's migrations (`upgrade_schema`), and grows task_runs to each size in turn with INSERT ... SELECT
@@ -17,6 +18,8 @@ in-process, one thread, --ops calls of each (after 100 unrecorded warm-up calls)
     task first execution         a direct call of an IdempotentTask no-op with a new key: the whole delivery
                                  path a worker runs (key + fingerprint, claim, heartbeat, body, completion)
     task duplicate               the same call again with a key just completed: answered from the stored result
+    task duplicate (cache)       with --replay-cache URL: the same, on a task whose app has the replay cache on
+                                 (after as many first executions, which wrote the entries): no database trip
 
 PostgreSQL runs on the same host; Celery's own trace and the broker are not in these figures (see
 bench/throughput.py for end to end). Benchmarks are not tests: nothing here asserts a figure.
@@ -87,7 +90,7 @@ def timed(ops: int, call: Callable[[int], Any]) -> list[float]:
     return took
 
 
-def idempotent_noop(url: str) -> Any:
+def idempotent_noop(url: str, cache: str | None = None) -> Any:
     """An IdempotentTask no-op (key `lat:{run}:{i}`) of an in-process app on `url`, for direct calls."""
     from celery import Celery
 
@@ -95,8 +98,10 @@ def idempotent_noop(url: str) -> Any:
 
     app = Celery("bench-latency")
     app.conf.oncelery_database_url = url
+    app.conf.oncelery_replay_cache = cache
+    name = "bench.latency_cached" if cache else "bench.latency"
 
-    @app.task(shared=False, base=IdempotentTask, bind=True, name="bench.latency", idempotency_key="lat:{run}:{i}")
+    @app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="lat:{run}:{i}")
     def noop(self: IdempotentTask, run: str, i: int) -> None:
         return None
 
@@ -104,7 +109,7 @@ def idempotent_noop(url: str) -> Any:
     return noop
 
 
-def measure(url: str, size: int, ops: int, task: Any) -> dict[str, list[float]]:
+def measure(url: str, size: int, ops: int, task: Any, cached: Any = None) -> dict[str, list[float]]:
     """Time every operation of the module docstring at the current size."""
     store = RunStore(url)
     rng = random.Random(size)
@@ -128,13 +133,17 @@ def measure(url: str, size: int, ops: int, task: Any) -> dict[str, list[float]]:
         if not res.counted:
             store.record_outcome(task_name, Outcome.REPLAYED, "", res.run.run_id)
 
-    return {
+    figures = {
         "store claim (new key)": timed(ops, claim_new),
         "store complete": timed(ops, complete),
         "store duplicate": timed(ops, duplicate),
         "task first execution": timed(ops, lambda i: task(tag, i)),
         "task duplicate": timed(ops, lambda i: task(tag, i)),
     }
+    if cached is not None:
+        figures["task first (cache on)"] = timed(ops, lambda i: cached(tag, i))
+        figures["task duplicate (cache)"] = timed(ops, lambda i: cached(tag, i))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=2000, help="timed calls per operation and size")
     parser.add_argument("--keep", action="store_true", help="keep the filled database")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    parser.add_argument("--replay-cache", metavar="URL", help="also time duplicates answered by this replay cache")
     args = parser.parse_args(argv)
     sizes = sorted(int(s) for s in args.sizes.split(","))
     admin = admin_engine(args.admin_url)
@@ -155,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         upgrade_schema(url)
         task = idempotent_noop(url)
+        cached = idempotent_noop(url, args.replay_cache) if args.replay_cache else None
         filled = 0
         for size in sizes:
             took = grow(url, filled + 1, size)
             filled = size
             print(f"task_runs filled to {size:,} rows (+ runs of earlier sizes' calls) in {took:.1f} s", flush=True)
-            for op, values in measure(url, size, args.ops, task).items():
+            for op, values in measure(url, size, args.ops, task, cached).items():
                 p50, p99 = p50_p99(values)
                 rows.append({"rows": size, "op": op, "n": len(values), "p50_ms": p50, "p99_ms": p99,
                              "mean_ms": statistics.fmean(values)})  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, signals
 from sqlalchemy import func, select
 
 from oncelery import (
@@ -153,17 +153,24 @@ def test_step_seed_is_passed_to_fn_and_equal_across_processes(app: Celery) -> No
 
 def test_progress_state_shows_step_and_replayed_steps(app: Celery, worker_factory: Any) -> None:
     gate = threading.Event()
+    retried = threading.Event()
     attempt: list[int] = []
 
     def first(x: int) -> int:
         return x + 1
 
-    def blocking(x: int) -> int:
+    def second(x: int) -> int:
         if not attempt:
             attempt.append(1)
             raise RuntimeError("fail once so the next attempt replays 'first'")
-        gate.wait(60)
+        # The retry can start before the failed attempt's RETRY state is stored (its countdown is short), and
+        # that state would then overwrite this attempt's PROGRESS: go on only once it is stored.
+        assert retried.wait(60)
         return x * 2
+
+    def blocking(x: int) -> int:
+        gate.wait(60)
+        return x
 
     @app.task(
         shared=False,
@@ -171,24 +178,33 @@ def test_progress_state_shows_step_and_replayed_steps(app: Celery, worker_factor
         bind=True,
         name="oncelery.t_progress",
         idempotency_key="p:{x}",
-        total_steps=2,
+        total_steps=3,
         autoretry_for=(RuntimeError,),
         retry_kwargs={"max_retries": 2, "countdown": 0.1},
     )
     def progressing(self: IdempotentTask, x: int) -> int:
         y = self.step("first", first, x)
-        return int(self.step("second", blocking, y))
+        z = self.step("second", second, y)
+        return int(self.step("third", blocking, z))
 
-    with worker_factory(app):
-        res = progressing.delay(3)
-        info = wait_for(
-            lambda: res.state == "PROGRESS" and res.info.get("replayed") == ["first"] and res.info,
-            timeout=60,
-            what="PROGRESS with a replayed step",
-        )
-        gate.set()
-        assert res.get(timeout=60) == 8
-    assert info["step"] == "second" and info["position"] == 1 and info["total"] == 2
+    def on_retry(sender: Any = None, **_kwargs: Any) -> None:
+        if getattr(sender, "name", None) == "oncelery.t_progress":
+            retried.set()  # Celery sends task_retry after it stored the RETRY state
+
+    signals.task_retry.connect(on_retry, weak=False)
+    try:
+        with worker_factory(app):
+            res = progressing.delay(3)
+            info = wait_for(
+                lambda: res.state == "PROGRESS" and res.info.get("replayed") == ["first"] and res.info,
+                timeout=60,
+                what="PROGRESS with a replayed step",
+            )
+            gate.set()
+            assert res.get(timeout=60) == 8
+    finally:
+        signals.task_retry.disconnect(on_retry)
+    assert info["step"] == "third" and info["position"] == 2 and info["total"] == 3
 
 
 def test_chain_pipeline_resumes_from_the_failed_link(app: Celery, worker_factory: Any, db_url: str) -> None:
