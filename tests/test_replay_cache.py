@@ -75,13 +75,17 @@ class Statements:
         statement_listeners.remove(self._count)
 
 
-def cached_job(app: Celery, name: str, calls: list[int]) -> Any:
+def cached_job(app: Celery, server: RedisServer, name: str) -> tuple[Any, list[int]]:
+    """A task on `app` with the replay cache on `server`, and the list of the doc ids its body ran for."""
+    app.conf.oncelery_replay_cache = server.url
+    calls: list[int] = []
+
     @app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="doc:{doc_id}")
     def summarize(self: IdempotentTask, doc_id: int, text: str) -> dict[str, Any]:
         calls.append(doc_id)
         return {"doc": doc_id, "words": len(text.split())}
 
-    return summarize
+    return summarize, calls
 
 
 def entry_exists(server: RedisServer, task: Any, key: str) -> bool:
@@ -94,9 +98,7 @@ def entry_exists(server: RedisServer, task: Any, key: str) -> bool:
 def test_duplicates_are_answered_from_the_cache_with_no_statement_and_counted_exactly(
     app: Celery, worker_factory: Any, db_url: str, cache_redis: RedisServer
 ) -> None:
-    app.conf.oncelery_replay_cache = cache_redis.url
-    calls: list[int] = []
-    job = cached_job(app, "oncelery.t_cache", calls)
+    job, calls = cached_job(app, cache_redis, "oncelery.t_cache")
     with worker_factory(app, concurrency=4):
         first = job.delay(1, "one two three").get(timeout=TIMEOUT)
         assert entry_exists(cache_redis, job, "doc:1")  # written once the completion committed
@@ -116,9 +118,7 @@ def test_duplicates_are_answered_from_the_cache_with_no_statement_and_counted_ex
 def test_a_flushed_cache_is_refilled_by_the_database_and_nothing_runs_twice(
     app: Celery, worker_factory: Any, db_url: str, cache_redis: RedisServer
 ) -> None:
-    app.conf.oncelery_replay_cache = cache_redis.url
-    calls: list[int] = []
-    job = cached_job(app, "oncelery.t_cache_flush", calls)
+    job, calls = cached_job(app, cache_redis, "oncelery.t_cache_flush")
     with worker_factory(app, concurrency=2):
         first = job.delay(2, "a b").get(timeout=TIMEOUT)
         cache_redis.flushall()  # Redis loses its state
@@ -139,9 +139,7 @@ def test_a_flushed_cache_is_refilled_by_the_database_and_nothing_runs_twice(
 def test_a_dead_cache_costs_nothing_but_speed(
     app: Celery, worker_factory: Any, db_url: str, cache_redis: RedisServer
 ) -> None:
-    app.conf.oncelery_replay_cache = cache_redis.url
-    calls: list[int] = []
-    job = cached_job(app, "oncelery.t_cache_dead", calls)
+    job, calls = cached_job(app, cache_redis, "oncelery.t_cache_dead")
     with worker_factory(app, concurrency=4):
         first = job.delay(3, "x").get(timeout=TIMEOUT)
         cache_redis.proc.kill()  # SIGKILL: the cache's server is gone mid-run
@@ -158,9 +156,7 @@ def test_a_dead_cache_costs_nothing_but_speed(
 def test_a_different_payload_under_a_cached_key_is_still_a_conflict(
     app: Celery, worker_factory: Any, db_url: str, cache_redis: RedisServer
 ) -> None:
-    app.conf.oncelery_replay_cache = cache_redis.url
-    calls: list[int] = []
-    job = cached_job(app, "oncelery.t_cache_conflict", calls)
+    job, calls = cached_job(app, cache_redis, "oncelery.t_cache_conflict")
     with worker_factory(app, concurrency=2):
         first = job.delay(5, "first text").get(timeout=TIMEOUT)
         with pytest.raises(IdempotencyConflict):
@@ -213,9 +209,7 @@ def test_threads_racing_on_one_key_run_it_once_and_count_every_delivery(
 def test_purge_forgets_the_cached_entries_of_the_runs_it_deletes(
     app: Celery, worker_factory: Any, db_url: str, cache_redis: RedisServer
 ) -> None:
-    app.conf.oncelery_replay_cache = cache_redis.url
-    calls: list[int] = []
-    job = cached_job(app, "oncelery.t_cache_purge", calls)
+    job, calls = cached_job(app, cache_redis, "oncelery.t_cache_purge")
     with worker_factory(app, concurrency=2):
         job.delay(6, "old").get(timeout=TIMEOUT)
         assert entry_exists(cache_redis, job, "doc:6")
@@ -251,10 +245,8 @@ def test_replay_counts_survive_a_database_fault_at_their_flush(
     fault: str,
 ) -> None:
     killed: list[int] = []
-    calls: list[int] = []
     with app_on(pg_db, redis_url) as app:
-        app.conf.oncelery_replay_cache = cache_redis.url
-        job = cached_job(app, "oncelery.t_cache_fault", calls)
+        job, calls = cached_job(app, cache_redis, "oncelery.t_cache_fault")
         with running_worker(app, concurrency=2):
             first = job.delay(8, "p q").get(timeout=TIMEOUT)
             hit = threading.Event()
