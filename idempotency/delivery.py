@@ -22,7 +22,6 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry
@@ -58,7 +57,7 @@ from oncelery.models import Outcome
 from oncelery.resend import SendAgain as SendAgain
 from oncelery.resend import after_store_fault as after_store_fault
 from oncelery.resend import can_resend as can_resend
-from oncelery.resend import wait_backoff
+from oncelery.resend import direct_backoff, seconds_until
 from oncelery.settings import DEFAULT_LEASE_SECONDS, DIRECT_WAIT_TIMEOUT
 from oncelery.steps import StepRunner, load_checkpoints
 
@@ -155,7 +154,7 @@ class Delivery:
             if answer is not _WAIT:
                 return answer
             # A direct caller has no broker to re-deliver it: poll the database clock's verdict.
-            time.sleep(_direct_backoff(waited))
+            time.sleep(direct_backoff(waited))
             waited += 1
 
     def _decide(self, res: ClaimResult, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float) -> Any:
@@ -324,7 +323,7 @@ class Delivery:
             # RUNNING until its lease expires and the retry takes it over then. Recorded, the run waits
             # out the countdown: a duplicate delivery must not run it again sooner.
             self._record_failure(
-                claim, "retry requested: " + traceback.format_exc(limit=5), retry_in=_seconds_until(retry.when)
+                claim, "retry requested: " + traceback.format_exc(limit=5), retry_in=seconds_until(retry.when)
             )
             raise
         except BaseException as exc:
@@ -390,18 +389,3 @@ def _max_retries(task: IdempotentTask) -> int | None:
         value = retry_kwargs["max_retries"]
         return None if value is None else int(value)
     return None if task.max_retries is None else int(task.max_retries)
-
-
-def _seconds_until(when: Any) -> float:
-    """Celery's retry `when` (a countdown in seconds, or an ETA datetime) as seconds from now."""
-    if isinstance(when, datetime):
-        moment = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-        return max(0.0, (moment - datetime.now(UTC)).total_seconds())
-    try:
-        return max(0.0, float(when or 0))
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def _direct_backoff(waits: int) -> float:
-    return wait_backoff(waits, base=0.02, cap=0.5)

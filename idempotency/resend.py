@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from oncelery.errors import SchemaMissing, StoreError
@@ -25,6 +26,22 @@ def wait_backoff(waits: int, base: float = WAIT_BACKOFF_BASE, cap: float = WAIT_
     delay = min(cap, base * (2 ** min(waits, 16)))
     # Full jitter over the top half, so many waiters on one key do not poll in lockstep.
     return float(delay / 2 + random.random() * delay / 2)
+
+
+def direct_backoff(waits: int) -> float:
+    """How long a direct (broker-less) caller sleeps before its `waits`-th look at a live holder's run."""
+    return wait_backoff(waits, base=0.02, cap=0.5)
+
+
+def seconds_until(when: Any) -> float:
+    """Celery's retry `when` (a countdown in seconds, or an ETA datetime) as seconds from now, never negative."""
+    if isinstance(when, datetime):
+        moment = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+        return max(0.0, (moment - datetime.now(UTC)).total_seconds())
+    try:
+        return max(0.0, float(when or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def can_resend(task: IdempotentTask, direct: bool) -> bool:
