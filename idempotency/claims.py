@@ -50,11 +50,12 @@ from oncelery.claim_types import (
 from oncelery.errors import StaleVersion, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import Identity
+from oncelery.letters import kill_lost, letter_without_run, write_letter
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
 from oncelery.outcomes import counter_shard, outcome_counts, record_outcome, record_outcome_txn
 from oncelery.replay_cache import flush_replays
 from oncelery.runs import Runs, RunView, run_view
-from oncelery.statements import LETTERS, SECRETS, VERSIONS, Statements, statements
+from oncelery.statements import SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated
 
 # The claim types are re-exported: oncelery.claims is where callers import them from.
@@ -250,49 +251,13 @@ class RunStore:
 
     def _kill_lost(self, run: RunView, max_deliveries: int, letter: Any) -> bool:
         """Make a poison run DEAD (guarded by the token seen and its expiry), with its dead letter."""
-        error = (
-            f"the worker running {run.task_name}[{run.key}] was lost on {run.lost + 1} deliveries "
-            f"(max_deliveries={max_deliveries}): killed by the OS (OOM, segfault, SIGKILL) or cut off; "
-            f"fix the cause, then `oncelery dlq replay`"
-        )
-        params = {"p_run_id": run.run_id, "p_token": run.token, "p_error": error}
-        fault_point("dead_letter", task=run.task_name, key=run.key)
-        with self.db.begin() as conn:
-            if rowcount(conn.execute(self.sql.kill_lost, params)) != 1:
-                return False
-            self._write_letter(conn, run.run_id, error, Death(MAX_DELIVERIES, None, letter))
-        return True
-
-    def _write_letter(self, conn: Connection, run_id: int, error: str, death: Death) -> None:
-        params = {
-            "p_run_id": run_id,
-            "p_reason": death.reason,
-            "p_error": clean_error(death.error or error),
-            "p_traceback": clean_error(death.traceback) if death.traceback else None,
-            "p_letter": death.message,
-        }
-        conn.execute(self.sql.letter, params)
+        return kill_lost(self.db, self.sql, run, max_deliveries, letter)
 
     def letter_without_run(
         self, task_name: str, tenant: str, reason: str, error: str, message: Any, key: str | None = None
     ) -> None:
         """Dead-letter a message that has no run of its own (a bad message, a conflict), and count its outcome."""
-        row = {
-            "task_name": task_name,
-            "tenant": tenant,
-            "idempotency_key": key,
-            "reason": reason,
-            "error": clean_error(error),
-            "attempts": 1,
-            "message": message,
-        }
-        with self.db.begin() as conn:
-            conn.execute(LETTERS.insert().values(**row))
-            # Counted with its letter, in one transaction: a fault between the two can neither leave a letter
-            # uncounted nor, once the copy is re-sent, write the letter twice. A conflict is counted as such
-            # (the first payload's run stands); any other reason as `dead`.
-            outcome = Outcome.CONFLICT if reason == CONFLICT else Outcome.DEAD
-            record_outcome_txn(conn, self.dialect, task_name, outcome, tenant)
+        letter_without_run(self.db, task_name, tenant, reason, error, message, key)
 
     def applied_version(self, task_name: str, tenant: str, entity: str) -> int | None:
         """The last applied version of `entity` for this task and tenant, or None before the first."""
@@ -392,7 +357,7 @@ class RunStore:
         with self.db.begin() as conn:
             ok = rowcount(conn.execute(stmt, params)) == 1
             if ok and death is not None:
-                self._write_letter(conn, claim.run_id, error, death)
+                write_letter(conn, self.sql, claim.run_id, error, death)
             counted = outcome if ok else Outcome.LEASE_LOST
             record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
         return ok
