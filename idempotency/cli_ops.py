@@ -41,6 +41,11 @@ _APP_HELP = (
 )
 
 
+def celery_app_of(ctx: click.Context) -> Any:
+    """The app `celery -A ...` loaded for this command line, or None (run as plain `oncelery`)."""
+    return getattr(ctx.find_root().obj, "app", None) or getattr(ctx.obj, "app", None)
+
+
 def resolve_app(ctx: click.Context, app_path: str | None) -> Celery:
     """The Celery app that publishes: --app, else `celery -A`'s, else one on Oncelery's celeryconfig."""
     if app_path:
@@ -50,7 +55,7 @@ def resolve_app(ctx: click.Context, app_path: str | None) -> Celery:
             return find_app(app_path)
         except Exception as exc:
             raise ConfigurationError(f"--app {app_path!r}: cannot load it ({exc}); give module or module:app") from exc
-    app = getattr(ctx.find_root().obj, "app", None) or getattr(ctx.obj, "app", None)
+    app = celery_app_of(ctx)
     if isinstance(app, Celery):
         return app
     app = Celery("oncelery")
@@ -349,8 +354,8 @@ def dlq_purge(
 def purge_command(ctx: click.Context, older_than: str, batch: int) -> None:
     """Delete runs finished before AGE ago, with their steps, dead letters and ledger rows (never RUNNING/DEAD)."""
     url = resolve_database_url(ctx)
-    app = getattr(ctx.find_root().obj, "app", None) or getattr(ctx.obj, "app", None)
-    forget = purge_forgetter(getattr(app, "conf", None), url)  # the replay cache's entries go with the runs
+    # The replay cache's entries go with the runs (when the app, or the environment, has the cache).
+    forget = purge_forgetter(getattr(celery_app_of(ctx), "conf", None), url)
     report = purge(Database(url), _age(older_than) or 0.0, batch, forget=forget)
     click.echo(
         f"purged {report.runs} runs ({report.steps} steps, {report.dead_letters} dead letters, "

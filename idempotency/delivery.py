@@ -54,6 +54,7 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity, differing_fields
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome
+from oncelery.replay_cache import ReplayCache
 from oncelery.resend import SendAgain as SendAgain
 from oncelery.resend import after_store_fault as after_store_fault
 from oncelery.resend import can_resend as can_resend
@@ -115,6 +116,7 @@ class Delivery:
         self.abandoned = abandoned
         self.lease = lease  # this call's: its own option, else the task's, else the app's
         self.policy = policy  # on_in_progress, resolved the same way
+        self.cache: ReplayCache | None = None  # the app's replay cache, resolved when the delivery runs
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Deliver once: loop only while a direct (no broker) caller waits for another holder."""
@@ -125,7 +127,7 @@ class Delivery:
                 return None
         except StoreError as exc:
             return self._store_failed(exc, "checking the version of")
-        cache = self.task.replay_cache()
+        self.cache = cache = self.task.replay_cache()  # resolved once per delivery: _remember writes to it
         if cache is not None and (cached := cache.lookup(self.task.name, self.ident)) is not None:
             # A finished run's answer, no database round trip: counted in memory, written within a second.
             cache.count(cached.run_id, self.task.name, self.ident.tenant)
@@ -192,9 +194,8 @@ class Delivery:
         return run.result
 
     def _remember(self, run_id: int, token: int, result: Any) -> None:
-        cache = self.task.replay_cache()
-        if cache is not None:
-            cache.remember(self.task.name, self.ident, run_id, token, result)
+        if self.cache is not None:
+            self.cache.remember(self.task.name, self.ident, run_id, token, result)
 
     def _stale(self, version: EntityVersionOf) -> bool:
         """Whether the entity already applied this version or a newer one: then count `stale` (acked)."""
