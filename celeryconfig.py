@@ -42,6 +42,9 @@ else:
     _queue_dir = _spool / "queue"
     _queue_dir.mkdir(parents=True, exist_ok=True)
     broker_url = "filesystem://"
+    # kombu's filesystem transport, whose drain loop wakes when a child acks instead of sleeping a whole
+    # polling_interval with the prefetch window full (oncelery.embedded_broker).
+    broker_transport = "oncelery.embedded_broker:Transport"
     broker_transport_options = {
         "data_folder_in": str(_queue_dir),
         "data_folder_out": str(_queue_dir),

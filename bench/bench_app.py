@@ -90,6 +90,8 @@ def broker_settings() -> dict[str, Any]:
         options["polling_interval"] = float(os.environ["BENCH_POLLING_INTERVAL"])
     return {
         "broker_url": celeryconfig.broker_url,
+        # BENCH_TRANSPORT=filesystem: kombu's stock filesystem transport instead of the embedded default's.
+        "broker_transport": os.environ.get("BENCH_TRANSPORT") or celeryconfig.broker_transport,
         "broker_transport_options": options,
         "worker_prefetch_multiplier": int(os.environ.get("BENCH_PREFETCH") or celeryconfig.worker_prefetch_multiplier),
     }
