@@ -2,10 +2,10 @@
 broker, the claims in a SQLite file (no server at all, as `oncelery process` runs by default).
 
     python bench/embedded.py [--jobs 1000] [--repeat 3] [--concurrency 2] [--polling-interval S]
-                             [--spawn-redis 6398 | --stats-url URL] [--json FILE]
+                             [--stock-transport] [--spawn-redis 6398 | --stats-url URL] [--json FILE]
 
-The broker settings are the embedded default's own, read from oncelery.celeryconfig (filesystem transport,
-spool under a temporary $ONCELERY_DATA_DIR, polling_interval 0.1 s unless --polling-interval); the claims
+The broker settings are the embedded default's own, read from oncelery.celeryconfig (oncelery.embedded_broker,
+kombu's filesystem transport woken by acks; --stock-transport: kombu's own filesystem transport), spool under a temporary $ONCELERY_DATA_DIR, polling_interval 0.1 s unless --polling-interval); the claims
 database is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.bench_app
 worker --pool=prefork` (acks_late, prefetch 1, results ignored in both phases). A job is the same no-op as in
 bench/throughput.py:
@@ -24,9 +24,9 @@ of the embedded stack. Printed per phase, median over rounds:
     x plain          idem's jobs/s (ready) / plain's (the goal: >= 0.8)
     CPU ms/job       worker main process and pool children, from /proc
 
-kombu's virtual transport sleeps `polling_interval` whenever a worker's prefetch window is full, so with
-prefetch 1 the transport itself caps a worker near concurrency / polling_interval jobs/s; --polling-interval
-0.01 shows the claim's own cost under a looser cap. Benchmarks are not tests: nothing here asserts a figure.
+kombu's stock virtual transport sleeps `polling_interval` whenever a worker's prefetch window is full, so with
+prefetch 1 it caps a worker near concurrency / polling_interval jobs/s (--stock-transport shows it); the
+embedded default's transport wakes on the ack instead. Benchmarks are not tests: nothing here asserts a figure.
 """
 
 from __future__ import annotations
@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="worker processes (prefork -c)")
     parser.add_argument("--polling-interval", type=float, help="override the embedded broker's polling_interval (s)")
     parser.add_argument(
+        "--stock-transport",
+        action="store_true",
+        help="kombu's own filesystem transport instead of the embedded default's (oncelery.embedded_broker)",
+    )
+    parser.add_argument(
         "--prefetch", type=int, help="override worker_prefetch_multiplier (an experiment: see docs/benchmarks.md)"
     )
     parser.add_argument("--spawn-redis", type=int, default=6398, metavar="PORT", help="private Redis for the counters")
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         env["BENCH_POLLING_INTERVAL"] = str(args.polling_interval)
     if args.prefetch is not None:
         env["BENCH_PREFETCH"] = str(args.prefetch)
+    if args.stock_transport:
+        env["BENCH_TRANSPORT"] = "filesystem"
     os.environ.update(env)  # bench.bench_app reads them at import, in this process (the producer) as in the worker
     os.environ.pop("ONCELERY_BROKER_URL", None)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.bench_app import app
 
         print(
-            f"{args.jobs} jobs x {args.repeat} rounds, broker {app.conf.broker_url} "
+            f"{args.jobs} jobs x {args.repeat} rounds, broker {app.conf.broker_url} ({app.conf.broker_transport}) "
             f"(polling_interval {app.conf.broker_transport_options.get('polling_interval')} s), "
             f"claims {env['BENCH_DATABASE_URL']}, prefork -c {args.concurrency}"
         )

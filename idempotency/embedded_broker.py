@@ -4,21 +4,33 @@ kombu's virtual transports poll: when a worker's prefetch window is full (prefet
 finds nothing it may take and sleeps a whole `polling_interval` before it looks again, however soon a child
 acks. With prefetch 1 that caps a worker near concurrency / polling_interval jobs/s, whatever the jobs cost.
 
-This transport is the filesystem transport with one change: an ack or a reject (which frees a slot of the
-window, in the pool's result thread) wakes the drain loop at once. An empty queue is still polled every
-`polling_interval` (another process's new message has no such signal). Messages, folders, options and
-semantics are the filesystem transport's own: `oncelery.celeryconfig` selects it with `broker_transport` for
-the embedded default (`broker_url` stays `filesystem://`).
+kombu's filesystem channel also lists and sorts the whole queue folder to take one message: with N messages
+queued, each fetch costs O(N log N), and draining a backlog costs O(N² log N) in the worker's main process.
+
+This transport is the filesystem transport with two changes:
+- an ack or a reject (which frees a slot of the window, in the pool's result thread) wakes the drain loop at
+  once. An empty queue is still polled every `polling_interval` (another process's new message has no such
+  signal);
+- a listing of the folder serves the fetches until it is used up: each message is still taken by moving its
+  file away (a file another consumer took meanwhile is skipped), oldest first.
+Messages, folders, options and semantics are the filesystem transport's own: `oncelery.celeryconfig` selects
+it with `broker_transport` for the embedded default (`broker_url` stays `filesystem://`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
+from collections import deque
 from queue import Empty
 from time import monotonic
 from typing import Any
 
+from kombu.exceptions import ChannelError
 from kombu.transport import filesystem, virtual
+from kombu.utils.json import loads
 
 #: The `broker_transport` setting that selects this transport (with broker_url = "filesystem://").
 TRANSPORT = "oncelery.embedded_broker:Transport"
@@ -39,9 +51,46 @@ class QoS(virtual.QoS):
 
 
 class Channel(filesystem.Channel):
-    """The filesystem channel with a waking prefetch window."""
+    """The filesystem channel with a waking prefetch window, taking messages from one listing at a time."""
 
     QoS = QoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._listed: dict[str, deque[str]] = {}  # per queue: its files at the last listing, oldest first
+
+    def _get(self, queue: str, timeout: Any = None) -> Any:
+        """Take the oldest message of `queue` that no other consumer took; raise Empty if there is none."""
+        pending = self._listed.get(queue)
+        if not pending:
+            # Listed again only when the last listing is used up: newer messages wait behind older ones.
+            suffix = f"{queue}.msg"
+            names = (name for name in os.listdir(self.data_folder_in) if name.partition(".")[2] == suffix)
+            pending = self._listed[queue] = deque(sorted(names))
+        while pending:
+            payload = self._take(pending.popleft())
+            if payload is not None:
+                return loads(payload)
+        raise Empty()
+
+    def _take(self, name: str) -> bytes | None:
+        """Move the message file out of the queue folder and read it; None if another consumer took it first."""
+        # As kombu's filesystem channel does: moved to the processed folder (store_processed) or the temporary
+        # directory, read there, then removed unless kept.
+        folder = self.processed_folder if self.store_processed else tempfile.gettempdir()
+        try:
+            shutil.move(os.path.join(self.data_folder_in, name), folder)
+        except OSError:
+            return None  # taken (or being taken) by another consumer
+        taken = os.path.join(folder, name)
+        try:
+            with open(taken, "rb") as file:
+                payload = file.read()
+            if not self.store_processed:
+                os.remove(taken)
+        except OSError as exc:
+            raise ChannelError(f"Cannot read file {taken!r} from queue.") from exc
+        return payload
 
 
 class Transport(filesystem.Transport):

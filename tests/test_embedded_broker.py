@@ -77,6 +77,92 @@ def test_an_ack_wakes_a_drain_waiting_on_a_full_prefetch_window(tmp_path: Path) 
         got[1][1].ack()
 
 
+def _consume(conn: Connection, queue: Queue, got: list[Any], prefetch: int = 1) -> Consumer:
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body["n"])
+        message.ack()
+
+    consumer = Consumer(conn.channel(), [queue], callbacks=[on_message], accept=["json"])
+    consumer.qos(prefetch_count=prefetch)
+    consumer.consume()
+    return consumer
+
+
+def _publish(conn: Connection, queue: Queue, numbers: range) -> None:
+    producer = conn.Producer(serializer="json")
+    for n in numbers:
+        producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue])
+
+
+def test_messages_sent_after_a_listing_are_taken_too(tmp_path: Path) -> None:
+    """A fetch serves from the last listing; what arrives meanwhile is taken once that listing is used up."""
+    queue = Queue("fifo", Exchange("fifo", type="direct"), routing_key="fifo")
+    got: list[int] = []
+    with _connection(tmp_path) as conn:
+        _publish(conn, queue, range(3))
+        _consume(conn, queue, got)
+        conn.drain_events(timeout=WAIT)  # lists 3 files, takes the first
+        _publish(conn, queue, range(3, 6))
+        while len(got) < 6:
+            conn.drain_events(timeout=WAIT)
+    # (Oldest first by the file name's millisecond; kombu orders files of the same millisecond by a uuid.)
+    assert sorted(got) == [0, 1, 2, 3, 4, 5]
+    assert not [name for name in tmp_path.iterdir() if name.suffix == ".msg"]
+
+
+def test_two_consumers_racing_on_one_folder_take_each_message_once(tmp_path: Path) -> None:
+    """Two workers' listings overlap: a file the other took is skipped, none is lost or taken twice."""
+    queue = Queue("race", Exchange("race", type="direct"), routing_key="race")
+    total = 400
+    with _connection(tmp_path) as conn:
+        _publish(conn, queue, range(total))
+    taken: list[list[int]] = [[], []]
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def worker(got: list[int]) -> None:
+        try:
+            with _connection(tmp_path) as conn:
+                _consume(conn, queue, got)
+                start.wait(WAIT)
+                while sum(map(len, taken)) < total:
+                    try:
+                        conn.drain_events(timeout=1.0)
+                    except TimeoutError:
+                        continue
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(got,), daemon=True) for got in taken]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), f"drained {sum(map(len, taken))} of {total}"
+    assert errors == []
+    assert sorted(taken[0] + taken[1]) == list(range(total))
+
+
+def test_files_another_consumer_took_are_skipped_not_delivered_twice(tmp_path: Path) -> None:
+    """A's listing holds files that B then takes: A skips every one of them and lists again."""
+    queue = Queue("skip", Exchange("skip", type="direct"), routing_key="skip")
+    got_a: list[int] = []
+    got_b: list[int] = []
+    with _connection(tmp_path) as a, _connection(tmp_path) as b:
+        _publish(a, queue, range(50))
+        _consume(a, queue, got_a)
+        a.drain_events(timeout=WAIT)  # A lists all 50 files and takes the first
+        _consume(b, queue, got_b)
+        while len(got_b) < 49:
+            b.drain_events(timeout=WAIT)
+        with pytest.raises(TimeoutError):
+            a.drain_events(timeout=0.5)  # its 49 listed files are gone: skipped, and the new listing is empty
+        _publish(b, queue, range(50, 51))
+        a.drain_events(timeout=WAIT)
+    assert len(got_a) == 2 and got_a[1] == 50
+    assert sorted(got_a[:1] + got_b) == list(range(50))
+
+
 def test_an_empty_queue_still_times_out(tmp_path: Path) -> None:
     """With nothing to take and no ack, drain_events honours its timeout (the worker's loop relies on it)."""
     queue = Queue("idle", Exchange("idle", type="direct"), routing_key="idle")
