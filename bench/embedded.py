@@ -5,8 +5,9 @@ broker, the claims in a SQLite file (no server at all, as `oncelery process` run
                              [--stock-transport] [--spawn-redis 6398 | --stats-url URL] [--json FILE]
 
 The broker settings are the embedded default's own, read from oncelery.celeryconfig (oncelery.embedded_broker,
-kombu's filesystem transport woken by acks; --stock-transport: kombu's own filesystem transport), spool under a temporary $ONCELERY_DATA_DIR, polling_interval 0.1 s unless --polling-interval); the claims
-database is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.bench_app
+kombu's filesystem transport woken by acks; --stock-transport: kombu's own filesystem transport), spool
+under a temporary $ONCELERY_DATA_DIR, polling_interval 0.1 s unless --polling-interval); the claims database
+is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.bench_app
 worker --pool=prefork` (acks_late, prefetch 1, results ignored in both phases). A job is the same no-op as in
 bench/throughput.py:
 
