@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from oncelery import ConfigurationError, IdempotencyConflict, IdempotentTask
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.claims import RunStore
 from oncelery.driver import statement_listeners
 from oncelery.faults import fault_injected
@@ -220,6 +222,27 @@ def test_purge_forgets_the_cached_entries_of_the_runs_it_deletes(
         # Forgotten everywhere: the key runs again, as it would without the cache.
         job.delay(6, "old").get(timeout=TIMEOUT)
     assert calls == [6, 6]
+
+
+def test_the_purge_command_forgets_the_cached_entries_of_the_runs_it_deletes(
+    app: Celery, worker_factory: Any, db_url: str, cache_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`oncelery purge` run as an operator runs it: the cache named by ONCELERY_REPLAY_CACHE, no Celery app."""
+    job, calls = cached_job(app, cache_redis, "oncelery.t_cache_purge_cli")
+    monkeypatch.setenv("ONCELERY_REPLAY_CACHE", cache_redis.url)
+    with worker_factory(app, concurrency=2):
+        job.delay(7, "old").get(timeout=TIMEOUT)
+        assert entry_exists(cache_redis, job, "doc:7")
+
+        def purged() -> bool:
+            out = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "purge", "--older-than", "0s"])
+            assert out.exit_code == 0, out.output
+            return out.output.startswith("purged 1 runs")
+
+        wait_until(purged, TIMEOUT, what="the purge command")
+        assert not entry_exists(cache_redis, job, "doc:7")
+        job.delay(7, "old").get(timeout=TIMEOUT)  # forgotten by the cache too: the key runs again
+    assert calls == [7, 7]
 
 
 @ON_POSTGRESQL
