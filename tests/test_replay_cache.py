@@ -18,8 +18,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from oncelery import ConfigurationError, IdempotencyConflict, IdempotentTask
-from oncelery.cli import oncelery as oncelery_cli
 from oncelery.claims import RunStore
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.driver import statement_listeners
 from oncelery.faults import fault_injected
 from oncelery.models import RunStatus
