@@ -4,15 +4,18 @@ kombu's virtual transports poll: when a worker's prefetch window is full (prefet
 finds nothing it may take and sleeps a whole `polling_interval` before it looks again, however soon a child
 acks. With prefetch 1 that caps a worker near concurrency / polling_interval jobs/s, whatever the jobs cost.
 
-kombu's filesystem channel also lists and sorts the whole queue folder to take one message: with N messages
-queued, each fetch costs O(N log N), and draining a backlog costs O(N² log N) in the worker's main process.
+kombu's filesystem channel also lists and sorts the whole folder (every queue's files) to take one message,
+and to find none in an empty queue: with N messages queued, each poll costs O(N log N), and draining a
+backlog costs O(N² log N) in the worker's main process.
 
 This transport is the filesystem transport with two changes:
 - an ack or a reject (which frees a slot of the window, in the pool's result thread) wakes the drain loop at
   once. An empty queue is still polled every `polling_interval` (another process's new message has no such
   signal);
-- a listing of the folder serves the fetches until it is used up: each message is still taken by moving its
-  file away (a file another consumer took meanwhile is skipped), oldest first.
+- one listing of the folder, sorted into queues, serves every queue's fetches; the folder is listed again
+  when the asked queue's part of it is used up, at most once per `polling_interval` (an empty queue is
+  seen again as often as kombu's poll would see it). Each message is still taken by moving its file away
+  (a file another consumer took meanwhile is skipped), oldest first.
 Messages, folders, options and semantics are the filesystem transport's own: `oncelery.celeryconfig` selects
 it with `broker_transport` for the embedded default (`broker_url` stays `filesystem://`).
 """
@@ -58,20 +61,28 @@ class Channel(filesystem.Channel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._listed: dict[str, deque[str]] = {}  # per queue: its files at the last listing, oldest first
+        self._listed_at = float("-inf")  # monotonic time of the last listing
 
     def _get(self, queue: str, timeout: Any = None) -> Any:
         """Take the oldest message of `queue` that no other consumer took; raise Empty if there is none."""
         pending = self._listed.get(queue)
-        if not pending:
-            # Listed again only when the last listing is used up: newer messages wait behind older ones.
-            suffix = f"{queue}.msg"
-            names = (name for name in os.listdir(self.data_folder_in) if name.partition(".")[2] == suffix)
-            pending = self._listed[queue] = deque(sorted(names))
+        if not pending and monotonic() - self._listed_at >= (self.connection.polling_interval or 0.0):
+            self._list_folder()
+            pending = self._listed.get(queue)
         while pending:
             payload = self._take(pending.popleft())
             if payload is not None:
                 return loads(payload)
         raise Empty()
+
+    def _list_folder(self) -> None:
+        """Sort the folder's message files (`<ms>_<uuid>.<queue>.msg`) into their queues, oldest first."""
+        listed: dict[str, deque[str]] = {}
+        for name in sorted(os.listdir(self.data_folder_in)):
+            queue, dot, ext = name.partition(".")[2].rpartition(".")
+            if dot and ext == "msg":
+                listed.setdefault(queue, deque()).append(name)
+        self._listed, self._listed_at = listed, monotonic()
 
     def _take(self, name: str) -> bytes | None:
         """Move the message file out of the queue folder and read it; None if another consumer took it first."""

@@ -7,7 +7,9 @@ returns nothing (socket.timeout after 30 s) where the embedded default's takes t
 
 from __future__ import annotations
 
+import os
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,13 @@ from oncelery.embedded_broker import TRANSPORT
 WAIT = 20.0  # generous: the delivery follows the ack by milliseconds; the stock transport needs 30 s and fails
 
 
-def _connection(folder: Path) -> Connection:
+def _queue(name: str) -> Queue:
+    """A queue of a name no other test uses: kombu's virtual transports keep bindings per process, not per folder."""
+    unique = f"{name}-{uuid.uuid4().hex[:8]}"
+    return Queue(unique, Exchange(unique, type="direct"), routing_key=unique)
+
+
+def _connection(folder: Path, polling: float = 0.05) -> Connection:
     return Connection(
         "filesystem://",
         transport=TRANSPORT,
@@ -28,18 +36,18 @@ def _connection(folder: Path) -> Connection:
             "data_folder_in": str(folder),
             "data_folder_out": str(folder),
             "control_folder": str(folder / "control"),
-            "polling_interval": 60.0,
+            "polling_interval": polling,
         },
     )
 
 
 def test_an_ack_wakes_a_drain_waiting_on_a_full_prefetch_window(tmp_path: Path) -> None:
-    queue = Queue("jobs", Exchange("jobs", type="direct"), routing_key="jobs")
+    queue = _queue("jobs")
     got: list[tuple[Any, Any]] = []
-    with _connection(tmp_path) as conn:
+    with _connection(tmp_path, polling=60.0) as conn:
         producer = conn.Producer(serializer="json")
         for n in (1, 2):
-            producer.publish({"n": n}, exchange=queue.exchange, routing_key="jobs", declare=[queue])
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue])
         channel = conn.channel()
         consumer = Consumer(channel, [queue], callbacks=[lambda body, msg: got.append((body, msg))], accept=["json"])
         consumer.qos(prefetch_count=1)
@@ -96,7 +104,7 @@ def _publish(conn: Connection, queue: Queue, numbers: range) -> None:
 
 def test_messages_sent_after_a_listing_are_taken_too(tmp_path: Path) -> None:
     """A fetch serves from the last listing; what arrives meanwhile is taken once that listing is used up."""
-    queue = Queue("fifo", Exchange("fifo", type="direct"), routing_key="fifo")
+    queue = _queue("fifo")
     got: list[int] = []
     with _connection(tmp_path) as conn:
         _publish(conn, queue, range(3))
@@ -112,7 +120,7 @@ def test_messages_sent_after_a_listing_are_taken_too(tmp_path: Path) -> None:
 
 def test_two_consumers_racing_on_one_folder_take_each_message_once(tmp_path: Path) -> None:
     """Two workers' listings overlap: a file the other took is skipped, none is lost or taken twice."""
-    queue = Queue("race", Exchange("race", type="direct"), routing_key="race")
+    queue = _queue("race")
     total = 400
     with _connection(tmp_path) as conn:
         _publish(conn, queue, range(total))
@@ -145,7 +153,7 @@ def test_two_consumers_racing_on_one_folder_take_each_message_once(tmp_path: Pat
 
 def test_files_another_consumer_took_are_skipped_not_delivered_twice(tmp_path: Path) -> None:
     """A's listing holds files that B then takes: A skips every one of them and lists again."""
-    queue = Queue("skip", Exchange("skip", type="direct"), routing_key="skip")
+    queue = _queue("skip")
     got_a: list[int] = []
     got_b: list[int] = []
     with _connection(tmp_path) as a, _connection(tmp_path) as b:
@@ -163,9 +171,43 @@ def test_files_another_consumer_took_are_skipped_not_delivered_twice(tmp_path: P
     assert sorted(got_a[:1] + got_b) == list(range(50))
 
 
+def test_a_backlog_is_drained_from_one_listing_for_every_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 messages over two queues, consumed together: one listing of the folder serves every fetch.
+
+    kombu's channel lists (and sorts) the whole folder for every fetch and every empty poll: 200+ listings.
+    """
+    jobs = _queue("jobs")
+    idle = _queue("idle")
+    got: list[int] = []
+    listings = 0
+    real_listdir = os.listdir
+
+    def counting_listdir(path: Any) -> list[str]:
+        nonlocal listings
+        listings += 1
+        return real_listdir(path)
+
+    with _connection(tmp_path, polling=60.0) as conn:
+        _publish(conn, jobs, range(200))
+        _publish(conn, idle, range(0))  # declared, never sent to: polled empty alongside
+        consumer = Consumer(
+            conn.channel(),
+            [jobs, idle],
+            callbacks=[lambda body, message: (got.append(body["n"]), message.ack())],
+            accept=["json"],
+        )
+        consumer.qos(prefetch_count=1)
+        consumer.consume()
+        monkeypatch.setattr(os, "listdir", counting_listdir)
+        while len(got) < 200:
+            conn.drain_events(timeout=WAIT)
+    assert sorted(got) == list(range(200))
+    assert listings == 1
+
+
 def test_an_empty_queue_still_times_out(tmp_path: Path) -> None:
     """With nothing to take and no ack, drain_events honours its timeout (the worker's loop relies on it)."""
-    queue = Queue("idle", Exchange("idle", type="direct"), routing_key="idle")
+    queue = _queue("idle")
     with _connection(tmp_path) as conn:
         consumer = Consumer(conn.channel(), [queue], callbacks=[lambda body, msg: None], accept=["json"])
         consumer.consume()
