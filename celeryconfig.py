@@ -1,7 +1,8 @@
 """Celery configuration of Oncelery's demo app (installed as `oncelery.celeryconfig`): every setting from
 an environment variable.
 
-With no broker or result backend configured it needs no server: kombu's filesystem transport as the broker
+With no broker or result backend configured it needs no server: kombu's filesystem transport (through
+oncelery.embedded_broker, `oncelery-fs://`) as the broker
 and a SQLite result backend under ./.oncelery. The claims database is set only from ONCELERY_DATABASE_URL:
 the demo app (`oncelery.tasks.app`) falls back to its embedded SQLite file itself, and any other app that
 loads this module must configure one. Production sets ONCELERY_BROKER_URL=redis://... and
@@ -14,6 +15,7 @@ import os as _os
 from pathlib import Path as _Path
 from typing import Any as _Any
 
+from oncelery import embedded_broker as _embedded_broker
 from oncelery import settings as _settings
 
 _float = _settings.env_seconds  # a bad value is one line naming the variable, not a traceback at import
@@ -41,10 +43,9 @@ else:
     _spool = _Path(_settings.data_dir()) / "broker"
     _queue_dir = _spool / "queue"
     _queue_dir.mkdir(parents=True, exist_ok=True)
-    broker_url = "filesystem://"
     # kombu's filesystem transport, whose drain loop wakes when a child acks instead of sleeping a whole
-    # polling_interval with the prefetch window full (oncelery.embedded_broker).
-    broker_transport = "oncelery.embedded_broker:Transport"
+    # polling_interval with the prefetch window full, and lists the folder once for many messages.
+    broker_url = _embedded_broker.URL
     broker_transport_options = {
         "data_folder_in": str(_queue_dir),
         "data_folder_out": str(_queue_dir),

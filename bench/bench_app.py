@@ -89,9 +89,10 @@ def broker_settings() -> dict[str, Any]:
     if os.environ.get("BENCH_POLLING_INTERVAL"):
         options["polling_interval"] = float(os.environ["BENCH_POLLING_INTERVAL"])
     return {
-        "broker_url": celeryconfig.broker_url,
         # BENCH_TRANSPORT=filesystem: kombu's stock filesystem transport instead of the embedded default's.
-        "broker_transport": os.environ.get("BENCH_TRANSPORT") or celeryconfig.broker_transport,
+        "broker_url": f"{os.environ['BENCH_TRANSPORT']}://"
+        if os.environ.get("BENCH_TRANSPORT")
+        else celeryconfig.broker_url,
         "broker_transport_options": options,
         "worker_prefetch_multiplier": int(os.environ.get("BENCH_PREFETCH") or celeryconfig.worker_prefetch_multiplier),
     }

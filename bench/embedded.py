@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.bench_app import app
 
         print(
-            f"{args.jobs} jobs x {args.repeat} rounds, broker {app.conf.broker_url} ({app.conf.broker_transport}) "
+            f"{args.jobs} jobs x {args.repeat} rounds, broker {app.conf.broker_url} "
             f"(polling_interval {app.conf.broker_transport_options.get('polling_interval')} s), "
             f"claims {env['BENCH_DATABASE_URL']}, prefork -c {args.concurrency}"
         )

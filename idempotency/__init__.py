@@ -9,6 +9,7 @@ from oncelery import startup as _startup  # noqa: F401  (registers the worker's 
 from oncelery.caller import outcome_of
 from oncelery.costs import CostLine, CostReport, Spend, cost_report
 from oncelery.deadletters import DeadLetters, LetterView, ReplayReport
+from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import (
     ClaimError,
     ConfigurationError,
@@ -94,6 +95,7 @@ __all__ = [
     "differing_fields",
     "embedded_database_url",
     "install_relay_task",
+    "is_embedded_broker",
     "model_call",
     "outbox",
     "outcome_of",

@@ -16,8 +16,10 @@ This transport is the filesystem transport with two changes:
   when the asked queue's part of it is used up, at most once per `polling_interval` (an empty queue is
   seen again as often as kombu's poll would see it). Each message is still taken by moving its file away
   (a file another consumer took meanwhile is skipped), oldest first.
-Messages, folders, options and semantics are the filesystem transport's own: `oncelery.celeryconfig` selects
-it with `broker_transport` for the embedded default (`broker_url` stays `filesystem://`).
+Messages, folders, options and semantics are the filesystem transport's own. It has its own URL scheme,
+`oncelery-fs://`, registered with kombu when `oncelery` is imported; `oncelery.celeryconfig` uses it for the
+embedded default. (Not Celery's `broker_transport` setting: that would apply to any broker URL given later,
+e.g. `celery --broker=redis://... flower` in a folder holding the config, and silently read files instead.)
 """
 
 from __future__ import annotations
@@ -32,11 +34,20 @@ from time import monotonic
 from typing import Any
 
 from kombu.exceptions import ChannelError
-from kombu.transport import filesystem, virtual
+from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
 from kombu.utils.json import loads
 
-#: The `broker_transport` setting that selects this transport (with broker_url = "filesystem://").
+#: The transport, and its URL: `broker_url = "oncelery-fs://"` (with the filesystem transport's options).
 TRANSPORT = "oncelery.embedded_broker:Transport"
+SCHEME = "oncelery-fs"
+URL = f"{SCHEME}://"
+# Brokers whose messages are files on this host: a worker killed with a message fetched loses it (no acks).
+_SPOOL_URLS = ("filesystem://", URL)
+
+
+def is_embedded_broker(broker_url: str) -> bool:
+    """Whether `broker_url` is a file spool on this host (this transport or kombu's filesystem://): no server."""
+    return str(broker_url or "").startswith(_SPOOL_URLS)
 
 
 class QoS(virtual.QoS):
@@ -133,3 +144,7 @@ class Transport(filesystem.Transport):
                 wait = left if wait is None else min(wait, left)
             if wait is not None:  # None: poll again at once, as kombu does
                 self.slot_freed.wait(wait)
+
+
+# kombu resolves a URL's scheme through this table (a URL may not name a module itself).
+TRANSPORT_ALIASES.setdefault(SCHEME, TRANSPORT)

@@ -14,6 +14,7 @@ from typing import Any
 from celery import Task
 
 from oncelery.claims import EntityVersionOf, RunStore
+from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import ConfigurationError
 from oncelery.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec
 from oncelery.replay_cache import ReplayCache, configured_cache
@@ -64,7 +65,7 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: another's key.
     tenant: KeySpec = None
     #: Keep the message's arguments in the run row until it completes, so a job whose message a broker lost
-    #: can be sent again. None: app.conf.oncelery_store_message, else only on the embedded (filesystem://)
+    #: can be sent again. None: app.conf.oncelery_store_message, else only on the embedded (oncelery-fs://, filesystem://)
     #: broker, which loses in-flight messages.
     store_message: bool | None = None
     #: Deliveries whose worker vanished mid-body (SIGKILL, OOM, segfault) after which the run goes DEAD with
@@ -234,6 +235,6 @@ class TaskOptions(Task):  # type: ignore[misc]
         # Celery's broker_url property is costly (environment, aliases) and is read once per app configuration.
         seen = self.__dict__.get("_filesystem_broker")
         if seen is None or seen[0] is not conf:
-            seen = (conf, str(conf.broker_url or "").startswith("filesystem://"))
+            seen = (conf, is_embedded_broker(str(conf.broker_url or "")))
             self.__dict__["_filesystem_broker"] = seen
         return bool(seen[1])

@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
+from oncelery.embedded_broker import SCHEME
 from oncelery.errors import ServiceUnreachable
 from oncelery.settings import ENV_BROKER_URL, ENV_RESULT_BACKEND
 from oncelery.store import normalize_url, safe_url
@@ -38,7 +39,7 @@ _DEFAULT_PORTS = {
     "mongodb": 27017,
 }
 # URLs that name no network service (files, memory) or ride on the broker (rpc): nothing to reach.
-_LOCAL_SCHEMES = ("filesystem", "memory", "sqlite", "file", "rpc", "cache", "disabled")
+_LOCAL_SCHEMES = ("filesystem", SCHEME, "memory", "sqlite", "file", "rpc", "cache", "disabled")
 
 
 def masked(url: str) -> str:

@@ -143,28 +143,36 @@ def _running(db: OnceleryDb, task: Any, key: str, tenant: str) -> RunView | None
     return run if run is not None and run.status is RunStatus.RUNNING else None
 
 
-def kill_holder(
-    worker: WorkerProcess, db: OnceleryDb, task: Any, key: str, tenant: str = "", after_steps: int = 0
-) -> RunView:
-    """SIGKILL the worker once the key's run is RUNNING with `after_steps` steps checkpointed; return the run."""
+def _held(db: OnceleryDb, task: Any, key: str, tenant: str, after_steps: int) -> RunView:
+    """Wait until the key's run is RUNNING with `after_steps` steps checkpointed; return it."""
 
     def mid_body() -> RunView | None:
         run = _running(db, task, key, tenant)
         return run if run is not None and sum(map(len, db.steps(task, key, tenant))) >= after_steps else None
 
-    run = wait_until(mid_body, what=f"{_name(task)}[{key}] to be running with {after_steps} steps done")
+    return wait_until(mid_body, what=f"{_name(task)}[{key}] to be running with {after_steps} steps done")  # type: ignore[no-any-return]
+
+
+def kill_holder(
+    worker: WorkerProcess, db: OnceleryDb, task: Any, key: str, tenant: str = "", after_steps: int = 0
+) -> RunView:
+    """SIGKILL the worker once the key's run is RUNNING with `after_steps` steps checkpointed; return the run."""
+    run = _held(db, task, key, tenant, after_steps)
     worker.kill()
-    return run  # type: ignore[no-any-return]
+    return run
 
 
 @contextmanager
-def frozen_past_lease(worker: WorkerProcess, db: OnceleryDb, task: Any, key: str, tenant: str = "") -> Iterator[None]:
-    """Freeze the holder (SIGSTOP) once its run is RUNNING and expire its lease; SIGCONT it at exit.
+def frozen_past_lease(
+    worker: WorkerProcess, db: OnceleryDb, task: Any, key: str, tenant: str = "", after_steps: int = 0
+) -> Iterator[None]:
+    """Freeze the holder (SIGSTOP) once its run is RUNNING with `after_steps` steps checkpointed and expire
+    its lease; SIGCONT it at exit.
 
     Inside the block another worker can take the run over; released, the old holder is a zombie whose
     writes the fencing token refuses.
     """
-    wait_until(lambda: _running(db, task, key, tenant), what=f"{_name(task)}[{key}] to be running")
+    _held(db, task, key, tenant, after_steps)
     worker.signal(signal.SIGSTOP)
     try:
         expire_lease(db, task, key, tenant)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 from kombu import Connection, Consumer, Exchange, Queue
 
-from oncelery import celeryconfig
-from oncelery.embedded_broker import TRANSPORT
+from oncelery.embedded_broker import URL, Transport
 
 WAIT = 20.0  # generous: the delivery follows the ack by milliseconds; the stock transport needs 30 s and fails
 
@@ -30,8 +30,7 @@ def _queue(name: str) -> Queue:
 
 def _connection(folder: Path, polling: float = 0.05) -> Connection:
     return Connection(
-        "filesystem://",
-        transport=TRANSPORT,
+        URL,
         transport_options={
             "data_folder_in": str(folder),
             "data_folder_out": str(folder),
@@ -215,8 +214,18 @@ def test_an_empty_queue_still_times_out(tmp_path: Path) -> None:
             conn.drain_events(timeout=0.2)
 
 
-def test_the_embedded_default_selects_it() -> None:
-    """oncelery.celeryconfig (no ONCELERY_BROKER_URL in the tests' environment) uses it on filesystem://."""
-    if celeryconfig.broker_url != "filesystem://":
-        pytest.skip("ONCELERY_BROKER_URL is set: celeryconfig is not on the embedded default")
-    assert celeryconfig.broker_transport == TRANSPORT
+def test_the_embedded_default_selects_it_and_a_url_given_later_wins() -> None:
+    """oncelery.celeryconfig's embedded default is `oncelery-fs://`; a broker URL set afterwards is used as given.
+
+    (With Celery's `broker_transport` setting instead, `celery --broker=redis://... flower` run next to the
+    config read the spool folder and never saw an event.)
+    """
+    app = Celery("t-embedded-config")
+    app.config_from_object("oncelery.celeryconfig")
+    if not os.environ.get("ONCELERY_BROKER_URL"):
+        assert app.conf.broker_url == URL
+        with app.connection_for_write() as conn:
+            assert isinstance(conn.transport, Transport)
+    app.conf.broker_url = "redis://127.0.0.1:6379/0"
+    with app.connection_for_write() as conn:
+        assert type(conn.transport).__module__ == "kombu.transport.redis"

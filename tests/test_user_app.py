@@ -103,7 +103,8 @@ def test_an_expired_lease_is_taken_over_and_the_zombie_is_refused(
     hold.touch()
     zombie = oncelery_worker_process(APP_PATH, hostname="zombie@%h")
     first = shop.charge.delay("o-3", 50)
-    with frozen_past_lease(zombie, shop_db, shop.charge, "charge:o-3"):
+    # Frozen once its first step is checkpointed (it then waits on the hold file): the taker resumes from it.
+    with frozen_past_lease(zombie, shop_db, shop.charge, "charge:o-3", after_steps=1):
         hold.unlink()
         oncelery_worker_process(APP_PATH, hostname="taker@%h")
         # A duplicate reaches the second worker, finds the lease expired and takes the run over.

@@ -111,7 +111,7 @@ def sample_documents(count: int) -> list[tuple[str, str]]:
 @click.option(
     "--start-worker/--no-start-worker",
     default=None,
-    help="Start a local worker. Default: only on the embedded (filesystem://) broker.",
+    help="Start a local worker. Default: only on the embedded (oncelery-fs://, or filesystem://) broker.",
 )
 @click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True, help="Worker processes.")
 @click.option("--timeout", type=click.FloatRange(min=1.0), default=180.0, show_default=True, help="Seconds to wait.")

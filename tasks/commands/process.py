@@ -64,7 +64,7 @@ NON_TTY_WIDTH = 110
 @click.option(
     "--start-worker/--no-start-worker",
     default=None,
-    help="Start a local worker. Default: only on the embedded (filesystem://) broker.",
+    help="Start a local worker. Default: only on the embedded (oncelery-fs://, or filesystem://) broker.",
 )
 @click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True, help="Worker processes.")
 @click.option(
