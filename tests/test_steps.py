@@ -195,10 +195,16 @@ def test_progress_state_shows_step_and_replayed_steps(app: Celery, worker_factor
     try:
         with worker_factory(app):
             res = progressing.delay(3)
+            # Step "second" also reports PROGRESS with "first" replayed: wait for the gated third step.
             info = wait_for(
-                lambda: res.state == "PROGRESS" and res.info.get("replayed") == ["first"] and res.info,
+                lambda: (
+                    res.state == "PROGRESS"
+                    and res.info.get("replayed") == ["first"]
+                    and res.info.get("step") == "third"
+                    and res.info
+                ),
                 timeout=60,
-                what="PROGRESS with a replayed step",
+                what="PROGRESS at step 'third' with a replayed step",
             )
             gate.set()
             assert res.get(timeout=60) == 8
