@@ -45,7 +45,7 @@ URL = f"{SCHEME}://"
 _SPOOL_URLS = ("filesystem://", URL)
 
 
-def is_embedded_broker(broker_url: str) -> bool:
+def is_embedded_broker(broker_url: str | None) -> bool:
     """Whether `broker_url` is a file spool on this host (this transport or kombu's filesystem://): no server."""
     return str(broker_url or "").startswith(_SPOOL_URLS)
 

@@ -65,8 +65,8 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: another's key.
     tenant: KeySpec = None
     #: Keep the message's arguments in the run row until it completes, so a job whose message a broker lost
-    #: can be sent again. None: app.conf.oncelery_store_message, else only on the embedded (oncelery-fs://, filesystem://)
-    #: broker, which loses in-flight messages.
+    #: can be sent again. None: app.conf.oncelery_store_message, else only on an embedded broker
+    #: (oncelery-fs://, filesystem://: is_embedded_broker), which loses in-flight messages.
     store_message: bool | None = None
     #: Deliveries whose worker vanished mid-body (SIGKILL, OOM, segfault) after which the run goes DEAD with
     #: a dead letter instead of running again: Celery re-queues such a poison message for ever under
@@ -235,6 +235,6 @@ class TaskOptions(Task):  # type: ignore[misc]
         # Celery's broker_url property is costly (environment, aliases) and is read once per app configuration.
         seen = self.__dict__.get("_filesystem_broker")
         if seen is None or seen[0] is not conf:
-            seen = (conf, is_embedded_broker(str(conf.broker_url or "")))
+            seen = (conf, is_embedded_broker(conf.broker_url))
             self.__dict__["_filesystem_broker"] = seen
         return bool(seen[1])

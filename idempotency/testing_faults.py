@@ -150,7 +150,8 @@ def _held(db: OnceleryDb, task: Any, key: str, tenant: str, after_steps: int) ->
         run = _running(db, task, key, tenant)
         return run if run is not None and sum(map(len, db.steps(task, key, tenant))) >= after_steps else None
 
-    return wait_until(mid_body, what=f"{_name(task)}[{key}] to be running with {after_steps} steps done")  # type: ignore[no-any-return]
+    run: RunView = wait_until(mid_body, what=f"{_name(task)}[{key}] to be running with {after_steps} steps done")
+    return run
 
 
 def kill_holder(

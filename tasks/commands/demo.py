@@ -11,11 +11,10 @@ from typing import Any
 import click
 from kombu.utils.url import maybe_sanitize_url
 
-from oncelery import Outcome, Runs, RunStatus
+from oncelery import Outcome, Runs, RunStatus, is_embedded_broker
 from oncelery.cli import check_services, format_table, resolve_database_url
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
-    is_embedded,
     plan_deliveries,
     prepare_database,
     sigterm_as_interrupt,
@@ -136,7 +135,7 @@ def demo(
         click.echo(line)
     broker = str(app.conf.broker_url)
     if start_worker is None:
-        start_worker = is_embedded(broker)
+        start_worker = is_embedded_broker(broker)
 
     docs = sample_documents(jobs)
     calls = [(doc_id, doc_version, text, work_seconds) for doc_id, text in docs]

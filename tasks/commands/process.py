@@ -17,14 +17,13 @@ import click
 from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 
-from oncelery import Database, Identity, InvalidKey, Relay, Runs, differing_fields, outbox
+from oncelery import Database, Identity, InvalidKey, Relay, Runs, differing_fields, is_embedded_broker, outbox
 from oncelery.cli import check_services, resolve_database_url
 from oncelery.tasks.commands.article_file import Article, load_articles
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
     ENV_LEASE,
     WORKER_APP,
-    is_embedded,
     plan_deliveries,
     prepare_database,
     sigterm_as_interrupt,
@@ -124,7 +123,7 @@ def process(
 
     broker = str(app.conf.broker_url)
     if start_worker is None:
-        start_worker = is_embedded(broker)
+        start_worker = is_embedded_broker(broker)
     if (kill_worker_every or lease) and not start_worker:
         raise click.UsageError(
             "--kill-worker-every and --lease act on a worker this command starts: add --start-worker"

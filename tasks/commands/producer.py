@@ -10,18 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from oncelery import ENV_DATABASE_URL, data_dir, is_embedded_broker, upgrade_schema
+from oncelery import ENV_DATABASE_URL, data_dir, upgrade_schema
 from oncelery.models.migrate import JOBS
 from oncelery.tasks.commands.local_worker import LocalWorker
 
 # The app the `process` command's worker runs, and the variable through which it passes --lease to it.
 WORKER_APP = "oncelery.tasks.worker_app"
 ENV_LEASE = "ONCELERY_PROCESS_LEASE"
-
-
-def is_embedded(broker_url: str) -> bool:
-    """Return whether `broker_url` is the embedded (no server) file spool broker."""
-    return is_embedded_broker(broker_url)
 
 
 def plan_deliveries(count: int, duplicates: float, seed: str = "oncelery-demo-plan") -> list[int]:
