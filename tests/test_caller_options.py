@@ -221,7 +221,10 @@ def test_outcome_of_a_waiting_duplicate_that_then_ran_and_failed_is_failed(
             waiting.get(timeout=TIMEOUT)
 
     assert calls == [1, 1]
-    assert Runs(db_url).outcome_counts("oncelery.t_out_failed") == {"failed": 2, "in_progress": 1}
+    counts = Runs(db_url).outcome_counts("oncelery.t_out_failed")
+    # One wait at least; a loaded machine may re-send the duplicate before the holder's failure is recorded,
+    # and each wait is counted (the CI flake of stop 19 counted 2).
+    assert counts.get("failed") == 2 and counts.get("in_progress", 0) >= 1 and set(counts) == {"failed", "in_progress"}
     assert outcome_of(holder) is Outcome.FAILED  # is None
     assert outcome_of(waiting) is Outcome.FAILED  # is IN_PROGRESS: the wait's, not the execution's
 
