@@ -2,19 +2,22 @@
 
     python bench/hot_path.py [--calls 3000] [--rounds 4] [--database-url URL] [--json FILE]
 
-Three ways to do one first execution of a no-op, on one PostgreSQL database, interleaved rounds:
+Four ways to do one first execution of a no-op, on one PostgreSQL database, interleaved rounds:
 
     oncelery    a direct call of an `IdempotentTask` no-op: key and fingerprint, the claim, the body, the
                 completion (the worker's delivery path without Celery's trace and broker)
     statements  Oncelery's two statements exactly as that call sends them (SQL and parameters captured from
                 one call), run bare through psycopg, prepared, on two autocommit connections: the claim on a
                 `synchronous_commit=off` one, the completion on a durable one (as Oncelery's engines do)
+    insert      the same, with Oncelery's plain claim (`Statements.insert_claim`, `INSERT .. ON CONFLICT DO
+                NOTHING RETURNING id`, what SQLite runs) instead of the claim that also answers a duplicate
     floor       bench_app's yardstick (bench/throughput.py's floor phase): the least a claim + fenced
                 completion can be, on tables of its own with two indexes
 
 So `oncelery - statements` is the Python around the statements (framework, pool, parameter conversion), and
 `statements - floor` is what the statements and the schema carry beyond the floor (the claim that also
-answers a duplicate in the same round trip, the outcome counters, five indexes on task_runs).
+answers a duplicate in the same round trip, the outcome counters, five indexes on task_runs); `statements -
+insert` is the part of it that answering a duplicate in the claim's round trip costs a first execution.
 
 Each round runs every way `--calls` times on new keys, in an order rotated by round; the figures are
 medians over rounds, per call: wall ms, this process's CPU ms, and the CPU ms of every `postgres` process
@@ -43,11 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import bench_app
 from bench.harness import admin_engine, cpu_seconds, drop_database, pids_named, prepare_database
 from oncelery import IdempotentTask
-from oncelery.driver import statement_listeners
-from oncelery.store import dispose_engines
+from oncelery.dialects import MODE_FAST
+from oncelery.driver import driver_statement, statement_listeners
+from oncelery.statements import statements as prebuilt
+from oncelery.store import dispose_engines, get_engine
 
 DATABASE = "oncelery_bench_hot_path"
-WAYS = ("oncelery", "statements", "floor")
+WAYS = ("oncelery", "statements", "insert", "floor")
 
 
 def postgres_cpu() -> float:
@@ -56,7 +61,7 @@ def postgres_cpu() -> float:
 
 
 def build(url: str) -> tuple[dict[str, Callable[[int], None]], Callable[[], None]]:
-    """The three ways, each a function of a fresh key number; and a function that closes their connections."""
+    """The four ways, each a function of a fresh key number; and a function that closes their connections."""
     import psycopg
 
     app = Celery("bench-hot-path")
@@ -91,6 +96,19 @@ def build(url: str) -> tuple[dict[str, Callable[[int], None]], Callable[[], None
         if durable.execute(done_sql, done).fetchone() is None:
             raise RuntimeError(f"the completion of s:{i} matched nothing")
 
+    insert_claim = driver_statement(prebuilt("postgresql").insert_claim, get_engine(url, MODE_FAST))
+    insert_sql = insert_claim.sql
+    given = {name: getattr(value, "obj", value) for name, value in claim_params.items()}  # unwrap psycopg's Json
+
+    def insert(i: int) -> None:
+        params = insert_claim.params({**given, "p_key": f"i:{i}", "p_owner": uuid.uuid4().hex})
+        row = fast.execute(insert_sql, params).fetchone()
+        if row is None:
+            raise RuntimeError(f"the plain claim of i:{i} inserted nothing")
+        done = {**done_params, "p_run_id": row[0], "p_owner": params["p_owner"]}
+        if durable.execute(done_sql, done).fetchone() is None:
+            raise RuntimeError(f"the completion of i:{i} matched nothing")
+
     floor_claim = psycopg.connect(dsn, autocommit=True, prepare_threshold=0)
     floor_claim.execute("SET synchronous_commit = off")  # as Oncelery's claim (floor-async-claim)
 
@@ -106,7 +124,7 @@ def build(url: str) -> tuple[dict[str, Callable[[int], None]], Callable[[], None
         for conn in (fast, durable, floor_claim):
             conn.close()
 
-    return {"oncelery": noop, "statements": statements, "floor": floor}, close
+    return {"oncelery": noop, "statements": statements, "insert": insert, "floor": floor}, close
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 ways[way](-2 - i)
         base = 0
         for r in range(args.rounds):
-            for way in WAYS[r % 3 :] + WAYS[: r % 3]:
+            for way in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
                 wall, cpu, pg = time.perf_counter(), time.process_time(), postgres_cpu()
                 for i in range(base, base + args.calls):
                     ways[way](i)
@@ -154,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\ngap to the floor (wall / cpu / pg cpu): " + " / ".join(f"{v:.3f}" for v in gap))
     print("  Python around the statements:        " + " / ".join(f"{v:.3f}" for v in python))
     print("  the statements and schema themselves: " + " / ".join(f"{v:.3f}" for v in shape))
+    one_trip = [med["statements"][k] - med["insert"][k] for k in range(3)]
+    print("    of which the duplicate's answer in the claim: " + " / ".join(f"{v:.3f}" for v in one_trip))
     if args.json:
         args.json.write_text(json.dumps({"rounds": figures, "medians": med}, indent=1))
     return 0
