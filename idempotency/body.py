@@ -59,17 +59,18 @@ class RunBody(Announcing):
 
     def max_lease_seconds(self) -> float | None:
         """The bound on lease renewal: max_lease, else the task's (or app's) hard, then soft, time limit."""
-        conf = self.app.conf
-        for value in (
-            self.max_lease,
-            self.time_limit,
-            self.soft_time_limit,
-            conf.get("task_time_limit"),
-            conf.get("task_soft_time_limit"),
-        ):
+        for value in (self.max_lease, self.time_limit, self.soft_time_limit):
             if value:
                 return float(value)
-        return None
+        conf = self.app.conf
+        # The app's limits are read once per configuration (two lookups per delivery otherwise): Celery's pool
+        # reads them when the worker starts, so a later change would not apply to the pool either.
+        seen = self.__dict__.get("_app_time_limit")
+        if seen is None or seen[0] is not conf:
+            limit = conf.get("task_time_limit") or conf.get("task_soft_time_limit")
+            seen = (conf, float(limit) if limit else None)
+            self.__dict__["_app_time_limit"] = seen
+        return seen[1]  # type: ignore[no-any-return]
 
     def run_context(self) -> RunContext:
         """Return the live run of this thread's current delivery, or raise if called outside the body."""

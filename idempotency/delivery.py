@@ -106,10 +106,12 @@ class Delivery:
         self.entity = entity
         self.message = message
         self.direct = direct
+        # The request of this delivery: Celery's `task.request` is a thread-local stack lookup per access.
+        self.request = request = task.request
         # Eager (task_always_eager, .apply()): there is no broker to send the job again through, and
         # re-sending would run it again on this very stack (unbounded recursion).
-        self.eager = bool(getattr(task.request, "is_eager", False))
-        self.resend = can_resend(task, direct)
+        self.eager = bool(getattr(request, "is_eager", False))
+        self.resend = not direct and not self.eager  # as can_resend(task, direct)
         self.send_again = send_again
         # This delivery's claimant name, sent along if a store fault makes it re-send the job (see claim()).
         self.owner = uuid.uuid4().hex
@@ -142,7 +144,7 @@ class Delivery:
                     self.ident,
                     self.lease,
                     self.entity,
-                    self.task.request.id,
+                    self.request.id,
                     self.message,
                     max_deliveries=self.task.max_deliveries,
                     letter=self.letter,
@@ -280,7 +282,7 @@ class Delivery:
         task.attach(ctx)
         # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
         # carries the attempt: never a fresh allowance per copy.
-        task.request.retries = max(int(task.request.retries or 0), claim.retries)
+        self.request.retries = max(int(self.request.retries or 0), claim.retries)
         try:
             try:
                 result = task.run(*args, **kwargs)

@@ -77,6 +77,13 @@ class PostgreSQL(Dialect):
             raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'oncelery[postgres]'") from exc
         # No pre-ping: it costs a round trip per checkout. A connection found dead raises a disconnect
         # error (StoreUnavailable: the job is re-sent) and SQLAlchemy then invalidates the whole pool.
+        if mode == MODE_AUTOCOMMIT:
+            # Durable single statements (a completion, a count): a pool of autocommit connections, so the
+            # driver path neither switches autocommit on and off around each statement nor resets the
+            # connection when it goes back (there is never a transaction to roll back).
+            return create_engine(
+                url, isolation_level="AUTOCOMMIT", pool_size=5, max_overflow=10, pool_reset_on_return=None
+            )
         if mode == MODE_FAST:
             # Claims and lease renewals need not survive a database crash (a lost claim only fails its
             # holder's fenced completion; the random owner keeps tokens unique). Not waiting for the WAL
@@ -113,7 +120,7 @@ class PostgreSQL(Dialect):
     def insert(self) -> Callable[..., Any]:
         return postgresql.insert
 
-    own_engine_modes = frozenset({MODE_DEFAULT, MODE_FAST})
+    own_engine_modes = frozenset({MODE_DEFAULT, MODE_FAST, MODE_AUTOCOMMIT})
 
 
 # Millisecond text in the layout SQLAlchemy stores DateTime in on SQLite, so comparisons hold.

@@ -225,7 +225,8 @@ class Database:
         self._once_more_if_invalidated(transaction)
 
     def _once_more_if_invalidated(self, attempt: Callable[[], T]) -> T:
-        with translated(self.url):
+        # What `with translated(self.url):` does, inline: this runs twice per job (no generator per call).
+        try:
             try:
                 return attempt()
             except DBAPIError as exc:
@@ -237,6 +238,11 @@ class Database:
                 # outcome counter or ledger row whose commit succeeded but whose answer was lost would be
                 # written twice (rare).
                 return attempt()
+        except DBAPIError as exc:
+            mapped = translate_error(exc, self.url)
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
     def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
         if self.dialect.autocommit_statements:

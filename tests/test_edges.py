@@ -259,3 +259,17 @@ def test_hung_body_stops_renewing_and_its_late_completion_is_fenced(app: Celery,
     assert run is not None and run.status is RunStatus.RUNNING and run.token == 2
     assert run.owner == taken.claim.owner and run.result is None and run.lease_live
     assert hung.outcome_counts() == {"lease_lost": 1}
+
+
+def test_the_renewal_bound_is_max_lease_then_the_hard_then_the_soft_time_limit() -> None:
+    """max_lease wins, then the hard time limit (the task's, else the app's), then the soft; none: unbounded."""
+    app = Celery(f"bounds-{uuid.uuid4().hex[:6]}")
+    app.conf.task_time_limit = 50
+    assert _offline_job(app, "oncelery.t_bound_app").max_lease_seconds() == 50.0
+    assert _offline_job(app, "oncelery.t_bound_hard", time_limit=30).max_lease_seconds() == 30.0
+    assert _offline_job(app, "oncelery.t_bound_soft", soft_time_limit=20).max_lease_seconds() == 50.0
+    assert _offline_job(app, "oncelery.t_bound_own", time_limit=30, max_lease=7).max_lease_seconds() == 7.0
+    bare = Celery(f"unbounded-{uuid.uuid4().hex[:6]}")
+    assert _offline_job(bare, "oncelery.t_bound_none").max_lease_seconds() is None
+    bare.conf.task_soft_time_limit = 15
+    assert _offline_job(bare, "oncelery.t_bound_app_soft").max_lease_seconds() == 15.0
