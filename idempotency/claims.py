@@ -47,6 +47,7 @@ from oncelery.claim_types import (
     encode_result,
     lease_lost,
 )
+from oncelery.driver import DriverTransaction
 from oncelery.errors import StaleVersion, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import Identity
@@ -276,7 +277,7 @@ class RunStore:
 
     def complete_txn(
         self,
-        conn: Connection | Session,
+        conn: Connection | Session | DriverTransaction,
         claim: Claim,
         result: Any,
         outcome: Outcome = Outcome.EXECUTED,
@@ -321,7 +322,7 @@ class RunStore:
                 if self.db.one(sql.complete_and_count, params)[0] is None:
                     raise lease_lost(claim)
                 return
-            with self.db.begin() as conn:
+            with self.db.begin_statements() as conn:
                 self.complete_txn(conn, claim, result, outcome, version, steps)
             return
         with translated(self.url):

@@ -1,16 +1,19 @@
-"""One statement on its own, straight through the driver (psycopg 3): compiled once, no SQLAlchemy per call.
+"""A delivery's hot statements straight through the driver: compiled once, no SQLAlchemy per call.
 
 A delivery's hot statements (the claim that also answers a duplicate, the completion, a lease renewal) run
 once per job. For a statement that costs the server ~0.1 ms, SQLAlchemy's execution context, parameter
 processing and result setup cost the worker more CPU than the statement itself (docs/benchmarks.md). So
 SQLAlchemy still builds, compiles and pools, and raises its error classes; this module runs the compiled text
-on the pooled psycopg connection and returns a plain named tuple.
+on the pooled driver connection and returns plain named tuples: one statement in autocommit on psycopg 3
+(`run_on_driver`), or a few in one write transaction on sqlite3 (`driver_transaction`), where every moment
+inside the transaction is a moment the other writers of the file wait.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from sqlalchemy.engine import Engine
@@ -20,7 +23,17 @@ from sqlalchemy.exc import DBAPIError
 class DriverStatement:
     """A statement compiled once for an engine's dialect: its text, its parameter converters, its row type."""
 
-    __slots__ = ("compiled", "converters", "defaults", "literals", "renamed", "required", "row_type", "sql")
+    __slots__ = (
+        "compiled",
+        "converters",
+        "defaults",
+        "literals",
+        "order",
+        "renamed",
+        "required",
+        "row_type",
+        "sql",
+    )
 
     def __init__(self, stmt: Any, engine: Engine) -> None:
         dialect = engine.dialect
@@ -48,6 +61,8 @@ class DriverStatement:
             else:
                 self.converters[name] = convert
         self.row_type: Any = None
+        # A positional driver (sqlite3's `?`): the parameters' names in the order the SQL text takes them.
+        self.order: tuple[str, ...] | None = tuple(self.compiled.positiontup or ()) if dialect.positional else None
 
     def params(self, given: dict[str, Any]) -> dict[str, Any]:
         """The driver's parameters, as SQLAlchemy would send them: `given` by key, the literals, each converted."""
@@ -61,12 +76,19 @@ class DriverStatement:
             values[name] = convert(values[name])
         return values
 
+    def args(self, values: dict[str, Any]) -> Any:
+        """The parameters as the driver takes them: `values` itself, or a tuple in the SQL's order (positional)."""
+        if self.order is None:
+            return values
+        return tuple(values[name] for name in self.order)
+
     def make_row(self, cursor: Any) -> Callable[[Any], Any]:
-        """psycopg row factory: named tuples with the statement's column names (the type built once)."""
+        """Row factory: named tuples with the statement's column names (the type built once)."""
         if self.row_type is None:
             if cursor.description is None:
                 return tuple  # no rows to make (an UPDATE without RETURNING)
-            names = [column.name for column in cursor.description]
+            # psycopg's columns have a name; sqlite3's are the DB-API's 7-tuples, name first.
+            names = [getattr(column, "name", None) or column[0] for column in cursor.description]
             self.row_type = namedtuple("Row", names, rename=True)  # type: ignore[misc]
         return self.row_type._make  # type: ignore[no-any-return]
 
@@ -136,6 +158,88 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
             # What SQLAlchemy itself does on a disconnect (Connection._handle_dbapi_exception): this connection
             # is dropped, and the pool's others (likely dead too after a server restart) are reconnected at
             # their next checkout, so the caller's one more try gets a live one.
+            engine.pool._invalidate(fairy, None)
+        else:
+            fairy.close()
+
+
+class DriverResult:
+    """A statement's answer on the driver path: its rows (named tuples; None if it returns none), rows matched."""
+
+    __slots__ = ("rowcount", "rows")
+
+    def __init__(self, rows: list[Any] | None, rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    @property
+    def returns_rows(self) -> bool:
+        """Whether the statement returns rows (a SELECT, or DML with RETURNING), as SQLAlchemy's result says."""
+        return self.rows is not None
+
+    def first(self) -> Any:
+        """The first row, or None."""
+        return self.rows[0] if self.rows else None
+
+
+class DriverTransaction:
+    """Statements inside one open transaction of a pooled sqlite3 connection (see `driver_transaction`)."""
+
+    def __init__(self, engine: Engine, conn: Any) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.last: tuple[str, Any] = ("BEGIN IMMEDIATE", ())  # what an error names
+
+    def execute(self, stmt: Any, params: dict[str, Any]) -> DriverResult:
+        """Run `stmt` in this transaction; driver errors leave `driver_transaction` as SQLAlchemy's."""
+        compiled = driver_statement(stmt, self.engine)
+        values = compiled.params(params)
+        for listener in statement_listeners:
+            listener(compiled.sql, values)
+        self.last = (compiled.sql, values)
+        cur = self.conn.execute(compiled.sql, compiled.args(values))
+        try:
+            if cur.description is None:
+                return DriverResult(None, cur.rowcount)
+            make = compiled.make_row(cur)
+            rows = [make(row) for row in cur.fetchall()]  # all of them: RETURNING rows are counted as stepped
+            return DriverResult(rows, cur.rowcount)
+        finally:
+            cur.close()
+
+
+@contextmanager
+def driver_transaction(engine: Engine) -> Iterator[DriverTransaction]:
+    """One write transaction (BEGIN IMMEDIATE) on a pooled sqlite3 connection of `engine`: committed at the end,
+    rolled back if the block raises. Waits for the write lock as the connection's busy_timeout says.
+
+    Driver errors are raised as SQLAlchemy's (OperationalError, IntegrityError, ...), as `run_on_driver` does,
+    so the caller's error handling is the one of any other statement.
+    """
+    import sqlite3
+
+    fairy = engine.raw_connection()  # sqlite3 opens the file lazily: nothing to fail here that execute won't
+    conn: Any = fairy.driver_connection
+    tx = DriverTransaction(engine, conn)
+    broken = False
+    try:
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the write lock up front: lock waits honour busy_timeout
+            yield tx
+            tx.last = ("COMMIT", ())
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    except sqlite3.Error as exc:
+        sql, values = tx.last
+        broken = bool(engine.dialect.is_disconnect(cast(Any, exc), conn, None))
+        raise DBAPIError.instance(
+            sql, values, exc, sqlite3.Error, connection_invalidated=broken, dialect=engine.dialect
+        ) from exc
+    finally:
+        if broken:
             engine.pool._invalidate(fairy, None)
         else:
             fairy.close()

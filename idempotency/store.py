@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from oncelery.dialects import MODE_AUTOCOMMIT, MODE_DEFAULT, MODE_FAST, MODE_READ, Dialect, dialect_of
-from oncelery.driver import run_on_driver
+from oncelery.driver import DriverTransaction, driver_transaction, run_on_driver
 from oncelery.errors import SchemaMissing, StoreUnavailable
 
 T = TypeVar("T")
@@ -196,6 +196,22 @@ class Database:
             yield conn
 
     @contextmanager
+    def begin_statements(self) -> Iterator[Connection | DriverTransaction]:
+        """A durable write transaction for prebuilt statements only (`execute(stmt, params)`, `.first()`,
+        `.rowcount`); driver errors become typed store errors.
+
+        On SQLite (sqlite3) the statements go straight to the driver, so the file's write lock is held for
+        the statements and not for SQLAlchemy's work around them; elsewhere it is `begin()`.
+        """
+        engine = self.engine
+        if engine.dialect.driver != "pysqlite":
+            with self.begin() as conn:
+                yield conn
+            return
+        with translated(self.url), driver_transaction(engine) as tx:
+            yield tx
+
+    @contextmanager
     def read(self) -> Iterator[Connection]:
         """A connection for reads; driver errors become typed store errors."""
         self.require_file()
@@ -252,7 +268,12 @@ class Database:
                 return run_on_driver(engine, stmt, params)
             with engine.connect() as conn:
                 return first_and_count(conn.execute(stmt, params))
-        with (self.engine if durable else self.fast_engine).begin() as conn:
+        engine = self.engine if durable else self.fast_engine
+        if engine.dialect.driver == "pysqlite":
+            # A claim, a renewal, a count: SQLAlchemy compiles, sqlite3 runs it in its own write transaction.
+            with driver_transaction(engine) as tx:
+                return first_and_count(tx.execute(stmt, params))
+        with engine.begin() as conn:
             return first_and_count(conn.execute(stmt, params))
 
     def require_file(self) -> None:

@@ -52,7 +52,9 @@ def test_an_ack_wakes_a_drain_waiting_on_a_full_prefetch_window(tmp_path: Path) 
         consumer.qos(prefetch_count=1)
         consumer.consume()
         conn.drain_events(timeout=WAIT)
-        assert [body for body, _ in got] == [{"n": 1}]
+        # One message only: the window holds one. (Which one is not asserted: two files published within the
+        # same millisecond are ordered by their random names, as on kombu's transport.)
+        assert len(got) == 1 and got[0][0] in ({"n": 1}, {"n": 2})
 
         # Count the window's refusals, to ack only once the drain below has found the window full.
         refused = threading.Semaphore(0)
@@ -80,7 +82,7 @@ def test_an_ack_wakes_a_drain_waiting_on_a_full_prefetch_window(tmp_path: Path) 
         drainer.join(WAIT)
         assert not drainer.is_alive(), "the ack did not wake the drain: it still sleeps its polling_interval"
         assert failure == []
-        assert [body for body, _ in got] == [{"n": 1}, {"n": 2}]
+        assert sorted(body["n"] for body, _ in got) == [1, 2]
         got[1][1].ack()
 
 
