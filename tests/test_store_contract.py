@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, insert, text
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
@@ -192,6 +193,34 @@ def test_outcome_counts_are_exact_under_concurrency(db_url: str) -> None:
     store = RunStore(db_url)
     race(20, lambda: store.record_outcome(TASK, Outcome.REPLAYED))
     assert store.outcome_counts(TASK) == {"replayed": 20}
+
+
+def test_a_first_executions_statements_go_straight_to_the_driver(db_url: str) -> None:
+    """A claim, a renewal and a completion run no statement through SQLAlchemy's execution: psycopg gets the
+    claim and the completion with its count (2 statements), sqlite3 the claim, the completion and the count
+    (3), each write in a transaction of its own (BEGIN IMMEDIATE .. COMMIT on SQLite); the run is COMPLETED."""
+    store = RunStore(db_url)
+    through_sqlalchemy: list[str] = []
+    to_driver: list[str] = []
+
+    def on_cursor(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        through_sqlalchemy.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", on_cursor)
+    statement_listeners.append(lambda statement, _params: to_driver.append(statement))
+    try:
+        res = store.claim(TASK, ident("straight"), lease=30)
+        assert res.claim is not None
+        assert store.heartbeat(res.claim)
+        store.complete(res.claim, {"v": 1})
+    finally:
+        event.remove(Engine, "before_cursor_execute", on_cursor)
+        statement_listeners.pop()
+    assert through_sqlalchemy == []
+    assert len(to_driver) == (3 if store.dialect == "postgresql" else 4), to_driver
+    run = store.get(TASK, "straight")
+    assert run is not None and run.status == RunStatus.COMPLETED and run.result == {"v": 1}
+    assert store.outcome_counts(TASK) == {"executed": 1}
 
 
 def test_a_duplicate_is_claimed_answered_and_counted_in_one_statement(db_url: str) -> None:
