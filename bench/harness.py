@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 from sqlalchemy import create_engine, text
@@ -313,6 +314,23 @@ def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.terminate()
         proc.wait()
+
+
+def noop_task(url: str, name: str, key: str) -> Any:
+    """An `IdempotentTask` no-op `name(i)` keyed by template `key` on claims database `url`, for direct calls."""
+    from celery import Celery
+
+    from oncelery import IdempotentTask
+
+    app = Celery(f"bench-{name}-{os.getpid()}")
+    app.conf.oncelery_database_url = url
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key=key)
+    def noop(self: IdempotentTask, i: int) -> None:
+        return None
+
+    app.finalize()
+    return noop
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -38,14 +38,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from celery import Celery
 from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import bench_app
-from bench.harness import admin_engine, cpu_seconds, drop_database, pids_named, prepare_database
-from oncelery import IdempotentTask
+from bench.harness import admin_engine, cpu_seconds, drop_database, noop_task, pids_named, prepare_database
 from oncelery.dialects import MODE_FAST
 from oncelery.driver import driver_statement, statement_listeners
 from oncelery.statements import statements as prebuilt
@@ -64,14 +62,7 @@ def build(url: str) -> tuple[dict[str, Callable[[int], None]], Callable[[], None
     """The four ways, each a function of a fresh key number; and a function that closes their connections."""
     import psycopg
 
-    app = Celery("bench-hot-path")
-    app.conf.oncelery_database_url = url
-
-    @app.task(shared=False, base=IdempotentTask, bind=True, name="bench.hot_path", idempotency_key="h:{i}")
-    def noop(self: IdempotentTask, i: int) -> None:
-        return None
-
-    app.finalize()
+    noop = noop_task(url, "bench.hot_path", "h:{i}")
     # Oncelery's two statements, as one first execution sends them.
     sent: list[tuple[str, dict[str, Any]]] = []
     statement_listeners.append(lambda sql, values: sent.append((sql, dict(values))))

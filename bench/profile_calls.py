@@ -17,12 +17,14 @@ import os
 import pstats
 import sys
 import time
+from pathlib import Path
 
-from celery import Celery
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from oncelery import IdempotentTask
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import noop_task
 from oncelery.schema import upgrade_schema
 from oncelery.store import dispose_engines, get_engine
 
@@ -45,14 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     url = make_url(args.admin_url).set(database=DATABASE).render_as_string(hide_password=False)
     try:
         upgrade_schema(url)
-        app = Celery("bench-profile")
-        app.conf.oncelery_database_url = url
-
-        @app.task(shared=False, base=IdempotentTask, bind=True, name="bench.profile", idempotency_key="p:{i}")
-        def noop(self: IdempotentTask, i: int) -> None:
-            return None
-
-        app.finalize()
+        noop = noop_task(url, "bench.profile", "p:{i}")
         n = args.calls
         for i in range(n):
             noop(i)  # the keys the duplicates repeat (and a warm pool)

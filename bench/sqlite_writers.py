@@ -22,22 +22,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from celery import Celery
-
-from oncelery import IdempotentTask
+from bench.harness import noop_task
 from oncelery.schema import upgrade_schema
 
 
 def run_calls(url: str, base: int, calls: int, ready: Any, start: Any, out: Any) -> None:
     """In a forked process: warm up, wait for the start signal, time `calls` first executions."""
-    app = Celery(f"sqlite-writers-{base}")
-    app.conf.oncelery_database_url = url
-
-    @app.task(shared=False, base=IdempotentTask, bind=True, name="bench.sqlite_writers", idempotency_key="w:{i}")
-    def noop(self: IdempotentTask, i: int) -> None:
-        return None
-
-    app.finalize()
+    noop = noop_task(url, "bench.sqlite_writers", "w:{i}")
     for i in range(base - 200, base):  # warm: engines, compiled statements
         noop(i)
     ready.release()

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 
 
 class DriverStatement:
@@ -128,9 +128,7 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
     except psycopg.Error as exc:
         # No connection at all (server down, refused): raised as SQLAlchemy raises a failed checkout.
         lost = engine.dialect.is_disconnect(cast(Any, exc), None, None)
-        raise DBAPIError.instance(
-            compiled.sql, values, exc, psycopg.Error, connection_invalidated=lost, dialect=engine.dialect
-        ) from exc
+        raise as_sqlalchemy_error(engine, compiled.sql, values, exc, psycopg.Error, lost) from exc
     conn: Any = fairy.driver_connection
     broken = False
     try:
@@ -150,17 +148,27 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
                 conn.autocommit = False
     except psycopg.Error as exc:
         broken = bool(conn.closed or conn.broken or engine.dialect.is_disconnect(cast(Any, exc), conn, None))
-        raise DBAPIError.instance(
-            compiled.sql, values, exc, psycopg.Error, connection_invalidated=broken, dialect=engine.dialect
-        ) from exc
+        raise as_sqlalchemy_error(engine, compiled.sql, values, exc, psycopg.Error, broken) from exc
     finally:
-        if broken:
-            # What SQLAlchemy itself does on a disconnect (Connection._handle_dbapi_exception): this connection
-            # is dropped, and the pool's others (likely dead too after a server restart) are reconnected at
-            # their next checkout, so the caller's one more try gets a live one.
-            engine.pool._invalidate(fairy, None)
-        else:
-            fairy.close()
+        give_back(engine, fairy, broken)
+
+
+def as_sqlalchemy_error(
+    engine: Engine, sql: str, values: Any, exc: Exception, base: type, lost: bool
+) -> StatementError:
+    """The driver error `exc` as SQLAlchemy raises it (IntegrityError, OperationalError...), `lost`: invalidated."""
+    return DBAPIError.instance(sql, values, exc, base, connection_invalidated=lost, dialect=engine.dialect)
+
+
+def give_back(engine: Engine, fairy: Any, broken: bool) -> None:
+    """Return a pooled connection, or drop it and have the pool reconnect the others if it was `broken`."""
+    if broken:
+        # What SQLAlchemy itself does on a disconnect (Connection._handle_dbapi_exception): this connection
+        # is dropped, and the pool's others (likely dead too after a server restart) are reconnected at
+        # their next checkout, so the caller's one more try gets a live one.
+        engine.pool._invalidate(fairy, None)
+    else:
+        fairy.close()
 
 
 class DriverResult:
@@ -235,11 +243,6 @@ def driver_transaction(engine: Engine) -> Iterator[DriverTransaction]:
     except sqlite3.Error as exc:
         sql, values = tx.last
         broken = bool(engine.dialect.is_disconnect(cast(Any, exc), conn, None))
-        raise DBAPIError.instance(
-            sql, values, exc, sqlite3.Error, connection_invalidated=broken, dialect=engine.dialect
-        ) from exc
+        raise as_sqlalchemy_error(engine, sql, values, exc, sqlite3.Error, broken) from exc
     finally:
-        if broken:
-            engine.pool._invalidate(fairy, None)
-        else:
-            fairy.close()
+        give_back(engine, fairy, broken)
