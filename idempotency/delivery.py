@@ -111,7 +111,7 @@ class Delivery:
         # Eager (task_always_eager, .apply()): there is no broker to send the job again through, and
         # re-sending would run it again on this very stack (unbounded recursion).
         self.eager = bool(getattr(request, "is_eager", False))
-        self.resend = not direct and not self.eager  # as can_resend(task, direct)
+        self.resend = can_resend(request, direct)
         self.send_again = send_again
         # This delivery's claimant name, sent along if a store fault makes it re-send the job (see claim()).
         self.owner = uuid.uuid4().hex

@@ -11,6 +11,7 @@ inside the transaction is a moment the other writers of the file wait.
 
 from __future__ import annotations
 
+import sqlite3
 from collections import namedtuple
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +110,15 @@ def driver_statement(stmt: Any, engine: Engine) -> DriverStatement:
     return found
 
 
+def prepared(stmt: Any, engine: Engine, params: dict[str, Any]) -> tuple[DriverStatement, dict[str, Any]]:
+    """`stmt` compiled for `engine` and its driver parameters, told to the statement listeners (about to be sent)."""
+    compiled = driver_statement(stmt, engine)
+    values = compiled.params(params)
+    for listener in statement_listeners:
+        listener(compiled.sql, values)
+    return compiled, values
+
+
 def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[Any, int]:
     """Run `stmt` alone in autocommit on a pooled connection; return (first row or None, rows matched).
 
@@ -119,10 +129,7 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
     import psycopg
     from psycopg.pq import ExecStatus
 
-    compiled = driver_statement(stmt, engine)
-    values = compiled.params(params)
-    for listener in statement_listeners:
-        listener(compiled.sql, values)
+    compiled, values = prepared(stmt, engine, params)
     try:
         fairy = engine.raw_connection()
     except psycopg.Error as exc:
@@ -200,10 +207,7 @@ class DriverTransaction:
 
     def execute(self, stmt: Any, params: dict[str, Any]) -> DriverResult:
         """Run `stmt` in this transaction; driver errors leave `driver_transaction` as SQLAlchemy's."""
-        compiled = driver_statement(stmt, self.engine)
-        values = compiled.params(params)
-        for listener in statement_listeners:
-            listener(compiled.sql, values)
+        compiled, values = prepared(stmt, self.engine, params)
         self.last = (compiled.sql, values)
         cur = self.conn.execute(compiled.sql, compiled.args(values))
         try:
@@ -224,8 +228,6 @@ def driver_transaction(engine: Engine) -> Iterator[DriverTransaction]:
     Driver errors are raised as SQLAlchemy's (OperationalError, IntegrityError, ...), as `run_on_driver` does,
     so the caller's error handling is the one of any other statement.
     """
-    import sqlite3
-
     fairy = engine.raw_connection()  # sqlite3 opens the file lazily: nothing to fail here that execute won't
     conn: Any = fairy.driver_connection
     tx = DriverTransaction(engine, conn)

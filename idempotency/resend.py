@@ -9,13 +9,10 @@ import logging
 import random
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from oncelery.errors import SchemaMissing, StoreError
 from oncelery.settings import WAIT_BACKOFF_BASE, WAIT_BACKOFF_CAP
-
-if TYPE_CHECKING:
-    from oncelery.task import IdempotentTask
 
 # The logger these lines have always been written to: a store fault is part of a delivery's story.
 logger = logging.getLogger("oncelery.delivery")
@@ -44,9 +41,9 @@ def seconds_until(when: Any) -> float:
         return 0.0
 
 
-def can_resend(task: IdempotentTask, direct: bool) -> bool:
-    """Whether a delivery can be sent again through the broker: not a direct call, not an eager one."""
-    return not direct and not bool(getattr(task.request, "is_eager", False))
+def can_resend(request: Any, direct: bool) -> bool:
+    """Whether a delivery (its Celery request) can be sent again through the broker: not direct, not eager."""
+    return not direct and not bool(getattr(request, "is_eager", False))
 
 
 SendAgain = Callable[..., Any]  # (exc, abandoned=owner or None): re-sends the delivery and raises Retry

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from sqlalchemy import Connection, CursorResult
 from sqlalchemy.engine import Engine, make_url
@@ -136,16 +136,26 @@ def translate_error(exc: BaseException, url: str) -> BaseException:
     return exc
 
 
+def raise_translated(exc: DBAPIError, url: str) -> NoReturn:
+    """Raise driver error `exc` as Oncelery's typed store error (chained to it), or as it is if it has none."""
+    mapped = translate_error(exc, url)
+    if mapped is exc:
+        raise exc
+    raise mapped from exc
+
+
 @contextmanager
 def translated(url: str) -> Iterator[None]:
     """Re-raise driver errors inside the block as Oncelery's typed store errors (chained to the cause)."""
     try:
         yield
     except DBAPIError as exc:
-        mapped = translate_error(exc, url)
-        if mapped is exc:
-            raise
-        raise mapped from exc
+        raise_translated(exc, url)
+
+
+def on_sqlite3(engine: Engine) -> bool:
+    """Whether `engine` talks to SQLite through the standard library's sqlite3 (the driver path's SQLite)."""
+    return bool(engine.dialect.driver == "pysqlite")
 
 
 def rowcount(result: Any) -> int:
@@ -204,7 +214,7 @@ class Database:
         the statements and not for SQLAlchemy's work around them; elsewhere it is `begin()`.
         """
         engine = self.engine
-        if engine.dialect.driver != "pysqlite":
+        if not on_sqlite3(engine):
             with self.begin() as conn:
                 yield conn
             return
@@ -241,7 +251,7 @@ class Database:
         self._once_more_if_invalidated(transaction)
 
     def _once_more_if_invalidated(self, attempt: Callable[[], T]) -> T:
-        # What `with translated(self.url):` does, inline: this runs twice per job (no generator per call).
+        # `translated`, without a generator context manager per call: this runs twice per job.
         try:
             try:
                 return attempt()
@@ -255,10 +265,7 @@ class Database:
                 # written twice (rare).
                 return attempt()
         except DBAPIError as exc:
-            mapped = translate_error(exc, self.url)
-            if mapped is exc:
-                raise
-            raise mapped from exc
+            raise_translated(exc, self.url)
 
     def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
         if self.dialect.autocommit_statements:
@@ -269,7 +276,7 @@ class Database:
             with engine.connect() as conn:
                 return first_and_count(conn.execute(stmt, params))
         engine = self.engine if durable else self.fast_engine
-        if engine.dialect.driver == "pysqlite":
+        if on_sqlite3(engine):
             # A claim, a renewal, a count: SQLAlchemy compiles, sqlite3 runs it in its own write transaction.
             with driver_transaction(engine) as tx:
                 return first_and_count(tx.execute(stmt, params))

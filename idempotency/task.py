@@ -133,7 +133,7 @@ class IdempotentTask(RunBody):
         try:
             ident, entity, version = self._identify(args, kwargs, explicit, message)
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
-            return after_store_fault(exc, f"before claiming {self.name}", can_resend(self, direct), self._send_again)
+            return after_store_fault(exc, f"before claiming {self.name}", can_resend(req, direct), self._send_again)
         kept = message if self._keeps_messages() else None
         try:
             lease, policy = self.lease_for(explicit), self.policy_for(explicit)
