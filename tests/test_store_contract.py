@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
-from oncelery import LeaseLost, StoreError, leases, testing
+from oncelery import LeaseLost, SchemaMissing, StoreError, leases, testing
 from oncelery.claim_types import completion_counts
 from oncelery.claims import Claim, Decision, RunStore
 from oncelery.driver import DriverStatement, driver_statement, statement_listeners
@@ -23,7 +23,7 @@ from oncelery.keys import Identity
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome, RunStatus, TaskRun
 from oncelery.tables import OUTCOME_TOTALS
-from tests.conftest import ON_POSTGRESQL
+from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import count_rows, effects_table, wait_for
 
 TASK = "oncelery.contract"
@@ -219,6 +219,32 @@ def test_a_first_executions_statements_go_straight_to_the_driver(db_url: str) ->
     assert through_sqlalchemy == []
     assert len(to_driver) == (3 if store.dialect == "postgresql" else 4), to_driver
     run = store.get(TASK, "straight")
+    assert run is not None and run.status == RunStatus.COMPLETED and run.result == {"v": 1}
+    assert store.outcome_counts(TASK) == {"executed": 1}
+
+
+@ON_SQLITE
+def test_a_sqlite_completion_whose_count_fails_writes_nothing_and_ends_once_later(db_url: str) -> None:
+    """SQLite's completion is two statements in one sqlite3 transaction (the run, then its outcome count). When
+    the second fails (here its table is gone), the first is rolled back: a typed SchemaMissing, the run still
+    RUNNING under the same holder, nothing counted; once the table is back the same holder completes once."""
+    store = RunStore(db_url)
+    res = store.claim(TASK, ident("half"), lease=30)
+    assert res.claim is not None
+    with store.db.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE delivery_outcomes RENAME TO delivery_outcomes_away"))
+    try:
+        with pytest.raises(SchemaMissing, match="oncelery db upgrade"):
+            store.complete(res.claim, {"v": 1})
+        run = store.get(TASK, "half")
+        assert run is not None and run.status == RunStatus.RUNNING and run.result is None
+        assert run.token == 1 and run.owner == res.claim.owner and run.lease_live
+    finally:
+        with store.db.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE delivery_outcomes_away RENAME TO delivery_outcomes"))
+    assert store.outcome_counts(TASK) == {}
+    store.complete(res.claim, {"v": 1})
+    run = store.get(TASK, "half")
     assert run is not None and run.status == RunStatus.COMPLETED and run.result == {"v": 1}
     assert store.outcome_counts(TASK) == {"executed": 1}
 
