@@ -801,6 +801,64 @@ def test_sqlite_lock_held_past_busy_timeout_at_claim_and_complete(
     print(f"sqlite lock: held={held:.1f}s claim outcomes={claim_counts} complete outcomes={counts}")
 
 
+@pytest.mark.timeout(180)
+def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
+    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal meets SQLite's write lock held by another connection past busy_timeout: it fails, the
+    heartbeat keeps trying, a renewal lands once the lock is gone, and the job completes once (never fenced).
+
+    The renewal is fenced by token only, so a lease that lapsed while the lock was held is renewed as long as
+    no other delivery took the run over (none is sent here).
+    """
+    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
+    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
+    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
+    n = 13
+    key = job_key(n)
+    name = "oncelery.t_lock_heartbeat"
+    hold = Once(lock.hold, key)
+    seen: list[Any] = []
+
+    def renewed_after_the_lock() -> bool:
+        run = sqlite_db.run(name, key)
+        if run is None or not hold.injected.is_set() or lock.conn is not None:
+            return False
+        seen.append(run.lease_expires_at)
+        return len(seen) > 1 and seen[-1] > seen[0]
+
+    @sqlite_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=3.0)
+    def job(self: IdempotentTask, n: int) -> dict[str, int]:
+        # The body outlives the held lock and one renewal after it (observed in the database), then writes.
+        self.step("wait", lambda: wait_for(renewed_after_the_lock, JOB_TIMEOUT, what="a renewal after the lock"))
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
+        return expected(n)
+
+    try:
+        with running_worker(sqlite_app, concurrency=2), fault_injected("heartbeat", hold):
+            result = job.delay(n)
+            wait_for(hold.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at a renewal")
+            wait_for(
+                lambda: logs.has("heartbeat for", key, "failed"),
+                timeout=JOB_TIMEOUT,
+                interval=0.1,
+                what="the renewal to give up on the lock",
+            )
+            held = lock.release()
+            assert result.get(timeout=JOB_TIMEOUT) == expected(n), report(sqlite_db, name, key, logs)
+    finally:
+        lock.release()
+    assert hold.error is None, f"the lock could not be taken: {hold.error!r}"
+    assert held >= 1, f"the lock was held {held:.1f}s, less than busy_timeout 1s"
+    detail = report(sqlite_db, name, key, logs)
+    assert sqlite_db.rows(effects_table, key) == 1, detail
+    run = sqlite_db.run(name, key)
+    assert run is not None and run.status is RunStatus.COMPLETED and run.token == 1, detail
+    assert sqlite_db.counts(name) == {"executed": 1}, detail
+    assert not logs.has("lease lost for", key), detail
+
+
 # -- 6. an error text PostgreSQL cannot store ------------------------------------------------------------
 
 
