@@ -37,6 +37,7 @@ class EffectsScope:
 
     def _begin(self) -> Connection:
         if self.connection is None:
+            fault_point("effects_begin")
             with translated(self.store.url):
                 conn = self.store.engine.connect()
                 try:

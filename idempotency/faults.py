@@ -23,6 +23,7 @@ POINTS = (
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "ledger_write",  # before a model call's ledger row (and running totals) is written
     "step_save",  # before a step's checkpoint is written
+    "effects_begin",  # before a run's first effects() block begins its transaction (SQLite: the write lock)
     "effects_flush",  # before an effects() block is flushed
     "complete",  # before the completion (and the effects commit)
     "record_failure",  # before a failed run is recorded

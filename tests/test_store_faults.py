@@ -802,6 +802,45 @@ def test_sqlite_lock_held_past_busy_timeout_at_claim_and_complete(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", ("step_save", "effects_begin", "record_failure"))
+def test_sqlite_lock_held_past_busy_timeout_at_each_stage_ends_once(
+    stage: str, sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stages between the claim and the completion, on SQLite: another connection holds the write lock
+    past busy_timeout right before the stage's statement; the delivery gives up on it (re-sent, not failed),
+    and once the lock is gone the job ends once, its effect written once.
+
+    The effects' lock wait is at their transaction's BEGIN IMMEDIATE (effects_begin): inside a block the run
+    holds the write lock itself until its completion, so no other connection can take it at effects_flush.
+    Reads (load_checkpoints, a replay's answer) never wait on the write lock in WAL mode: no stage of theirs.
+    """
+    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
+    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
+    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
+    n = 8
+    key = job_key(n)
+    job = define_job(sqlite_app, sqlite_db, f"oncelery.t_lock_{stage}", fail_once=stage == "record_failure")
+    hook = Once(lock.hold, key)
+    try:
+        with running_worker(sqlite_app, concurrency=2), fault_injected(stage, hook):
+            result = job.delay(n)
+            wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what=f"the lock taken at {stage!r}")
+            wait_for(
+                lambda: logs.has("claims database failed", key),
+                timeout=JOB_TIMEOUT,
+                interval=0.1,
+                what=f"the delivery to give up on the lock at {stage!r}",
+            )
+            held = lock.release()
+            counts = assert_once(sqlite_db, job, n, result, logs)
+    finally:
+        lock.release()
+    assert hook.error is None, f"the lock could not be taken at {stage!r}: {hook.error!r}"
+    assert held >= 1, f"the lock was held {held:.1f}s, less than busy_timeout 1s"
+    print(f"sqlite lock at {stage}: held={held:.1f}s outcomes={counts}")
+
+
+@pytest.mark.timeout(180)
 def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
     sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
