@@ -841,6 +841,45 @@ def test_sqlite_lock_held_past_busy_timeout_at_each_stage_ends_once(
 
 
 @pytest.mark.timeout(180)
+def test_sqlite_lock_held_past_busy_timeout_counting_a_replay_counts_it_once(
+    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SQLite a duplicate is answered by a read and counted by a write of its own: the write lock held past
+    busy_timeout there sends the duplicate again (uncounted is unsettled), and it is answered and counted once."""
+    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
+    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
+    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
+    n = 9
+    key = job_key(n)
+    job = define_job(sqlite_app, sqlite_db, "oncelery.t_lock_count")
+    hook = Once(lock.hold, key)
+    try:
+        with running_worker(sqlite_app, concurrency=2):
+            assert_once(sqlite_db, job, n, job.delay(n), logs)
+            with fault_injected("count_outcome", hook):
+                again = job.delay(n)
+                wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at the replay's count")
+                wait_for(
+                    lambda: logs.has("claims database failed", key),
+                    timeout=JOB_TIMEOUT,
+                    interval=0.1,
+                    what="the duplicate to give up on the lock",
+                )
+                held = lock.release()
+                assert again.get(timeout=JOB_TIMEOUT) == expected(n), report(sqlite_db, job.name, key, logs)
+    finally:
+        lock.release()
+    assert hook.error is None, f"the lock could not be taken: {hook.error!r}"
+    assert held >= 1, f"the lock was held {held:.1f}s, less than busy_timeout 1s"
+    detail = report(sqlite_db, job.name, key, logs)
+    counts = sqlite_db.counts(job.name)
+    assert counts == {"executed": 1, "replayed": 1}, detail
+    assert sqlite_db.rows(effects_table, key) == 1, detail
+    run = sqlite_db.run(job.name, key)
+    assert run is not None and run.replays == 1, detail
+
+
+@pytest.mark.timeout(180)
 def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
     sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
