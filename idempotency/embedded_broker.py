@@ -8,15 +8,25 @@ kombu's filesystem channel also lists and sorts the whole folder (every queue's 
 and to find none in an empty queue: with N messages queued, each poll costs O(N log N), and draining a
 backlog costs O(N² log N) in the worker's main process.
 
-This transport is the filesystem transport with two changes:
+kombu's filesystem channel also creates a message's file under its final name and then writes it: a consumer
+listing the folder in between takes an empty file, fails to decode it and has removed it (the message is lost);
+and it names files by `time.monotonic()`, which restarts at boot and differs between hosts sharing a folder.
+
+This transport is the filesystem transport with these changes:
 - an ack or a reject (which frees a slot of the window, in the pool's result thread) wakes the drain loop at
   once. An empty queue is still polled every `polling_interval` (another process's new message has no such
   signal);
 - one listing of the folder, sorted into queues, serves every queue's fetches; the folder is listed again
   when the asked queue's part of it is used up, at most once per `polling_interval` (an empty queue is
   seen again as often as kombu's poll would see it). Each message is still taken by moving its file away
-  (a file another consumer took meanwhile is skipped), oldest first.
-Messages, folders, options and semantics are the filesystem transport's own. It has its own URL scheme,
+  (a file another consumer took meanwhile is skipped), oldest first;
+- a message is written to `<name>.part` and renamed to `<name>` (`.msg`) once whole: a listing sees whole
+  messages only. It is taken by renaming it to `<name>.taken` in the same folder (atomic: one consumer wins,
+  where kombu moves it to the temporary directory, a copy if that is another filesystem);
+- names start with the wall clock in nanoseconds (20 digits), strictly increasing in each process: one
+  producer's messages are taken in the order sent (kombu's millisecond names tie, and ties go by a uuid);
+- a file that is not a JSON message is kept as `<name>.malformed` and logged, not lost, and the next is taken.
+Messages, folders, options and semantics are otherwise the filesystem transport's own. It has its own URL scheme,
 `oncelery-fs://`, registered with kombu when `oncelery` is imported; `oncelery.celeryconfig` uses it for the
 embedded default. (Not Celery's `broker_transport` setting: that would apply to any broker URL given later,
 e.g. `celery --broker=redis://... flower` in a folder holding the config, and silently read files instead.)
@@ -24,10 +34,13 @@ e.g. `celery --broker=redis://... flower` in a folder holding the config, and si
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
-import tempfile
 import threading
+import time
+import uuid
 from collections import deque
 from queue import Empty
 from time import monotonic
@@ -35,7 +48,9 @@ from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
-from kombu.utils.json import loads
+from kombu.utils.json import dumps, loads
+
+logger = logging.getLogger(__name__)
 
 #: The transport, and its URL: `broker_url = "oncelery-fs://"` (with the filesystem transport's options).
 TRANSPORT = "oncelery.embedded_broker:Transport"
@@ -48,6 +63,26 @@ _SPOOL_URLS = ("filesystem://", URL)
 def is_embedded_broker(broker_url: str | None) -> bool:
     """Whether `broker_url` is a file spool on this host (this transport or kombu's filesystem://): no server."""
     return str(broker_url or "").startswith(_SPOOL_URLS)
+
+
+class _Names:
+    """Message file names that sort in the order this process sent them (wall clock, strictly increasing)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def next(self, queue: str) -> str:
+        with self._lock:
+            # The wall clock, not kombu's monotonic one: comparable across processes, hosts and reboots. A
+            # clock that steps back still gives this process's next name a later place (max with last + 1).
+            self._last = max(time.time_ns(), self._last + 1)
+            stamp = self._last
+        return f"{stamp:020d}_{uuid.uuid4()}.{queue}.msg"
+
+
+_names = _Names()
+_SKIPPED = object()  # _take's answer for a file that is not (or no longer) a message to deliver
 
 
 class QoS(virtual.QoS):
@@ -81,13 +116,13 @@ class Channel(filesystem.Channel):
             self._list_folder()
             pending = self._listed.get(queue)
         while pending:
-            payload = self._take(pending.popleft())
-            if payload is not None:
-                return loads(payload)
+            message = self._take(pending.popleft())
+            if message is not _SKIPPED:
+                return message
         raise Empty()
 
     def _list_folder(self) -> None:
-        """Sort the folder's message files (`<ms>_<uuid>.<queue>.msg`) into their queues, oldest first."""
+        """Sort the folder's message files (`<time>_<uuid>.<queue>.msg`) into their queues, oldest first."""
         listed: dict[str, deque[str]] = {}
         for name in sorted(os.listdir(self.data_folder_in)):
             queue, dot, ext = name.partition(".")[2].rpartition(".")
@@ -95,24 +130,54 @@ class Channel(filesystem.Channel):
                 listed.setdefault(queue, deque()).append(name)
         self._listed, self._listed_at = listed, monotonic()
 
-    def _take(self, name: str) -> bytes | None:
-        """Move the message file out of the queue folder and read it; None if another consumer took it first."""
-        # As kombu's filesystem channel does: moved to the processed folder (store_processed) or the temporary
-        # directory, read there, then removed unless kept.
-        folder = self.processed_folder if self.store_processed else tempfile.gettempdir()
+    def _take(self, name: str) -> Any:
+        """Take the message file `name` and decode it; _SKIPPED if another consumer took it first, or if it is
+        not a JSON message (then kept beside the queue as `<name>.malformed`, and logged)."""
+        path = os.path.join(self.data_folder_in, name)
+        taken = f"{path}.taken"
         try:
-            shutil.move(os.path.join(self.data_folder_in, name), folder)
+            os.rename(path, taken)  # atomic in one folder: of consumers racing for it, one wins
         except OSError:
-            return None  # taken (or being taken) by another consumer
-        taken = os.path.join(folder, name)
+            return _SKIPPED  # taken by another consumer
         try:
             with open(taken, "rb") as file:
                 payload = file.read()
-            if not self.store_processed:
-                os.remove(taken)
         except OSError as exc:
             raise ChannelError(f"Cannot read file {taken!r} from queue.") from exc
-        return payload
+        try:
+            message = loads(payload)
+        except ValueError as exc:
+            kept = f"{path}.malformed"
+            os.replace(taken, kept)
+            logger.error(
+                "embedded broker: %s is not a JSON message (%s); kept as %s and not delivered: read it, then "
+                "delete it, or fix it and rename it back to %s to send it again",
+                name,
+                exc,
+                kept,
+                name,
+            )
+            return _SKIPPED
+        if self.store_processed:
+            os.makedirs(self.processed_folder, exist_ok=True)
+            shutil.move(taken, os.path.join(self.processed_folder, name))
+        else:
+            os.remove(taken)
+        return message
+
+    # kombu's filesystem channel adds **kwargs to its base's _put(queue, message): mypy can't match both.
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Write the message whole under a temporary name, then rename it into the queue (atomic)."""
+        path = os.path.join(self.data_folder_out, _names.next(queue))
+        part = f"{path}.part"
+        try:
+            with open(part, "wb") as file:
+                file.write(dumps(payload).encode("utf-8"))
+            os.rename(part, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # never created, or already renamed: nothing of it to leave behind
+                os.remove(part)
+            raise ChannelError(f"Cannot add file {path!r} to directory") from exc
 
 
 class Transport(filesystem.Transport):
