@@ -25,7 +25,8 @@ This transport is the filesystem transport with these changes:
   where kombu moves it to the temporary directory, a copy if that is another filesystem);
 - names start with the wall clock in nanoseconds (20 digits), strictly increasing in each process: one
   producer's messages are taken in the order sent (kombu's millisecond names tie, and ties go by a uuid);
-- a file that is not a JSON message is kept as `<name>.malformed` and logged, not lost, and the next is taken.
+- a file that is not a JSON message is kept as `<name>.malformed` and logged, not lost, and the next is taken;
+- an exchange's table file found empty (another process is creating it) means no bindings yet, not an error.
 Messages, folders, options and semantics are otherwise the filesystem transport's own. It has its own URL scheme,
 `oncelery-fs://`, registered with kombu when `oncelery` is imported; `oncelery.celeryconfig` uses it for the
 embedded default. (Not Celery's `broker_transport` setting: that would apply to any broker URL given later,
@@ -164,6 +165,17 @@ class Channel(filesystem.Channel):
         else:
             os.remove(taken)
         return message
+
+    def get_table(self, exchange: Any) -> Any:
+        """The exchange's bindings; none yet while its table file is being created (kombu raised on it)."""
+        try:
+            return super().get_table(exchange)
+        except ValueError:
+            # kombu creates the table file (empty) before it locks and writes it: a reader in between sees
+            # an empty file, the same as a table not written yet. Anything else is a broken table: raise.
+            if self._exchange_file(exchange).stat().st_size == 0:
+                return []
+            raise
 
     # kombu's filesystem channel adds **kwargs to its base's _put(queue, message): mypy can't match both.
     def _put(self, queue: Any, payload: Any, **kwargs: Any) -> Any:  # type: ignore[override]

@@ -298,3 +298,22 @@ def test_the_embedded_default_selects_it_and_a_url_given_later_wins() -> None:
     app.conf.broker_url = "redis://127.0.0.1:6379/0"
     with app.connection_for_write() as conn:
         assert type(conn.transport).__module__ == "kombu.transport.redis"
+
+
+def test_an_exchange_table_being_created_reads_as_no_bindings(tmp_path: Path) -> None:
+    """kombu creates an exchange's table file empty, then locks and writes it: a fanout publish that reads it
+    in between finds no bindings (as before the bind), instead of failing on the empty file."""
+    exchange = f"fan-{uuid.uuid4().hex[:8]}"
+    with _connection(tmp_path) as conn:
+        channel = conn.channel()
+        (tmp_path / "control").mkdir(exist_ok=True)
+        table = tmp_path / "control" / f"{exchange}.exchange"
+        table.write_bytes(b"")
+        assert channel.get_table(exchange) == []
+        table.write_bytes(b"[not json")
+        with pytest.raises(ValueError):
+            channel.get_table(exchange)  # a broken table is not mistaken for an empty one
+        table.unlink()
+        queue = Queue(f"{exchange}-q", Exchange(exchange, type="fanout"))
+        queue(channel).declare()
+        assert [binding.queue for binding in channel.get_table(exchange)] == [queue.name]
