@@ -63,6 +63,7 @@ __all__ = [
     "fail_step_once",
     "flush_broker",
     "frozen_past_lease",
+    "in_process_worker",
     "kill_holder",
     "running_worker",
     "wait_until",
@@ -115,14 +116,36 @@ def oncelery_app(request: pytest.FixtureRequest) -> Any:
 @contextmanager
 def running_worker(app: Any, db: OnceleryDb, concurrency: int = 4) -> Iterator[Any]:
     """Run a real in-process worker (threads) of `app` on `db` for the block: for tasks defined in the test."""
+    with _database_of(app, db.url), in_process_worker(app, concurrency=concurrency) as worker:
+        yield worker
+
+
+#: How often an in-process test worker on Redis asks for the next message (kombu's default: every 1 s).
+TEST_WORKER_POLL = 0.1
+
+
+@contextmanager
+def in_process_worker(app: Any, concurrency: int = 4, pool: str = "threads", **options: Any) -> Iterator[Any]:
+    """Celery's in-process test worker of `app` for the block; on Redis it stops in ~0.1 s instead of ~1 s.
+
+    A stopping Redis consumer first waits for the answer to its outstanding BRPOP, which kombu sends with a
+    1 s timeout: every worker of a test suite costs that second at its end. For the block, the transport's
+    `polling_interval` (kombu's BRPOP timeout on Redis) is 0.1 s unless the app sets one itself.
+    """
     from celery.contrib.testing.worker import start_worker
 
-    with _database_of(app, db.url):
-        app.finalize()
+    app.finalize()
+    before = app.conf.broker_transport_options
+    on_redis = str(app.conf.broker_url or "").startswith(("redis://", "rediss://"))
+    if on_redis and "polling_interval" not in (before or {}):
+        app.conf.broker_transport_options = {**(before or {}), "polling_interval": TEST_WORKER_POLL}
+    try:
         with start_worker(
-            app, pool="threads", concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
+            app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30, **options
         ) as worker:
             yield worker
+    finally:
+        app.conf.broker_transport_options = before
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.signals import before_task_publish
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -18,6 +17,7 @@ from sqlalchemy.engine import Engine
 from oncelery import CELERY_DELIVERY_DEFAULTS
 from oncelery.models.migrate import JOBS, upgrade
 from oncelery.store import dispose_engines, get_engine
+from oncelery.testing import in_process_worker
 from tests import services
 
 ORDERED_TABLES = [
@@ -123,8 +123,7 @@ def close_app(celery_app: Celery) -> None:
 @contextmanager
 def running_worker(app: Celery, concurrency: int = 4, pool: str = "threads") -> Iterator[Any]:
     """Run a real in-process Celery worker consuming `app`'s queue until the block exits."""
-    app.finalize()
-    with start_worker(app, concurrency=concurrency, pool=pool, perform_ping_check=False, shutdown_timeout=30) as worker:
+    with in_process_worker(app, concurrency=concurrency, pool=pool) as worker:
         yield worker
 
 

@@ -14,7 +14,15 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, Outcome, outcome_of
-from oncelery.testing import OnceleryDb, assert_outcomes, assert_ran_once, deliver_concurrently, running_worker
+from oncelery.testing import (
+    TEST_WORKER_POLL,
+    OnceleryDb,
+    assert_outcomes,
+    assert_ran_once,
+    deliver_concurrently,
+    in_process_worker,
+    running_worker,
+)
 from tests.services import PG_ADMIN_URL
 
 REDIS = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
@@ -50,6 +58,29 @@ def test_pytest_celery_app_with_the_kit_worker(celery_app: Any, oncelery_db: Onc
     counts = oncelery_db.outcome_counts(square)
     assert counts["executed"] == 1 and counts["replayed"] == 4
     assert_outcomes(oncelery_db, square, **counts)
+
+
+def test_the_in_process_worker_polls_redis_briefly_and_leaves_the_config_as_it_was(celery_app: Any) -> None:
+    """On Redis the kit's worker asks for messages with a 0.1 s BRPOP timeout (kombu's 1 s is what a stopping
+    consumer waits out), unless the app set its own polling_interval; the app's options are restored after."""
+    celery_app.conf.broker_transport_options = {"visibility_timeout": 3600}
+
+    @celery_app.task(name="kit.ping")
+    def ping() -> str:
+        return "pong"
+
+    with in_process_worker(celery_app) as worker:
+        assert ping.delay().get(timeout=60) == "pong"
+        channel = worker.consumer.connection.default_channel
+        assert channel.brpop_timeout == TEST_WORKER_POLL
+        assert celery_app.conf.broker_transport_options == {"visibility_timeout": 3600, "polling_interval": 0.1}
+    assert celery_app.conf.broker_transport_options == {"visibility_timeout": 3600}
+
+    celery_app.conf.broker_transport_options = {"polling_interval": 0.5}
+    with in_process_worker(celery_app) as worker:
+        assert ping.delay().get(timeout=60) == "pong"
+        assert worker.consumer.connection.default_channel.brpop_timeout == 0.5  # the app's own, untouched
+    assert celery_app.conf.broker_transport_options == {"polling_interval": 0.5}
 
 
 def test_the_plugin_loads_by_its_entry_point_and_gives_a_fresh_postgresql_database(
