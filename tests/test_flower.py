@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
 
 from oncelery import IdempotentTask
+from oncelery.testing import in_process_worker
 from tests.conftest import ON_SQLITE
 from tests.services import wait_for
 
@@ -110,8 +110,7 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
     try:
         wait_for(lambda: flower.poll() is not None or _up(port), TIMEOUT, what="Flower to answer")
         assert flower.poll() is None, (tmp_path / "flower.log").read_text()
-        app.finalize()
-        with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, task_events=True):
+        with in_process_worker(app, task_events=True):
             _until_flower_listens(port, ping.delay)
             executed = job.delay(1)
             assert executed.get(timeout=TIMEOUT) == 10
