@@ -72,6 +72,11 @@ class _Names:
     def __init__(self) -> None:
         self._last = 0
         self._lock = threading.Lock()
+        # A child forked while another thread held the lock would wait on it for ever: it gets a new one.
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     def next(self, queue: str) -> str:
         with self._lock:
