@@ -60,12 +60,16 @@ def test_pytest_celery_app_with_the_kit_worker(celery_app: Any, oncelery_db: Onc
     assert_outcomes(oncelery_db, square, **counts)
 
 
-def test_the_in_process_worker_polls_redis_briefly_and_leaves_the_config_as_it_was(celery_app: Any) -> None:
+def test_the_in_process_worker_polls_redis_briefly_and_leaves_the_config_as_it_was(
+    celery_app: Any, oncelery_db: OnceleryDb
+) -> None:
     """On Redis the kit's worker asks for messages with a 0.1 s BRPOP timeout (kombu's 1 s is what a stopping
     consumer waits out), unless the app set its own polling_interval; the app's options are restored after."""
     celery_app.conf.broker_transport_options = {"visibility_timeout": 3600}
+    # Shared tasks of other tests (IdempotentTasks) join every app: the worker's startup check wants a database.
+    celery_app.conf.oncelery_database_url = oncelery_db.url
 
-    @celery_app.task(name="kit.ping")
+    @celery_app.task(shared=False, name="kit.ping")
     def ping() -> str:
         return "pong"
 
