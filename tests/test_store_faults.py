@@ -736,6 +736,25 @@ class WriteLock:
             return time.monotonic() - self.taken_at
 
 
+@pytest.fixture
+def short_lock(sqlite_db: Db, monkeypatch: pytest.MonkeyPatch) -> Iterator[WriteLock]:
+    """The write lock of `sqlite_db`'s file, to hold in a fault hook; busy_timeout is 1 s for the worker's engines."""
+    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
+    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
+    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def release_once_given_up(lock: WriteLock, logs: LogLines, what: str, *line: str) -> float:
+    """Wait for the log line (`line`'s parts) that says the worker gave up on the held lock; release it; return
+    how long it was held."""
+    wait_for(lambda: logs.has(*line), timeout=JOB_TIMEOUT, interval=0.1, what=what)
+    return lock.release()
+
+
 @pytest.mark.timeout(180)
 def test_sqlite_lock_held_past_busy_timeout_at_claim_and_complete(
     sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
@@ -804,7 +823,7 @@ def test_sqlite_lock_held_past_busy_timeout_at_claim_and_complete(
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", ("step_save", "effects_begin", "record_failure"))
 def test_sqlite_lock_held_past_busy_timeout_at_each_stage_ends_once(
-    stage: str, sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
+    stage: str, sqlite_db: Db, sqlite_app: Celery, logs: LogLines, short_lock: WriteLock
 ) -> None:
     """The stages between the claim and the completion, on SQLite: another connection holds the write lock
     past busy_timeout right before the stage's statement; the delivery gives up on it (re-sent, not failed),
@@ -814,27 +833,16 @@ def test_sqlite_lock_held_past_busy_timeout_at_each_stage_ends_once(
     holds the write lock itself until its completion, so no other connection can take it at effects_flush.
     Reads (load_checkpoints, a replay's answer) never wait on the write lock in WAL mode: no stage of theirs.
     """
-    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
-    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
-    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
     n = 8
     key = job_key(n)
     job = define_job(sqlite_app, sqlite_db, f"oncelery.t_lock_{stage}", fail_once=stage == "record_failure")
-    hook = Once(lock.hold, key)
-    try:
-        with running_worker(sqlite_app, concurrency=2), fault_injected(stage, hook):
-            result = job.delay(n)
-            wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what=f"the lock taken at {stage!r}")
-            wait_for(
-                lambda: logs.has("claims database failed", key),
-                timeout=JOB_TIMEOUT,
-                interval=0.1,
-                what=f"the delivery to give up on the lock at {stage!r}",
-            )
-            held = lock.release()
-            counts = assert_once(sqlite_db, job, n, result, logs)
-    finally:
-        lock.release()
+    hook = Once(short_lock.hold, key)
+    with running_worker(sqlite_app, concurrency=2), fault_injected(stage, hook):
+        result = job.delay(n)
+        wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what=f"the lock taken at {stage!r}")
+        what = f"the delivery to give up on the lock at {stage!r}"
+        held = release_once_given_up(short_lock, logs, what, "claims database failed", key)
+        counts = assert_once(sqlite_db, job, n, result, logs)
     assert hook.error is None, f"the lock could not be taken at {stage!r}: {hook.error!r}"
     assert held >= 1, f"the lock was held {held:.1f}s, less than busy_timeout 1s"
     print(f"sqlite lock at {stage}: held={held:.1f}s outcomes={counts}")
@@ -842,33 +850,22 @@ def test_sqlite_lock_held_past_busy_timeout_at_each_stage_ends_once(
 
 @pytest.mark.timeout(180)
 def test_sqlite_lock_held_past_busy_timeout_counting_a_replay_counts_it_once(
-    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
+    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, short_lock: WriteLock
 ) -> None:
     """On SQLite a duplicate is answered by a read and counted by a write of its own: the write lock held past
     busy_timeout there sends the duplicate again (uncounted is unsettled), and it is answered and counted once."""
-    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
-    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
-    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
     n = 9
     key = job_key(n)
     job = define_job(sqlite_app, sqlite_db, "oncelery.t_lock_count")
-    hook = Once(lock.hold, key)
-    try:
-        with running_worker(sqlite_app, concurrency=2):
-            assert_once(sqlite_db, job, n, job.delay(n), logs)
-            with fault_injected("count_outcome", hook):
-                again = job.delay(n)
-                wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at the replay's count")
-                wait_for(
-                    lambda: logs.has("claims database failed", key),
-                    timeout=JOB_TIMEOUT,
-                    interval=0.1,
-                    what="the duplicate to give up on the lock",
-                )
-                held = lock.release()
-                assert again.get(timeout=JOB_TIMEOUT) == expected(n), report(sqlite_db, job.name, key, logs)
-    finally:
-        lock.release()
+    hook = Once(short_lock.hold, key)
+    with running_worker(sqlite_app, concurrency=2):
+        assert_once(sqlite_db, job, n, job.delay(n), logs)
+        with fault_injected("count_outcome", hook):
+            again = job.delay(n)
+            wait_for(hook.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at the replay's count")
+            what = "the duplicate to give up on the lock"
+            held = release_once_given_up(short_lock, logs, what, "claims database failed", key)
+            assert again.get(timeout=JOB_TIMEOUT) == expected(n), report(sqlite_db, job.name, key, logs)
     assert hook.error is None, f"the lock could not be taken: {hook.error!r}"
     assert held >= 1, f"the lock was held {held:.1f}s, less than busy_timeout 1s"
     detail = report(sqlite_db, job.name, key, logs)
@@ -881,7 +878,7 @@ def test_sqlite_lock_held_past_busy_timeout_counting_a_replay_counts_it_once(
 
 @pytest.mark.timeout(180)
 def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
-    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, monkeypatch: pytest.MonkeyPatch
+    sqlite_db: Db, sqlite_app: Celery, logs: LogLines, short_lock: WriteLock
 ) -> None:
     """A renewal meets SQLite's write lock held by another connection past busy_timeout: it fails, the
     heartbeat keeps trying, a renewal lands once the lock is gone, and the job completes once (never fenced).
@@ -889,9 +886,7 @@ def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
     The renewal is fenced by token only, so a lease that lapsed while the lock was held is renewed as long as
     no other delivery took the run over (none is sent here).
     """
-    monkeypatch.setenv(ENV_SQLITE_BUSY_TIMEOUT, "1")
-    dispose_engines()  # the worker's engines are made anew, with the shorter timeout
-    lock = WriteLock(sqlite_db.url.removeprefix("sqlite:///"))
+    lock = short_lock
     n = 13
     key = job_key(n)
     name = "oncelery.t_lock_heartbeat"
@@ -913,20 +908,11 @@ def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
             session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
         return expected(n)
 
-    try:
-        with running_worker(sqlite_app, concurrency=2), fault_injected("heartbeat", hold):
-            result = job.delay(n)
-            wait_for(hold.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at a renewal")
-            wait_for(
-                lambda: logs.has("heartbeat for", key, "failed"),
-                timeout=JOB_TIMEOUT,
-                interval=0.1,
-                what="the renewal to give up on the lock",
-            )
-            held = lock.release()
-            assert result.get(timeout=JOB_TIMEOUT) == expected(n), report(sqlite_db, name, key, logs)
-    finally:
-        lock.release()
+    with running_worker(sqlite_app, concurrency=2), fault_injected("heartbeat", hold):
+        result = job.delay(n)
+        wait_for(hold.injected.is_set, timeout=JOB_TIMEOUT, what="the lock taken at a renewal")
+        held = release_once_given_up(lock, logs, "the renewal to give up on the lock", "heartbeat for", key, "failed")
+        assert result.get(timeout=JOB_TIMEOUT) == expected(n), report(sqlite_db, name, key, logs)
     assert hold.error is None, f"the lock could not be taken: {hold.error!r}"
     assert held >= 1, f"the lock was held {held:.1f}s, less than busy_timeout 1s"
     detail = report(sqlite_db, name, key, logs)
