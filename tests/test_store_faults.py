@@ -522,6 +522,20 @@ def test_a_store_fault_counting_an_in_progress_wait_ends_once(
     assert pg_db.rows(effects_table, key) == 1, detail
 
 
+def define_renewal_job(app: Celery, name: str, lease: float, renewed: Callable[[], bool]) -> Any:
+    """An IdempotentTask whose body outlives a fault and one renewal after it (`renewed`, observed in the
+    database), then writes its effect."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=lease)
+    def job(self: IdempotentTask, n: int) -> dict[str, int]:
+        self.step("wait", lambda: wait_for(renewed, JOB_TIMEOUT, what="a renewal after the fault"))
+        with self.effects() as session:
+            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
+        return expected(n)
+
+    return job
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_store_fault_renewing_the_lease_ends_once(fault: str, pg_db: Db, pg_app: Celery, logs: LogLines) -> None:
     """The holder's lease renewal meets killed backends (or a restart) while the body runs: the heartbeat
@@ -539,13 +553,7 @@ def test_a_store_fault_renewing_the_lease_ends_once(fault: str, pg_db: Db, pg_ap
         seen.append(run.lease_expires_at)
         return len(seen) > 1 and seen[-1] > seen[0]
 
-    @pg_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=LEASE)
-    def job(self: IdempotentTask, n: int) -> dict[str, int]:
-        # The body outlives the fault and one more renewal (observed in the database), then writes its effect.
-        self.step("wait", lambda: wait_for(renewed_after_the_fault, JOB_TIMEOUT, what="a renewal after the fault"))
-        with self.effects() as session:
-            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
-        return expected(n)
+    job = define_renewal_job(pg_app, name, LEASE, renewed_after_the_fault)
 
     with running_worker(pg_app, concurrency=4), fault_injected("heartbeat", hook):
         assert job.delay(n).get(timeout=JOB_TIMEOUT) == expected(n), report(pg_db, name, key, logs)
@@ -900,13 +908,7 @@ def test_sqlite_lock_held_past_busy_timeout_at_a_lease_renewal_ends_once(
         seen.append(run.lease_expires_at)
         return len(seen) > 1 and seen[-1] > seen[0]
 
-    @sqlite_app.task(shared=False, base=IdempotentTask, bind=True, name=name, idempotency_key="fault:{n}", lease=3.0)
-    def job(self: IdempotentTask, n: int) -> dict[str, int]:
-        # The body outlives the held lock and one renewal after it (observed in the database), then writes.
-        self.step("wait", lambda: wait_for(renewed_after_the_lock, JOB_TIMEOUT, what="a renewal after the lock"))
-        with self.effects() as session:
-            session.execute(insert(effects_table).values(key=job_key(n), pid=os.getpid()))
-        return expected(n)
+    job = define_renewal_job(sqlite_app, name, 3.0, renewed_after_the_lock)
 
     with running_worker(sqlite_app, concurrency=2), fault_injected("heartbeat", hold):
         result = job.delay(n)
