@@ -1,4 +1,4 @@
-"""Leases: the one rule that says whether a lease is live, and its renewal while a body runs.
+"""Lease renewal while a body runs (the liveness rule itself is `clock.lease_live`).
 
 Renewal: one daemon thread per process renews every live claim every lease/3 seconds.
 
@@ -15,34 +15,16 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-from sqlalchemy import and_, not_
-from sqlalchemy.sql.elements import ColumnElement
+from typing import TYPE_CHECKING
 
 from oncelery.errors import LeaseLost
 from oncelery.faults import fault_point
-from oncelery.models import TaskRun
 from oncelery.settings import HEARTBEATS_PER_LEASE
 
 if TYPE_CHECKING:
     from oncelery.claims import Claim, RunStore
 
 logger = logging.getLogger(__name__)
-
-
-def lease_live(now: ColumnElement[Any]) -> ColumnElement[bool]:
-    """THE liveness rule: a run's lease is live while `lease_expires_at >= now` by the database clock.
-
-    Only a RUNNING run has a lease; completion and failure clear it (NULL), which is never live.
-    """
-    expires = TaskRun.__table__.c.lease_expires_at
-    return and_(expires.is_not(None), expires >= now)
-
-
-def lease_expired(now: ColumnElement[Any]) -> ColumnElement[bool]:
-    """The negation of `lease_live`: what a takeover of a RUNNING run requires."""
-    return not_(lease_live(now))
 
 
 class Heartbeat:

@@ -14,7 +14,7 @@ from sqlalchemy import Integer, String, and_, bindparam, func, literal, null, se
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import ColumnElement
 
-from oncelery.leases import lease_live
+from oncelery.clock import lease_live
 from oncelery.models import Outcome, RunStatus
 from oncelery.tables import OUTCOME_KEY, OUTCOME_TOTALS, OUTCOMES, RUN_VIEW_COLUMNS, RUNS, SAVED_FROM
 

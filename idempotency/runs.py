@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from sqlalchemy import Select, Table, and_, func, select
 
-from oncelery.leases import lease_live
+from oncelery.clock import lease_live
 from oncelery.models import RunStatus
 from oncelery.models.ledger import ModelCall
 from oncelery.outcomes import outcome_counts

@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
+from oncelery.clock import lease_expired
 from oncelery.dialects import dialect as get_dialect
-from oncelery.leases import lease_expired
 from oncelery.models import RunStatus
 from oncelery.one_trip import claim_or_replay, complete_and_count, count_replay, count_statement
 from oncelery.tables import (

@@ -16,7 +16,7 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import String, and_, cast, func, or_, select, update
 
-from oncelery.leases import lease_expired
+from oncelery.clock import lease_expired
 from oncelery.models import RunStatus
 from oncelery.outbox import CONTINUATION, send_keyed
 from oncelery.statements import RUNS
