@@ -12,9 +12,9 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Select, case, cast, func, select
 
-from oncelery.ledger import CALLS
 from oncelery.statements import RUNS
 from oncelery.store import Database
+from oncelery.tables import CALLS
 
 __all__ = ["CostLine", "CostReport", "Spend", "cost_report"]
 

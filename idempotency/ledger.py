@@ -29,15 +29,14 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from celery import current_app
 from celery._state import get_current_task
-from sqlalchemy import BigInteger, Connection, Float, Table, bindparam, insert, update
+from sqlalchemy import BigInteger, Connection, Float, bindparam, insert, update
 
 from oncelery.errors import ConfigurationError
 from oncelery.faults import fault_point
-from oncelery.models import LedgerTotal, ModelCall
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
-from oncelery.statements import RUNS
 from oncelery.steps import current_step
 from oncelery.store import Database
+from oncelery.tables import CALLS, RUNS, TOTALS
 from oncelery.task import IdempotentTask
 
 __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_of"]
@@ -47,8 +46,6 @@ logger = logging.getLogger(__name__)
 PER_TOKENS = 1_000_000  # prices are per this many tokens
 MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
 
-CALLS = cast(Table, ModelCall.__table__)
-TOTALS = cast(Table, LedgerTotal.__table__)
 _INSERT = insert(CALLS)
 _TOTAL_FIGURES = ("calls", "failed_calls", "input_tokens", "output_tokens", "cost", "unpriced_calls")
 # The run's ok calls (what each of its replays saves), added as each is recorded.

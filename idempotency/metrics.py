@@ -19,10 +19,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, text, type_coerce
 
 from oncelery.errors import OnceleryError
-from oncelery.ledger import TOTALS
 from oncelery.models import Outcome
 from oncelery.statements import LETTERS, OUTBOX, OUTCOME_TOTALS, OUTCOMES, RUNS, STEPS
 from oncelery.store import Database
+from oncelery.tables import TOTALS
 
 __all__ = ["ClaimsCollector", "claims_registry"]
 

@@ -9,17 +9,16 @@ import builtins
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Select, Table, and_, func, select
+from sqlalchemy import Select, and_, func, select
 
 from oncelery.clock import lease_live
 from oncelery.models import RunStatus
-from oncelery.models.ledger import ModelCall
 from oncelery.outcomes import outcome_counts
 from oncelery.settings import PASS_THROUGH_SEEN
-from oncelery.statements import RUNS, SECRETS, STEPS
 from oncelery.store import Database
+from oncelery.tables import CALLS, RUNS, SECRETS, STEPS
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,6 @@ class CallView:
     cost: float | None  # None: the model had no price in oncelery_prices
     token: int | None  # the fencing token of the attempt that made the call
     created_at: datetime | None
-
-
-# The ledger's table, read here directly: oncelery.ledger (the writer) imports this module through claims.
-_CALLS = cast(Table, ModelCall.__table__)
 
 
 def _runs_query(db: Database) -> Select[Any]:
@@ -225,7 +220,7 @@ class Runs:
 
     def model_calls(self, run_id: int) -> builtins.list[CallView]:
         """Return the model calls recorded for the run, oldest first (failed ones included)."""
-        m = _CALLS.c
+        m = CALLS.c
         stmt = (
             select(
                 m.id,

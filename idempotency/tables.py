@@ -10,6 +10,8 @@ from oncelery.models import (
     DeadLetter,
     DeliveryOutcome,
     EntityVersion,
+    LedgerTotal,
+    ModelCall,
     OutboxMessage,
     Secret,
     StepResult,
@@ -23,6 +25,9 @@ VERSIONS = cast(Table, EntityVersion.__table__)
 OUTBOX = cast(Table, OutboxMessage.__table__)
 STEPS = cast(Table, StepResult.__table__)
 SECRETS = cast(Table, Secret.__table__)
+# The cost ledger: one row per model call, and running totals per (task, tenant, model).
+CALLS = cast(Table, ModelCall.__table__)
+TOTALS = cast(Table, LedgerTotal.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
 OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
 # Running totals each counted delivery adds to its counter row (models.runs.DeliveryOutcome says which).
