@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"ops": args.ops, "rows": rows}, indent=2))
     finally:
         if args.replay_cache:
-            from oncelery.replay_cache import flush_replays
+            from oncelery.outcomes import flush_replays
 
             flush_replays()  # the cached replays' counts, before the database goes
         if args.keep:

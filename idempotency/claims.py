@@ -53,8 +53,7 @@ from oncelery.faults import fault_point
 from oncelery.keys import Identity
 from oncelery.letters import kill_lost, letter_without_run, write_letter
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
-from oncelery.outcomes import counter_shard, outcome_counts, record_outcome, record_outcome_txn
-from oncelery.replay_cache import flush_replays
+from oncelery.outcomes import counter_shard, flush_replays, outcome_counts, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView, run_view
 from oncelery.statements import SECRETS, VERSIONS, Statements, statements
 from oncelery.store import rowcount, translated

@@ -21,12 +21,10 @@ What it gives up, and when:
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,39 +32,25 @@ from typing import Any
 
 import redis
 from celery import signals
-from sqlalchemy import bindparam, select, update
 
-from oncelery.errors import ConfigurationError, StoreError
-from oncelery.faults import fault_point
+from oncelery.errors import ConfigurationError
 from oncelery.keys import Identity
-from oncelery.models import Outcome
-from oncelery.outcomes import outcome_params
+from oncelery.outcomes import FLUSH_CHUNK, flush_at_exit, pending_replays
 from oncelery.settings import (
     CONF_REPLAY_CACHE,
     CONF_REPLAY_CACHE_TTL,
     ENV_REPLAY_CACHE,
-    ENV_REPLAY_FLUSH_INTERVAL,
-    env_seconds,
 )
-from oncelery.statements import statements
 from oncelery.store import Database, safe_url
-from oncelery.tables import RUNS, SAVED_FROM
 
 logger = logging.getLogger(__name__)
 
-# How often a process writes the replays it answered from the cache to the database (seconds); the most a
-# SIGKILL can lose of them. $ONCELERY_REPLAY_FLUSH_INTERVAL overrides it.
-FLUSH_INTERVAL = 1.0
-# Runs with unwritten replay counts beyond which the cache answers nothing more (the database does) until a
-# flush succeeds: a database that is down for long costs no memory, and loses no count.
-MAX_PENDING_RUNS = 10_000
 # Results larger than this are not cached (the database answers them): Redis is for the common small answer.
 MAX_ENTRY_BYTES = 64 * 1024
 # After a Redis error, the cache is bypassed this long: an unreachable Redis must not add a timeout per job.
 COOLDOWN = 5.0
 SOCKET_TIMEOUT = 0.25
 DEFAULT_TTL = 600.0
-FLUSH_CHUNK = 500  # runs per flush transaction (SQLite's bound parameters are limited)
 
 
 @dataclass(frozen=True)
@@ -98,7 +82,7 @@ class ReplayCache:
     def lookup(self, task_name: str, ident: Identity) -> CachedRun | None:
         """The cached answer for this delivery, or None: then the database's claim decides."""
         client = self._usable()
-        if client is None or _pending(self.db).full():
+        if client is None or pending_replays(self.db).full():
             return None
         try:
             raw = client.get(self.entry_name(task_name, ident.tenant, ident.key))
@@ -145,7 +129,7 @@ class ReplayCache:
 
     def count(self, run_id: int, task_name: str, tenant: str) -> None:
         """Count one replay answered from the cache; written to the database within FLUSH_INTERVAL."""
-        _pending(self.db).add(run_id, task_name, tenant)
+        pending_replays(self.db).add(run_id, task_name, tenant)
 
     def _usable(self) -> redis.Redis | None:
         if self._off_until and time.monotonic() < self._off_until:
@@ -201,146 +185,8 @@ def replay_cache(url: str, ttl: float, database_url: str) -> ReplayCache:
     return cache
 
 
-class PendingReplays:
-    """Replays answered from the cache and not yet in the database: {run id: [task, tenant, count]}."""
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self.lock = threading.Lock()
-        self.flushing = threading.Lock()
-        self.runs: dict[int, list[Any]] = {}
-
-    def add(self, run_id: int, task_name: str, tenant: str) -> None:
-        """Count one replay of `run_id` (the flusher thread writes it)."""
-        with self.lock:
-            seen = self.runs.get(run_id)
-            if seen is None:
-                self.runs[run_id] = [task_name, tenant, 1]
-            else:
-                seen[2] += 1
-        _flusher().wake()
-
-    def full(self) -> bool:
-        """Whether so many counts wait for the database that the cache should stop answering."""
-        return len(self.runs) >= MAX_PENDING_RUNS
-
-    def flush(self) -> int:
-        """Write every pending count in transactions of FLUSH_CHUNK runs; return replays written.
-
-        Raises StoreError if the database refuses; the counts not written stay pending (none is lost or doubled:
-        a chunk is taken out only once its transaction committed).
-        """
-        written = 0
-        with self.flushing:  # one flush at a time (the flusher thread, outcome_counts, exit): none writes twice
-            while True:
-                with self.lock:  # a snapshot: counts added during the write stay for the next chunk
-                    chunk = {run_id: (t, te, n) for run_id, (t, te, n) in list(self.runs.items())[:FLUSH_CHUNK]}
-                if not chunk:
-                    return written
-                _write(self.db, chunk)
-                with self.lock:
-                    for run_id, (_task, _tenant, n) in chunk.items():
-                        left = self.runs[run_id][2] - n
-                        if left:
-                            self.runs[run_id][2] = left
-                        else:
-                            del self.runs[run_id]
-                written += sum(n for _task, _tenant, n in chunk.values())
-
-
-_BUMP = update(RUNS).where(RUNS.c.id == bindparam("b_id")).values(replays=RUNS.c.replays + bindparam("b_n"))
-_SAVED = select(RUNS.c.id, *(RUNS.c[column] for column in SAVED_FROM.values())).where(
-    RUNS.c.id.in_(bindparam("b_ids", expanding=True))
-)
-
-
-def _write(db: Database, chunk: dict[int, tuple[str, str, int]]) -> None:
-    """One transaction: each run's replays, and the `replayed` outcome counts with what they saved."""
-    counts: dict[tuple[str, str], dict[str, float]] = {}
-    with db.begin() as conn:
-        fault_point("flush_replays", runs=len(chunk))
-        conn.execute(_BUMP, [{"b_id": run_id, "b_n": n} for run_id, (_t, _te, n) in chunk.items()])
-        saved = {row[0]: row[1:] for row in conn.execute(_SAVED, {"b_ids": list(chunk)})}
-        for run_id, (task_name, tenant, n) in chunk.items():
-            totals = counts.setdefault((task_name, tenant), {"count": 0, **dict.fromkeys(SAVED_FROM, 0)})
-            totals["count"] += n
-            for name, value in zip(SAVED_FROM, saved.get(run_id, ()), strict=False):  # purged: saved nothing
-                totals[name] += n * (value or 0)
-        params = []
-        for (task_name, tenant), totals in counts.items():
-            n = int(totals.pop("count"))
-            params.append({**outcome_params(task_name, Outcome.REPLAYED, tenant, **totals), "p_count": n})
-        conn.execute(statements(db.dialect.name).count_outcomes, params)
-
-
-_pendings: dict[str, PendingReplays] = {}
-
-
-def _pending(db: Database) -> PendingReplays:
-    pending = _pendings.get(db.url)
-    if pending is None:
-        pending = _pendings[db.url] = PendingReplays(db)
-    return pending
-
-
-def flush_replays() -> int:
-    """Write this process's pending cached-replay counts to the database now; return how many. Raises StoreError."""
-    return sum(pending.flush() for pending in list(_pendings.values()))
-
-
-class _Flusher:
-    """One daemon thread per process: writes pending counts every FLUSH_INTERVAL, retrying after a failure."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.interval = env_seconds(ENV_REPLAY_FLUSH_INTERVAL, FLUSH_INTERVAL)
-        self.event = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="oncelery-replay-counts", daemon=True)
-        self.thread.start()
-
-    def wake(self) -> None:
-        """Make sure a flush is due (at most FLUSH_INTERVAL from now)."""
-        if not self.event.is_set():
-            self.event.set()
-
-    def _loop(self) -> None:
-        while True:
-            self.event.wait()
-            time.sleep(self.interval)  # gather an interval's replays into one transaction
-            self.event.clear()
-            try:
-                flush_replays()
-            except StoreError as exc:
-                logger.warning("could not write cached replay counts (kept, retried): %s", exc)
-                self.event.set()
-
-
-_flusher_of: list[_Flusher] = []
-
-
-def _flusher() -> _Flusher:
-    if not _flusher_of or _flusher_of[0].pid != os.getpid():
-        _flusher_of[:] = [_Flusher()]
-    return _flusher_of[0]
-
-
-def _forget_parent_state() -> None:
-    # A forked child (a prefork pool process) must not write the counts its parent will write.
-    _pendings.clear()
-    _flusher_of.clear()
-
-
-def _flush_at_exit() -> None:
-    try:
-        flush_replays()
-    except StoreError as exc:
-        logger.error("cached replay counts lost at exit: %s", exc)
-
-
 def _flush_on_shutdown(**_kwargs: Any) -> None:
-    _flush_at_exit()  # a prefork child ends without atexit handlers: Celery's signal is its last word
+    flush_at_exit()  # a prefork child ends without atexit handlers: Celery's signal is its last word
 
 
-os.register_at_fork(after_in_child=_forget_parent_state)
-atexit.register(_flush_at_exit)
 signals.worker_process_shutdown.connect(_flush_on_shutdown, weak=False)

@@ -23,7 +23,7 @@ from oncelery.cli import oncelery as oncelery_cli
 from oncelery.driver import statement_listeners
 from oncelery.faults import fault_injected
 from oncelery.models import RunStatus
-from oncelery.replay_cache import flush_replays
+from oncelery.outcomes import flush_replays
 from oncelery.retention import purge
 from oncelery.store import Database
 from oncelery.testing_faults import wait_until
