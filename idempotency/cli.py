@@ -8,42 +8,39 @@ commands live in `cli_runs.py`, `cli_ops.py`, `cli_costs.py`, `cli_metrics.py`; 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import click
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
-from oncelery.cli_format import echo_json as echo_json
-from oncelery.cli_format import format_table as format_table
-from oncelery.cli_format import to_json as to_json
-from oncelery.cli_runs import runs as runs
-from oncelery.cli_runs import runs_list as runs_list
-from oncelery.cli_runs import runs_show as runs_show
+from oncelery.cli_context import (
+    EXIT_CONFIGURATION,
+    URL_META,
+    ConfigurationProblem,
+    check_services,
+    resolve_database_url,
+)
+from oncelery.cli_costs import costs
+from oncelery.cli_format import echo_json, format_table
+from oncelery.cli_metrics import metrics
+from oncelery.cli_ops import dlq, purge_command, relay
+from oncelery.cli_runs import runs
 from oncelery.errors import ConfigurationError, OnceleryError
 from oncelery.models import Outcome
 from oncelery.models.migrate import BRANCHES, FRAMEWORK
-from oncelery.reach import check_app, check_database
 from oncelery.runs import Runs
 from oncelery.schema import upgrade_schema
-from oncelery.settings import CONF_DATABASE_URL, ENV_DATABASE_URL, configured_database_url, embedded_database_url
 
-_URL_META = "oncelery.database_url"
-_CHECKED_META = "oncelery.database_checked"
-# Exit codes: 0 done; 1 the command failed (no such run, a driver error, a timeout); 2 the configuration or
-# environment is wrong (a bad value, an unreachable service): nothing was done, fix the setting and re-run.
-EXIT_CONFIGURATION = 2
-
-
-class ConfigurationProblem(click.ClickException):
-    """A bad setting or an unreachable service: printed as one line `oncelery: <message>`, exit code 2."""
-
-    exit_code = EXIT_CONFIGURATION
-
-    def show(self, file: Any = None) -> None:
-        """Print the message as one line on stderr (the message names the setting and what to give)."""
-        click.echo(f"oncelery: {' '.join(self.format_message().split())}", err=True)
+# The public surface of `oncelery.cli`: the group, and what an application's own commands build on.
+__all__ = [
+    "EXIT_CONFIGURATION",
+    "build_group",
+    "check_services",
+    "echo_json",
+    "format_table",
+    "oncelery",
+    "resolve_database_url",
+]
 
 
 class _OnceleryGroup(click.Group):
@@ -80,11 +77,7 @@ def build_group() -> click.Group:
     @click.pass_context
     def group(ctx: click.Context, database_url: str | None) -> None:
         """Oncelery: exactly-once effects for Celery tasks. Inspect and migrate the claims database."""
-        ctx.meta[_URL_META] = database_url
-
-    from oncelery.cli_costs import costs
-    from oncelery.cli_metrics import metrics
-    from oncelery.cli_ops import dlq, purge_command, relay  # they build on this module's helpers
+        ctx.meta[URL_META] = database_url
 
     group.add_command(db)
     group.add_command(runs)
@@ -95,43 +88,6 @@ def build_group() -> click.Group:
     group.add_command(costs)
     group.add_command(metrics)
     return group
-
-
-def resolve_database_url(ctx: click.Context, fallback_app: Any = None, *, embedded: bool = False) -> str:
-    """Return the database to use: --database-url, else the Celery app's config, else the environment.
-
-    With none of them: the embedded demo database if `embedded` (the demo commands) or if its file exists
-    (reads after a demo run); otherwise a ConfigurationError saying what to set. Nothing is created here.
-    """
-    explicit: str | None = ctx.meta.get(_URL_META)
-    if explicit:
-        return _reachable(ctx, explicit, "--database-url")
-    app = getattr(ctx.obj, "app", None) or fallback_app  # ctx.obj is Celery's CLIContext under `celery`
-    url = configured_database_url(app.conf if app is not None else None)
-    if url is not None:
-        return _reachable(ctx, url, ENV_DATABASE_URL if os.environ.get(ENV_DATABASE_URL) == url else CONF_DATABASE_URL)
-    demo = embedded_database_url()
-    if embedded or Path(demo.removeprefix("sqlite:///")).exists():
-        return demo
-    raise ConfigurationError(
-        "No claims database configured: pass --database-url, set ONCELERY_DATABASE_URL, or set "
-        "app.conf.oncelery_database_url in the app given with `celery -A`"
-    )
-
-
-def _reachable(ctx: click.Context, url: str, setting: str) -> str:
-    # Checked once per command line, before the first statement: a server that is down is one line at once,
-    # not the driver's traceback after its own connect timeout.
-    root = ctx.find_root()
-    if root.meta.get(_CHECKED_META) != url:
-        check_database(url, setting)
-        root.meta[_CHECKED_META] = url
-    return url
-
-
-def check_services(app: Any, *, backend: bool = True) -> None:
-    """Raise ConfigurationError (one line: the setting, the masked URL) if the app's broker or backend is down."""
-    check_app(app, backend=backend)
 
 
 # -- db ------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from typing import Any
 
 import click
 
+from oncelery.cli_context import resolve_database_url
+from oncelery.cli_format import format_table
 from oncelery.costs import Spend, cost_report
 
 _HEADERS = (
@@ -38,8 +40,6 @@ def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json
     call was recorded (app.conf.oncelery_prices); '-' where no model had a price.
     """
     # Imported here: oncelery.cli adds this module's command to its group when it is imported.
-    from oncelery.cli import format_table, resolve_database_url
-
     report = cost_report(resolve_database_url(ctx), task_name, tenant)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))

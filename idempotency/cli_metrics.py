@@ -9,6 +9,7 @@ from typing import Any
 import click
 from prometheus_client import start_http_server
 
+from oncelery.cli_context import resolve_database_url
 from oncelery.metrics import claims_registry
 from oncelery.store import Database, safe_url
 
@@ -21,8 +22,6 @@ DEFAULT_PORT = 9808  # registered for no other exporter on the Prometheus defaul
 @click.pass_context
 def metrics(ctx: click.Context, port: int, addr: str) -> None:
     """Serve /metrics for Prometheus: every value read from the claims database at scrape time."""
-    from oncelery.cli import resolve_database_url  # oncelery.cli adds this command to its group on import
-
     url = resolve_database_url(ctx)
     Database(url).require_file()  # a mistyped SQLite path fails now, not on every scrape
     stop = threading.Event()

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import click
-from celery import Celery
 
+from oncelery.cli_context import celery_app_of, resolve_app, resolve_database_url
+from oncelery.cli_format import format_table
 from oncelery.deadletters import DeadLetters, LetterView
 from oncelery.errors import ConfigurationError
 from oncelery.outbox import Relay
@@ -19,48 +20,10 @@ from oncelery.replay_cache import purge_forgetter
 from oncelery.retention import parse_age, purge
 from oncelery.store import Database
 
-
-def resolve_database_url(ctx: click.Context, app: Any = None) -> str:
-    """The claims database of this command line (see oncelery.cli.resolve_database_url)."""
-    # Imported here: oncelery.cli adds this module's commands to its group when it is imported.
-    from oncelery.cli import resolve_database_url as resolve
-
-    return resolve(ctx, app)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Rows as the plain-text table of every oncelery command (see oncelery.cli.format_table)."""
-    from oncelery.cli import format_table as table
-
-    return table(headers, rows)
-
-
 _APP_HELP = (
     "The Celery app to publish with (module or module:attribute). Default: the app of `celery -A`, "
     "else one built from oncelery.celeryconfig (ONCELERY_BROKER_URL, else the embedded broker)."
 )
-
-
-def celery_app_of(ctx: click.Context) -> Any:
-    """The app `celery -A ...` loaded for this command line, or None (run as plain `oncelery`)."""
-    return getattr(ctx.find_root().obj, "app", None) or getattr(ctx.obj, "app", None)
-
-
-def resolve_app(ctx: click.Context, app_path: str | None) -> Celery:
-    """The Celery app that publishes: --app, else `celery -A`'s, else one on Oncelery's celeryconfig."""
-    if app_path:
-        from celery.app.utils import find_app
-
-        try:
-            return find_app(app_path)
-        except Exception as exc:
-            raise ConfigurationError(f"--app {app_path!r}: cannot load it ({exc}); give module or module:app") from exc
-    app = celery_app_of(ctx)
-    if isinstance(app, Celery):
-        return app
-    app = Celery("oncelery")
-    app.config_from_object("oncelery.celeryconfig")
-    return app
 
 
 def _age(value: str | None, allow_off: bool = False) -> float | None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from oncelery.cli_context import resolve_database_url
 from oncelery.cli_format import _cell, _utc, echo_json, format_table
 from oncelery.models import RunStatus
 from oncelery.runs import CallView, Runs, RunView, StepView
@@ -50,8 +51,6 @@ def runs_list(
 ) -> None:
     """List the most recently updated runs (times in UTC)."""
     # Imported here: oncelery.cli adds this module's commands to its group when it is imported.
-    from oncelery.cli import resolve_database_url
-
     reader = Runs(resolve_database_url(ctx))
     found = reader.list(
         task_name=task_name, status=RunStatus(status.upper()) if status else None, tenant=tenant, limit=limit
@@ -92,8 +91,6 @@ def runs_show(
 ) -> None:
     """Show every field of the run(s) with KEY: result, error, steps (timing, replayed or executed), model calls."""
     # Imported here: oncelery.cli adds this module's commands to its group when it is imported.
-    from oncelery.cli import resolve_database_url
-
     url = resolve_database_url(ctx)
     reader = Runs(url)
     found = reader.find(key, task_name, tenant)
