@@ -30,8 +30,8 @@ from oncelery.errors import (
 from oncelery.keys import Identity, differing_fields
 from oncelery.ledger import MeteredCall, Price, model_call, price_of
 from oncelery.models import Outcome, RunStatus
-from oncelery.outbox import Relay, RelayRound, install_relay_task
 from oncelery.pipeline import pipeline
+from oncelery.relay import Relay, RelayRound, install_relay_task
 from oncelery.retention import PurgeReport, parse_age, purge
 from oncelery.runs import Runs, RunView, StepView
 from oncelery.schema import check_schema, schema_revision, upgrade_schema

@@ -14,8 +14,8 @@ from oncelery.cli_context import celery_app_of, resolve_app, resolve_database_ur
 from oncelery.cli_format import format_table
 from oncelery.deadletters import DeadLetters, LetterView
 from oncelery.errors import ConfigurationError
-from oncelery.outbox import Relay
 from oncelery.reach import check_app
+from oncelery.relay import Relay
 from oncelery.replay_cache import purge_forgetter
 from oncelery.retention import parse_age, purge
 from oncelery.store import Database

@@ -19,7 +19,8 @@ from celery import Celery
 from sqlalchemy import Select, delete, select, update
 
 from oncelery.models import RunStatus
-from oncelery.outbox import CONTINUATION, Relay, enqueue
+from oncelery.outbox_core import CONTINUATION, enqueue
+from oncelery.relay import Relay
 from oncelery.statements import LETTERS, RUNS
 from oncelery.store import Database
 

@@ -1,7 +1,6 @@
 """The outbox relay: puts committed outbox rows on the broker, and publishes again those whose run never finished.
 
-Also the one way a stored job goes back on the broker (`send_keyed`: the relay, the sweeper, a dead-letter
-replay). Run it as `oncelery relay`, or as the beat task `install_relay_task` registers.
+Run it as `oncelery relay`, or as the beat task `install_relay_task` registers.
 """
 
 from __future__ import annotations
@@ -19,51 +18,16 @@ from sqlalchemy import Connection, and_, bindparam, case, select, update
 
 from oncelery.faults import fault_point
 from oncelery.models import OutboxStatus, RunStatus
+from oncelery.outbox_core import send_keyed
 from oncelery.replay_cache import purge_forgetter
-from oncelery.settings import HEADER_KEY, HEADER_TENANT
+from oncelery.retention import purge
+from oncelery.settings import require_database_url
 from oncelery.statements import OUTBOX, RUNS
 from oncelery.store import Database
+from oncelery.sweeper import sweep_lost_runs
 
 # The outbox's logger, as before the relay had a module of its own.
 logger = logging.getLogger("oncelery.outbox")
-
-
-def send_keyed(
-    app: Celery,
-    task_name: str,
-    args: Any,
-    kwargs: Any,
-    task_id: str,
-    key: str | None,
-    tenant: str,
-    options: dict[str, Any],
-    retry: bool = True,
-) -> Exception | None:
-    """Send a stored job with its key and tenant as headers (a copy is absorbed by the claim).
-
-    Returns None once sent, else the error (the caller keeps the job and tries again later). The one way
-    the relay, the sweeper and a dead-letter replay put a job back on the broker.
-    """
-    options = dict(options)
-    headers = dict(options.pop("headers", None) or {})
-    if key is not None:
-        headers[HEADER_KEY] = key
-        if tenant:
-            headers[HEADER_TENANT] = tenant
-    try:
-        app.send_task(
-            task_name,
-            args=list(args or ()),
-            kwargs=dict(kwargs or {}),
-            task_id=task_id,
-            headers=headers,
-            retry=retry,
-            **options,
-        )
-    except Exception as exc:  # any broker/transport error: the caller's job stays where it is
-        logger.warning("could not send %s[%s]: %s", task_name, key, exc)
-        return exc
-    return None
 
 
 @dataclass
@@ -121,8 +85,6 @@ class Relay:
         if republish:
             self.republish_unfinished(done)
         if self.sweep_interval is not None:
-            from oncelery.sweeper import sweep_lost_runs
-
             done.swept = sweep_lost_runs(self.app, self.db, self.sweep_interval, self.batch)
         return done
 
@@ -138,8 +100,6 @@ class Relay:
         A round that fails (database or broker down) is logged and tried again after a backoff: the relay
         outlives any outage. Returns the totals.
         """
-        from oncelery.retention import purge
-
         total = RelayRound()
         failures = 0
         next_purge = time.monotonic()
@@ -305,7 +265,6 @@ def install_relay_task(app: Celery, every: float = 1.0, url: str | None = None, 
 
     Runs one relay round per beat tick (rounds may overlap: their rows never do). Returns the task.
     """
-    from oncelery.settings import require_database_url
 
     def relay_outbox() -> dict[str, int]:
         db_url = url or require_database_url(app.conf, "The outbox relay task")

@@ -18,7 +18,7 @@ from sqlalchemy import String, and_, cast, func, or_, select, update
 
 from oncelery.clock import lease_expired
 from oncelery.models import RunStatus
-from oncelery.outbox import CONTINUATION, send_keyed
+from oncelery.outbox_core import CONTINUATION, send_keyed
 from oncelery.statements import RUNS
 from oncelery.store import Database
 
