@@ -55,8 +55,9 @@ from oncelery.letters import kill_lost, letter_without_run, write_letter
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
 from oncelery.outcomes import counter_shard, flush_replays, outcome_counts, record_outcome, record_outcome_txn
 from oncelery.runs import Runs, RunView, run_view
-from oncelery.statements import SECRETS, VERSIONS, Statements, statements
+from oncelery.statements import Statements, statements
 from oncelery.store import rowcount, translated
+from oncelery.tables import SECRETS, VERSIONS
 
 # The claim types are re-exported: oncelery.claims is where callers import them from.
 __all__ = [

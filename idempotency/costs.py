@@ -12,9 +12,8 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Select, case, cast, func, select
 
-from oncelery.statements import RUNS
 from oncelery.store import Database
-from oncelery.tables import CALLS
+from oncelery.tables import CALLS, RUNS
 
 __all__ = ["CostLine", "CostReport", "Spend", "cost_report"]
 

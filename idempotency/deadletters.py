@@ -21,8 +21,8 @@ from sqlalchemy import Select, delete, select, update
 from oncelery.models import RunStatus
 from oncelery.outbox_core import CONTINUATION, enqueue
 from oncelery.relay import Relay
-from oncelery.statements import LETTERS, RUNS
 from oncelery.store import Database
+from oncelery.tables import LETTERS, RUNS
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,7 @@ from oncelery.keys import Identity, differing_fields
 from oncelery.leases import Heartbeat
 from oncelery.models import Outcome
 from oncelery.replay_cache import ReplayCache
-from oncelery.resend import SendAgain as SendAgain
-from oncelery.resend import after_store_fault as after_store_fault
-from oncelery.resend import can_resend as can_resend
-from oncelery.resend import direct_backoff, seconds_until
+from oncelery.resend import SendAgain, after_store_fault, can_resend, direct_backoff, seconds_until
 from oncelery.settings import DEFAULT_LEASE_SECONDS, DIRECT_WAIT_TIMEOUT
 from oncelery.steps import StepRunner, load_checkpoints
 

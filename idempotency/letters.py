@@ -15,8 +15,9 @@ from oncelery.faults import fault_point
 from oncelery.models import Outcome
 from oncelery.outcomes import record_outcome_txn
 from oncelery.runs import RunView
-from oncelery.statements import LETTERS, Statements
+from oncelery.statements import Statements
 from oncelery.store import Database, rowcount
+from oncelery.tables import LETTERS
 
 
 def write_letter(conn: Connection, sql: Statements, run_id: int, error: str, death: Death) -> None:

@@ -20,9 +20,8 @@ from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, 
 
 from oncelery.errors import OnceleryError
 from oncelery.models import Outcome
-from oncelery.statements import LETTERS, OUTBOX, OUTCOME_TOTALS, OUTCOMES, RUNS, STEPS
 from oncelery.store import Database
-from oncelery.tables import TOTALS
+from oncelery.tables import LETTERS, OUTBOX, OUTCOME_TOTALS, OUTCOMES, RUNS, STEPS, TOTALS
 
 __all__ = ["ClaimsCollector", "claims_registry"]
 

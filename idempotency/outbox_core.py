@@ -20,7 +20,7 @@ from oncelery.errors import ConfigurationError
 from oncelery.keys import validate_key
 from oncelery.models import OutboxStatus
 from oncelery.settings import HEADER_KEY, HEADER_TENANT
-from oncelery.statements import OUTBOX
+from oncelery.tables import OUTBOX
 from oncelery.task import IdempotentTask
 
 # The outbox's logger: a job that could not be sent again is the outbox's story.

@@ -22,9 +22,9 @@ from oncelery.outbox_core import send_keyed
 from oncelery.replay_cache import purge_forgetter
 from oncelery.retention import purge
 from oncelery.settings import require_database_url
-from oncelery.statements import OUTBOX, RUNS
 from oncelery.store import Database
 from oncelery.sweeper import sweep_lost_runs
+from oncelery.tables import OUTBOX, RUNS
 
 # The outbox's logger, as before the relay had a module of its own.
 logger = logging.getLogger("oncelery.outbox")

@@ -20,8 +20,8 @@ from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus, RunStatus
-from oncelery.statements import LETTERS, OUTBOX, RUNS, STEPS
 from oncelery.store import Database
+from oncelery.tables import LETTERS, OUTBOX, RUNS, STEPS
 
 logger = logging.getLogger(__name__)
 

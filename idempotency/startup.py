@@ -17,8 +17,8 @@ from celery import signals
 from oncelery.errors import OnceleryError
 from oncelery.schema import check_schema
 from oncelery.settings import ENV_PASS_THROUGH, PASS_THROUGH_SEEN, check_settings, pass_through, require_database_url
-from oncelery.statements import SECRETS
 from oncelery.store import Database
+from oncelery.tables import SECRETS
 
 logger = logging.getLogger(__name__)
 

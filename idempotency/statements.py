@@ -18,29 +18,13 @@ from oncelery.models import RunStatus
 from oncelery.one_trip import claim_or_replay, complete_and_count, count_replay, count_statement
 from oncelery.tables import (
     LETTERS,
-    OUTBOX,
-    OUTCOME_SHARDS,
     OUTCOME_TOTALS,
-    OUTCOMES,
-    RUN_VIEW_COLUMNS,
     RUNS,
     SAVED_FROM,
-    SECRETS,
-    STEPS,
     VERSIONS,
 )
 
 __all__ = [
-    "LETTERS",
-    "OUTBOX",
-    "OUTCOMES",
-    "OUTCOME_SHARDS",
-    "OUTCOME_TOTALS",
-    "RUNS",
-    "RUN_VIEW_COLUMNS",
-    "SECRETS",
-    "STEPS",
-    "VERSIONS",
     "Statements",
     "retry_due",
     "statements",

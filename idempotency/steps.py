@@ -20,8 +20,8 @@ from sqlalchemy import Connection, delete, select
 from oncelery.claims import Claim, RunStore, encode_result, lease_lost
 from oncelery.errors import ConfigurationError, StepMismatch
 from oncelery.faults import fault_point
-from oncelery.statements import STEPS
 from oncelery.store import rowcount
+from oncelery.tables import STEPS
 
 MAX_STEP_NAME = 255  # the width of step_results.step_name
 SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)

@@ -19,8 +19,8 @@ from sqlalchemy import String, and_, cast, func, or_, select, update
 from oncelery.clock import lease_expired
 from oncelery.models import RunStatus
 from oncelery.outbox_core import CONTINUATION, send_keyed
-from oncelery.statements import RUNS
 from oncelery.store import Database
+from oncelery.tables import RUNS
 
 logger = logging.getLogger(__name__)
 

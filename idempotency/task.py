@@ -22,8 +22,7 @@ from oncelery.delivery import NEVER_SUCCEED, Delivery
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.faults import fault_point
 from oncelery.keys import Identity, validate_key
-from oncelery.resend import after_store_fault, can_resend
-from oncelery.resend import wait_backoff as wait_backoff
+from oncelery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.settings import (
     CONF_TENANT,
     HEADER_ABANDONED,

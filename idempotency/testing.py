@@ -37,7 +37,6 @@ from oncelery.schema import upgrade_schema
 from oncelery.settings import CONF_DATABASE_URL, ENV_PASS_THROUGH
 from oncelery.store import Database, dispose_engines
 from oncelery.testing_db import OnceleryDb, assert_ledger, assert_outcomes, assert_ran_once, assert_steps
-from oncelery.testing_faults import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from oncelery.testing_faults import (
     StepFailedOnce,
     WorkerProcess,

@@ -23,8 +23,8 @@ from oncelery.faults import fault_injected
 from oncelery.models import RunStatus
 from oncelery.runs import RunView
 from oncelery.settings import ENV_DATABASE_URL
-from oncelery.statements import RUNS
 from oncelery.store import Database
+from oncelery.tables import RUNS
 from oncelery.testing_db import OnceleryDb, _name
 
 DEFAULT_TIMEOUT = 60.0  # seconds any helper waits for an observable condition before failing the test

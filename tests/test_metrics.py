@@ -30,8 +30,8 @@ from oncelery.models import OutboxStatus, Outcome, RunStatus
 from oncelery.models.migrate import downgrade
 from oncelery.outcomes import record_outcome
 from oncelery.schema import upgrade_schema
-from oncelery.statements import LETTERS, OUTBOX, RUNS
 from oncelery.store import Database, dispose_engines, get_engine
+from oncelery.tables import LETTERS, OUTBOX, RUNS
 from oncelery.testing import OnceleryDb, WorkerProcess, wait_until
 from tests import services
 
