@@ -79,9 +79,6 @@ __all__ = [
     "lease_lost",
 ]
 
-# How each driver names a violation of the partial unique index "one RUNNING run per entity"
-# (models.runs.TaskRun): PostgreSQL by the index, SQLite by its last column.
-ENTITY_INDEX = ("uq_task_runs_running_concurrency_key", "task_runs.concurrency_key")
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
 
@@ -220,7 +217,7 @@ class RunStore:
                     return ClaimResult(Decision.IN_PROGRESS, run=run)
                 row, _ = self.db.one(self.sql.takeover, params, durable=False)
             except IntegrityError as exc:
-                if concurrency_key is None or not any(name in str(exc.orig) for name in ENTITY_INDEX):
+                if concurrency_key is None or not self.db.dialect.is_entity_lock_violation(exc):
                     # Not the entity lock: a schema that does not match the code (NOT NULL, CHECK). Taking it
                     # for a busy entity would re-send the job "in progress" forever; a store error re-sends it
                     # too, but says what is wrong, every time.

@@ -59,6 +59,23 @@ class Dialect:
         """The dialect's INSERT construct (with ON CONFLICT support)."""
         raise NotImplementedError
 
+    #: How the driver names a violation of the partial unique index "one RUNNING run per entity"
+    #: (models.runs.TaskRun), as it appears in the error's message.
+    entity_index_name = ""
+    #: SELECT ... FOR UPDATE SKIP LOCKED exists: two relays never take the same rows in one round.
+    skips_locked_rows = False
+
+    def is_entity_lock_violation(self, exc: BaseException) -> bool:
+        """Whether a driver's integrity error is the entity lock refusing a second RUNNING run."""
+        return bool(self.entity_index_name) and self.entity_index_name in str(getattr(exc, "orig", exc))
+
+    def locked_rows(self, query: Any, **of: Any) -> Any:
+        """`query` taking its rows FOR UPDATE SKIP LOCKED where the database can; `query` unchanged where not.
+
+        SQLite has one writer at a time, so nothing else can take the rows a writer's transaction reads.
+        """
+        return query.with_for_update(skip_locked=True, **of) if self.skips_locked_rows else query
+
     #: Modes that get an engine (and pool) of their own; the others share the default engine.
     own_engine_modes: frozenset[str] = frozenset({MODE_DEFAULT})
 
@@ -69,6 +86,8 @@ class PostgreSQL(Dialect):
     name = "postgresql"
     autocommit_statements = True
     dml_in_cte = True
+    entity_index_name = "uq_task_runs_running_concurrency_key"  # named by the index
+    skips_locked_rows = True
 
     def create_engine(self, url: str, mode: str) -> Engine:
         try:
@@ -131,6 +150,7 @@ class SQLite(Dialect):
     """SQLite in WAL mode: one writer at a time, readers alongside it."""
 
     name = "sqlite"
+    entity_index_name = "task_runs.concurrency_key"  # named by the index's last column
 
     def create_engine(self, url: str, mode: str) -> Engine:
         read_only = mode == MODE_READ

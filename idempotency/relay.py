@@ -73,7 +73,6 @@ class Relay:
         self.sweep_interval = sweep_interval
         dia = self.db.dialect
         self._now = dia.now()
-        self._locking = dia.name == "postgresql"
 
     def _forget(self) -> Callable[[list[tuple[str, str, str]]], object] | None:
         return purge_forgetter(self.app.conf, self.db.url)
@@ -163,7 +162,7 @@ class Relay:
 
     def _locked(self, query: Any) -> Any:
         # PostgreSQL: rows another relay holds are skipped, not waited for (no double publish).
-        return query.with_for_update(skip_locked=True, of=OUTBOX) if self._locking else query
+        return self.db.dialect.locked_rows(query, of=OUTBOX)
 
     def _sent(self) -> Any:
         o = OUTBOX.c

@@ -45,9 +45,8 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
     with db.read() as conn:  # an idle sweep never takes SQLite's writer lock (workers are writing)
         if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
             return 0
-    ids = select(r.id).where(due).order_by(r.lease_expires_at).limit(batch)
-    if dia.name == "postgresql":
-        ids = ids.with_for_update(skip_locked=True)  # two relays never re-send the same run in one round
+    # Two relays never re-send the same run in one round (rows another one holds are skipped).
+    ids = dia.locked_rows(select(r.id).where(due).order_by(r.lease_expires_at).limit(batch))
     stmt = (
         update(RUNS)
         .where(r.id.in_(ids.scalar_subquery()), due)
