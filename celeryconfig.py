@@ -15,8 +15,8 @@ import os as _os
 from pathlib import Path as _Path
 from typing import Any as _Any
 
-from oncelery import embedded_broker as _embedded_broker
 from oncelery import settings as _settings
+from oncelery.task import embedded_broker as _embedded_broker
 
 _float = _settings.env_seconds  # a bad value is one line naming the variable, not a traceback at import
 

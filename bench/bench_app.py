@@ -49,7 +49,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import Pool
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask
-from oncelery.driver import statement_listeners
+from oncelery.store.driver import statement_listeners
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/13"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("ONCELERY_BROKER_URL", None)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     try:
-        from oncelery.schema import upgrade_schema
+        from oncelery.store.schema import upgrade_schema
 
         upgrade_schema(env["BENCH_DATABASE_URL"])
         from bench.bench_app import app

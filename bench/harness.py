@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from oncelery.models.migrate import upgrade  # noqa: E402
-from oncelery.store import dispose_engines, get_engine, normalize_url  # noqa: E402
+from oncelery.store.database import dispose_engines, get_engine, normalize_url  # noqa: E402
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/13"

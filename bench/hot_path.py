@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import bench_app
 from bench.harness import admin_engine, cpu_seconds, drop_database, noop_task, pids_named, prepare_database
-from oncelery.dialects import MODE_FAST
-from oncelery.driver import driver_statement, statement_listeners
-from oncelery.statements import statements as prebuilt
-from oncelery.store import dispose_engines, get_engine
+from oncelery.store.database import dispose_engines, get_engine
+from oncelery.store.dialects import MODE_FAST
+from oncelery.store.driver import driver_statement, statement_listeners
+from oncelery.store.statements import statements as prebuilt
 
 DATABASE = "oncelery_bench_hot_path"
 WAYS = ("oncelery", "statements", "insert", "floor")

@@ -46,11 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import admin_engine, create_database, drop_database, p50_p99
 from bench.metrics_scrape import FILL_RUNS, TASKS
-from oncelery.claims import Decision, RunStore
-from oncelery.keys import Identity
 from oncelery.models import Outcome
-from oncelery.schema import upgrade_schema
-from oncelery.store import get_engine
+from oncelery.runs.claims import Decision, RunStore
+from oncelery.runs.keys import Identity
+from oncelery.store.database import get_engine
+from oncelery.store.schema import upgrade_schema
 
 DATABASE = "oncelery_bench_latency"
 WARMUP = 100
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"ops": args.ops, "rows": rows}, indent=2))
     finally:
         if args.replay_cache:
-            from oncelery.outcomes import flush_replays
+            from oncelery.runs.outcomes import flush_replays
 
             flush_replays()  # the cached replays' counts, before the database goes
         if args.keep:

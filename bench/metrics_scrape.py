@@ -26,9 +26,9 @@ from typing import Any
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
-from oncelery.metrics import ClaimsCollector
-from oncelery.schema import upgrade_schema
-from oncelery.store import dispose_engines, get_engine
+from oncelery.ops.metrics import ClaimsCollector
+from oncelery.store.database import dispose_engines, get_engine
+from oncelery.store.schema import upgrade_schema
 
 ONCELERY = str(Path(sys.executable).parent / "oncelery")
 TASKS = 5

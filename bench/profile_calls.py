@@ -25,8 +25,8 @@ from sqlalchemy.engine import make_url
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import noop_task
-from oncelery.schema import upgrade_schema
-from oncelery.store import dispose_engines, get_engine
+from oncelery.store.database import dispose_engines, get_engine
+from oncelery.store.schema import upgrade_schema
 
 DATABASE = "oncelery_bench_profile"
 

@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import noop_task
-from oncelery.schema import upgrade_schema
+from oncelery.store.schema import upgrade_schema
 
 
 def run_calls(url: str, base: int, calls: int, ready: Any, start: Any, out: Any) -> None:

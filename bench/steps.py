@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import admin_engine, create_database
 from oncelery import IdempotentTask
-from oncelery.claims import RunStore
-from oncelery.keys import Identity
+from oncelery.delivery.steps import StepRunner, load_checkpoints
 from oncelery.models.migrate import upgrade
-from oncelery.steps import StepRunner, load_checkpoints
-from oncelery.store import get_engine
+from oncelery.runs.claims import RunStore
+from oncelery.runs.keys import Identity
+from oncelery.store.database import get_engine
 
 
 class StatementCounter:

@@ -63,7 +63,7 @@ from bench.chaos_parts import (  # noqa: E402
 )
 from oncelery import Runs  # noqa: E402
 from oncelery.models.migrate import JOBS, upgrade  # noqa: E402
-from oncelery.store import dispose_engines, get_engine  # noqa: E402
+from oncelery.store.database import dispose_engines, get_engine  # noqa: E402
 from tests.pg_cluster import PgCluster, postgres_bindir, postgres_runnable  # noqa: E402
 
 T = TypeVar("T")

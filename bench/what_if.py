@@ -25,9 +25,9 @@ def apply_what_if(what_if: set[str]) -> None:
     import threading
     from contextlib import contextmanager
 
-    import oncelery.delivery as task_module  # where the delivery starts its Heartbeat
-    import oncelery.dialects as db  # where engines are created
-    from oncelery.claims import RunStore
+    import oncelery.delivery.decision_table as task_module  # where the delivery starts its Heartbeat
+    import oncelery.store.dialects as db  # where engines are created
+    from oncelery.runs.claims import RunStore
 
     if "no-heartbeat" in what_if:
 

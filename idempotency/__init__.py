@@ -1,15 +1,12 @@
 """Oncelery: exactly-once effects for Celery tasks (claims, leases, fencing, step checkpoints).
 
-This module is the public surface: everything a user (and Oncelery's own jobs in `oncelery.tasks`) imports.
-Every other module of the package is an implementation detail.
+This module is the public surface: everything a user (and Oncelery's own jobs in `oncelery.tasks`) imports,
+grouped by concern below. `oncelery.errors`, `oncelery.settings`, `oncelery.outbox`, `oncelery.cli` and
+`oncelery.testing` are public too; every subpackage (task, delivery, runs, store, ops) is an implementation detail.
 """
 
 from oncelery import outbox
-from oncelery import startup as _startup  # noqa: F401  (registers the worker's startup check)
-from oncelery.caller import outcome_of
-from oncelery.costs import CostLine, CostReport, Spend, cost_report
-from oncelery.deadletters import DeadLetters, LetterView, ReplayReport
-from oncelery.embedded_broker import is_embedded_broker
+from oncelery.delivery.steps import StepInfo, current_step, step_seed
 from oncelery.errors import (
     ClaimError,
     ConfigurationError,
@@ -27,14 +24,13 @@ from oncelery.errors import (
     StoreError,
     StoreUnavailable,
 )
-from oncelery.keys import Identity, differing_fields
-from oncelery.ledger import MeteredCall, Price, model_call, price_of
 from oncelery.models import Outcome, RunStatus
-from oncelery.pipeline import pipeline
-from oncelery.relay import Relay, RelayRound, install_relay_task
-from oncelery.retention import PurgeReport, parse_age, purge
-from oncelery.runs import Runs, RunView, StepView
-from oncelery.schema import check_schema, schema_revision, upgrade_schema
+from oncelery.ops.costs import CostLine, CostReport, Spend, cost_report
+from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport
+from oncelery.ops.relay import Relay, RelayRound, install_relay_task
+from oncelery.ops.retention import PurgeReport, parse_age, purge
+from oncelery.runs.keys import Identity, differing_fields
+from oncelery.runs.views import Runs, RunView, StepView
 from oncelery.settings import (
     CELERY_DELIVERY_DEFAULTS,
     ENV_DATABASE_URL,
@@ -44,67 +40,79 @@ from oncelery.settings import (
     embedded_database_url,
     require_database_url,
 )
-from oncelery.steps import StepInfo, current_step, step_seed
-from oncelery.store import Database
-from oncelery.task import IdempotentTask
+from oncelery.store.database import Database
+from oncelery.store.schema import check_schema, schema_revision, upgrade_schema
+from oncelery.task.caller import outcome_of
+from oncelery.task.embedded_broker import is_embedded_broker
+from oncelery.task.idempotent import IdempotentTask
+from oncelery.task.metering import MeteredCall, Price, model_call, price_of
+from oncelery.task.pipeline import pipeline
 
 __all__ = [
-    "CELERY_DELIVERY_DEFAULTS",
-    "ENV_DATABASE_URL",
-    "WAIT_BACKOFF_CAP",
+    # Tasks: the base class, its body API, pipelines
+    "IdempotentTask",
+    "StepInfo",
+    "current_step",
+    "pipeline",
+    "step_seed",
+    # Keys and outcomes
+    "Identity",
+    "Outcome",
+    "RunStatus",
+    "differing_fields",
+    "outcome_of",
+    # Errors
     "ClaimError",
     "ConfigurationError",
-    "CostLine",
-    "CostReport",
-    "Database",
-    "DeadLetters",
     "IdempotencyConflict",
-    "IdempotentTask",
-    "Identity",
     "InProgress",
     "InvalidKey",
     "LeaseLost",
-    "LetterView",
-    "MeteredCall",
     "OnceleryError",
-    "Outcome",
     "PayloadNotJSON",
-    "Price",
-    "PurgeReport",
-    "Relay",
-    "RelayRound",
-    "ReplayReport",
     "ResultNotJSON",
     "RunIsDead",
-    "RunStatus",
-    "RunView",
-    "Runs",
     "SchemaMissing",
-    "Spend",
     "StaleVersion",
-    "StepInfo",
     "StepMismatch",
-    "StepView",
     "StoreError",
     "StoreUnavailable",
+    # Configuration and the claims database
+    "CELERY_DELIVERY_DEFAULTS",
+    "ENV_DATABASE_URL",
+    "WAIT_BACKOFF_CAP",
+    "Database",
     "check_schema",
     "configured_database_url",
-    "cost_report",
-    "current_step",
     "data_dir",
-    "differing_fields",
     "embedded_database_url",
-    "install_relay_task",
     "is_embedded_broker",
-    "model_call",
-    "outbox",
-    "outcome_of",
-    "parse_age",
-    "pipeline",
-    "price_of",
-    "purge",
     "require_database_url",
     "schema_revision",
-    "step_seed",
     "upgrade_schema",
+    # Reading runs
+    "RunView",
+    "Runs",
+    "StepView",
+    # The outbox and its relay
+    "Relay",
+    "RelayRound",
+    "install_relay_task",
+    "outbox",
+    # Operations: dead letters, retention
+    "DeadLetters",
+    "LetterView",
+    "PurgeReport",
+    "ReplayReport",
+    "parse_age",
+    "purge",
+    # Model calls and their costs
+    "CostLine",
+    "CostReport",
+    "MeteredCall",
+    "Price",
+    "Spend",
+    "cost_report",
+    "model_call",
+    "price_of",
 ]

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 
 from oncelery import CELERY_DELIVERY_DEFAULTS
 from oncelery.models.migrate import JOBS, upgrade
-from oncelery.store import dispose_engines, get_engine
+from oncelery.store.database import dispose_engines, get_engine
 from oncelery.testing import in_process_worker
 from tests import services
 

@@ -11,9 +11,9 @@ from celery import Celery
 from sqlalchemy import func, select
 
 import oncelery.tasks.articles  # noqa: F401  (registers oncelery.score_article as a shared task)
-from oncelery.claims import RunStore
 from oncelery.models import ModelCall
 from oncelery.models.jobs import ArticleScore
+from oncelery.runs.claims import RunStore
 from oncelery.tasks.llm import LocalModel, parse_keywords, parse_quality
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "articles.jsonl"

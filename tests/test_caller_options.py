@@ -30,8 +30,8 @@ from oncelery import (
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.models import RunStatus
 from oncelery.settings import PASS_THROUGH_SEEN
-from oncelery.store import get_engine
-from oncelery.tables import SECRETS
+from oncelery.store.database import get_engine
+from oncelery.store.tables import SECRETS
 from tests.services import count_rows, delete_queue_keys, effects_table, wait_for
 
 # Where the database does not matter (the caller's view lives in Redis), one dialect is enough.

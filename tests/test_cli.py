@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from oncelery.claims import RunStore
-from oncelery.keys import Identity
 from oncelery.models import RunStatus, TaskRun
+from oncelery.runs.claims import RunStore
+from oncelery.runs.keys import Identity
 from tests import services
 from tests.services import (
     ONCELERY,

@@ -26,9 +26,9 @@ from sqlalchemy import select, text
 from sqlalchemy.engine import make_url
 
 from oncelery import CELERY_DELIVERY_DEFAULTS
-from oncelery.claims import RunStore
 from oncelery.models import RunStatus
-from oncelery.store import get_engine
+from oncelery.runs.claims import RunStore
+from oncelery.store.database import get_engine
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import (
     count_rows,

@@ -36,7 +36,7 @@ from oncelery import (
     RunStatus,
 )
 from oncelery.cli import oncelery as oncelery_cli
-from oncelery.store import get_engine
+from oncelery.store.database import get_engine
 from tests.conftest import ON_POSTGRESQL, close_app
 from tests.services import (
     ONCELERY,

@@ -36,7 +36,7 @@ from oncelery import (
     outbox,
     testing,
 )
-from oncelery.faults import fault_injected
+from oncelery.runs.faults import fault_injected
 from tests.conftest import running_worker
 from tests.pg_cluster import pg_cluster  # noqa: F401  (the module's throwaway cluster)
 from tests.services import effects_table, executions_table, wait_for

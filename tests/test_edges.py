@@ -22,7 +22,7 @@ from oncelery import (
     RunStatus,
     step_seed,
 )
-from oncelery.claims import RunStore
+from oncelery.runs.claims import RunStore
 from tests.services import wait_for
 
 # -- 6. the caller refuses what the worker would -----------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from celery import Celery
 from kombu import Connection, Consumer, Exchange, Queue
 
-from oncelery.embedded_broker import URL, Transport
+from oncelery.task.embedded_broker import URL, Transport
 
 WAIT = 20.0  # generous: the delivery follows the ack by milliseconds; the stock transport needs 30 s and fails
 

@@ -16,9 +16,9 @@ from celery import Celery
 from sqlalchemy import insert
 
 from oncelery import IdempotentTask, LeaseLost, Runs, RunStatus, StepMismatch
-from oncelery.claims import RunStore
-from oncelery.deadletters import DeadLetters
-from oncelery.keys import Identity
+from oncelery.ops.dead_letters import DeadLetters
+from oncelery.runs.claims import RunStore
+from oncelery.runs.keys import Identity
 from oncelery.testing import expire_lease
 from tests.services import count_rows, effects_table, wait_for
 

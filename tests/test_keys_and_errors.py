@@ -17,7 +17,7 @@ from oncelery import (
     PayloadNotJSON,
     SchemaMissing,
 )
-from oncelery.keys import KeyBuilder, canonical_json, differing_fields
+from oncelery.runs.keys import KeyBuilder, canonical_json, differing_fields
 
 
 def score(article_id: str, version: int, text: str, lang: str = "en") -> None:

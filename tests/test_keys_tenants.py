@@ -12,7 +12,7 @@ import pytest
 from celery import Celery
 
 from oncelery import ConfigurationError, IdempotencyConflict, IdempotentTask, InProgress, Runs, RunStatus
-from oncelery.claims import RunStore
+from oncelery.runs.claims import RunStore
 from tests.services import ONCELERY, clean_env, wait_for
 
 CLI_TIMEOUT = 60.0

@@ -23,10 +23,10 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from oncelery import ConfigurationError, Database, IdempotentTask, model_call, purge
-from oncelery.claims import RunStore
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.models import ModelCall, TaskRun
-from oncelery.store import get_engine
+from oncelery.runs.claims import RunStore
+from oncelery.store.database import get_engine
 from tests.services import LocalHTTPServer, QuietHandler, count_rows, effects_table, wait_for
 from tests.test_metrics import scrape
 

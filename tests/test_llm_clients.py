@@ -15,10 +15,10 @@ from celery import Celery
 from sqlalchemy import select
 
 from oncelery import ConfigurationError, IdempotentTask, cost_report, step_seed
-from oncelery.claims import RunStore
+from oncelery.delivery.steps import load_checkpoints
 from oncelery.models import ModelCall
-from oncelery.steps import load_checkpoints
-from oncelery.store import get_engine
+from oncelery.runs.claims import RunStore
+from oncelery.store.database import get_engine
 from oncelery.tasks.ledger import call_llm
 from oncelery.tasks.llm import (
     LLMHTTPError,

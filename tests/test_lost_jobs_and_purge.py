@@ -36,8 +36,8 @@ from oncelery import (
     parse_age,
     purge,
 )
-from oncelery.dialects import dialect_of
-from oncelery.store import get_engine
+from oncelery.store.database import get_engine
+from oncelery.store.dialects import dialect_of
 from oncelery.tasks.commands.local_worker import LocalWorker
 from tests.conftest import close_app, migrated
 from tests.services import (

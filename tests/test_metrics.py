@@ -23,15 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, text
 from sqlalchemy.engine import make_url
 
-from oncelery.costs import cost_report
-from oncelery.ledger import MeteredCall, _Origin, _record
-from oncelery.metrics import claims_registry
 from oncelery.models import OutboxStatus, Outcome, RunStatus
 from oncelery.models.migrate import downgrade
-from oncelery.outcomes import record_outcome
-from oncelery.schema import upgrade_schema
-from oncelery.store import Database, dispose_engines, get_engine
-from oncelery.tables import LETTERS, OUTBOX, RUNS
+from oncelery.ops.costs import cost_report
+from oncelery.ops.metrics import claims_registry
+from oncelery.runs.outcomes import record_outcome
+from oncelery.store.database import Database, dispose_engines, get_engine
+from oncelery.store.schema import upgrade_schema
+from oncelery.store.tables import LETTERS, OUTBOX, RUNS
+from oncelery.task.metering import MeteredCall, _Origin, _record
 from oncelery.testing import OnceleryDb, WorkerProcess, wait_until
 from tests import services
 

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from oncelery import ConfigurationError, IdempotentTask, Relay, RelayRound, Runs, RunStatus, outbox
 from oncelery.models import OutboxMessage, OutboxStatus
-from oncelery.store import get_engine
+from oncelery.store.database import get_engine
 from tests.services import (
     ONCELERY,
     REDIS_URL,

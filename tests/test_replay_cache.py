@@ -18,15 +18,15 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from oncelery import ConfigurationError, IdempotencyConflict, IdempotentTask
-from oncelery.claims import RunStore
 from oncelery.cli import oncelery as oncelery_cli
-from oncelery.driver import statement_listeners
-from oncelery.faults import fault_injected
 from oncelery.models import RunStatus
-from oncelery.outcomes import flush_replays
-from oncelery.retention import purge
-from oncelery.store import Database
-from oncelery.testing_faults import wait_until
+from oncelery.ops.retention import purge
+from oncelery.runs.claims import RunStore
+from oncelery.runs.faults import fault_injected
+from oncelery.runs.outcomes import flush_replays
+from oncelery.store.database import Database
+from oncelery.store.driver import statement_listeners
+from oncelery.testing.faults import wait_until
 from tests.chaos.procs import RedisServer, Sessions
 from tests.conftest import ON_POSTGRESQL, running_worker
 from tests.pg_cluster import pg_cluster  # noqa: F401  (the module's throwaway cluster)

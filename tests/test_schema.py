@@ -12,11 +12,11 @@ from celery import Celery
 
 import oncelery.models.jobs  # noqa: F401  (the demo tables join the metadata)
 from oncelery import IdempotentTask, SchemaMissing
-from oncelery.claims import RunStore
-from oncelery.keys import Identity
 from oncelery.models import Base
 from oncelery.models.migrate import FRAMEWORK, JOBS, Branch, downgrade, upgrade
-from oncelery.store import get_engine
+from oncelery.runs.claims import RunStore
+from oncelery.runs.keys import Identity
+from oncelery.store.database import get_engine
 
 
 @pytest.mark.parametrize("branch", [FRAMEWORK, JOBS], ids=lambda b: b.name)

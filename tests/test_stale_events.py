@@ -19,7 +19,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select,
 from sqlalchemy.engine import Engine
 
 from oncelery import ConfigurationError, IdempotentTask, Runs, RunStatus
-from oncelery.claims import RunStore
+from oncelery.runs.claims import RunStore
 from tests.services import redis_cli
 
 WORKERS = 4  # worker threads; also the size of each wave of deliveries below

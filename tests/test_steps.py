@@ -26,10 +26,10 @@ from oncelery import (
     pipeline,
     step_seed,
 )
-from oncelery.claims import RunStore
-from oncelery.keys import Identity
+from oncelery.delivery.steps import StepRunner, load_checkpoints
 from oncelery.models import RunStatus, TaskRun
-from oncelery.steps import StepRunner, load_checkpoints
+from oncelery.runs.claims import RunStore
+from oncelery.runs.keys import Identity
 from tests.services import delete_queue_keys, wait_for
 from tests.test_metrics import scrape
 from tests.test_store_contract import expire_lease

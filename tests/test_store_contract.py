@@ -15,14 +15,15 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
-from oncelery import LeaseLost, SchemaMissing, StoreError, leases, testing
-from oncelery.claim_types import completion_counts
-from oncelery.claims import Claim, Decision, RunStore
-from oncelery.driver import DriverStatement, driver_statement, statement_listeners
-from oncelery.keys import Identity
-from oncelery.leases import Heartbeat
+from oncelery import LeaseLost, SchemaMissing, StoreError, testing
+from oncelery.delivery import renewal
+from oncelery.delivery.renewal import Heartbeat
 from oncelery.models import Outcome, RunStatus, TaskRun
-from oncelery.tables import OUTCOME_TOTALS
+from oncelery.runs.claims import Claim, Decision, RunStore
+from oncelery.runs.decisions import completion_counts
+from oncelery.runs.keys import Identity
+from oncelery.store.driver import DriverStatement, driver_statement, statement_listeners
+from oncelery.store.tables import OUTCOME_TOTALS
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import count_rows, effects_table, wait_for
 
@@ -420,7 +421,7 @@ def test_the_heartbeats_of_finished_runs_do_not_pile_up(db_url: str) -> None:
     claim = store.claim("oncelery.heartbeats", Identity("hb", "f", {}), lease=60).claim
     assert claim is not None
     live = [Heartbeat(store, claim).start() for _ in range(10)]
-    service = leases._service()
+    service = renewal._service()
     before = len(service._heap)
     for _ in range(3000):
         Heartbeat(store, claim).start().stop()

@@ -33,10 +33,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask, Runs, RunStatus, RunView, StoreError, model_call
-from oncelery.faults import fault_injected
 from oncelery.models.migrate import JOBS, upgrade
+from oncelery.runs.faults import fault_injected
 from oncelery.settings import ENV_SQLITE_BUSY_TIMEOUT, sqlite_busy_timeout_ms
-from oncelery.store import dispose_engines, get_engine
+from oncelery.store.database import dispose_engines, get_engine
 from tests import services
 from tests.conftest import close_app, running_worker
 from tests.pg_cluster import PgCluster, pg_cluster  # noqa: F401  (the module's cluster fixture)

@@ -11,8 +11,8 @@ from celery import Celery
 from sqlalchemy import insert
 
 from oncelery import IdempotencyConflict, IdempotentTask, ResultNotJSON
-from oncelery.claims import RunStore
 from oncelery.models import RunStatus
+from oncelery.runs.claims import RunStore
 from tests.services import count_rows, effects_table
 
 

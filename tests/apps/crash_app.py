@@ -26,7 +26,7 @@ from celery import Celery
 from sqlalchemy import insert
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, IdempotentTask
-from oncelery.store import get_engine
+from oncelery.store.database import get_engine
 from tests.services import effects_table, executions_table
 
 ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"

@@ -23,7 +23,7 @@ from celery import Celery
 from sqlalchemy import insert
 
 from oncelery import ConfigurationError, IdempotentTask
-from oncelery.store import get_engine
+from oncelery.store.database import get_engine
 from tests.services import effects_table, executions_table
 
 ENV_QUEUE = "ONCELERY_EMBEDDED_QUEUE"

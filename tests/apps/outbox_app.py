@@ -22,7 +22,7 @@ from typing import Any
 from celery import Celery
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, Relay
-from oncelery.faults import fault_injected
+from oncelery.runs.faults import fault_injected
 
 ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"
 ENV_BROKER_URL = "ONCELERY_BROKER_URL"

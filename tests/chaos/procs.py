@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from oncelery.testing_faults import poll
+from oncelery.testing.faults import poll
 from tests.pg_cluster import free_port
 from tests.services import alive, stop_sessions
 

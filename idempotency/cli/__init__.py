@@ -1,0 +1,27 @@
+"""The `oncelery` command line (an entry point: `oncelery`, and `celery -A proj oncelery` through
+`celery.commands`).
+
+Reading order: `group` (the group, `db upgrade`, `outcomes`), `context` (how a command finds its database and
+app), `format` (tables and JSON), then one module per command family: `runs`, `ops` (relay, dlq, purge),
+`costs`, `metrics`. This module re-exports what the entry points and an application's own commands need.
+"""
+
+from oncelery.cli.group import (
+    EXIT_CONFIGURATION,
+    build_group,
+    check_services,
+    echo_json,
+    format_table,
+    oncelery,
+    resolve_database_url,
+)
+
+__all__ = [
+    "EXIT_CONFIGURATION",
+    "build_group",
+    "check_services",
+    "echo_json",
+    "format_table",
+    "oncelery",
+    "resolve_database_url",
+]

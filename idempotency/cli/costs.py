@@ -1,0 +1,76 @@
+"""`oncelery costs`: what model calls cost per task, tenant and model, and what replays saved (the cost ledger)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from oncelery.cli.context import resolve_database_url
+from oncelery.cli.format import format_table
+from oncelery.ops.costs import Spend, cost_report
+
+_HEADERS = (
+    "task",
+    "tenant",
+    "model",
+    "calls",
+    "failed",
+    "tokens in",
+    "tokens out",
+    "cost USD",
+    "saved calls",
+    "saved in",
+    "saved out",
+    "saved USD",
+)
+
+
+@click.command()
+@click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's calls.")
+@click.option("--tenant", metavar="TENANT", default=None, help="Only this tenant's calls ('' for none).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of a table.")
+@click.pass_context
+def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json: bool) -> None:
+    """Print model calls made (ok/failed), tokens and estimated cost, and what replays saved.
+
+    Saved: each duplicate delivery answered from a run's stored result made none of that run's calls, so a
+    run saved its replays times its ok calls, tokens and cost. Costs are USD at the price of the day each
+    call was recorded (app.conf.oncelery_prices); '-' where no model had a price.
+    """
+    # Imported here: oncelery.cli adds this module's command to its group when it is imported.
+    report = cost_report(resolve_database_url(ctx), task_name, tenant)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+        return
+    rows = [_row(line.task_name or "-", line.tenant or "-", line.model, line.made, line.saved) for line in report.lines]
+    rows.append(_row("total", "", "", report.made, report.saved))
+    click.echo(format_table(_HEADERS, rows))
+    unpriced = report.made.unpriced_calls
+    if unpriced:
+        click.echo(f"({unpriced} call{'s' if unpriced != 1 else ''} of models without a price in oncelery_prices)")
+
+
+def _row(task: str, tenant: str, model: str, made: Spend, saved: Spend) -> tuple[Any, ...]:
+    return (
+        task,
+        tenant,
+        model,
+        made.calls,
+        made.failed_calls,
+        made.input_tokens,
+        made.output_tokens,
+        _usd(made.cost),
+        saved.calls,
+        saved.input_tokens,
+        saved.output_tokens,
+        _usd(saved.cost),
+    )
+
+
+def _usd(value: float | None) -> str | None:
+    return None if value is None else f"{value:.6f}"
+
+
+__all__ = ["costs"]

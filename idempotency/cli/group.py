@@ -1,0 +1,135 @@
+"""The `oncelery` command line: schema upgrades, runs, and delivery outcomes of the claims database.
+
+Runs standalone (`oncelery ...`) or as a Celery subcommand (`celery -A proj oncelery ...`, through the
+`celery.commands` entry point); under Celery the database is the app's (`oncelery_database_url`).
+This module holds the group, how a command finds its database, `db upgrade` and `outcomes`; the other
+commands live in `cli_runs.py`, `cli_ops.py`, `cli_costs.py`, `cli_metrics.py`; printing in `cli_format.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from sqlalchemy.exc import ArgumentError, DBAPIError
+
+from oncelery.cli.context import (
+    EXIT_CONFIGURATION,
+    URL_META,
+    ConfigurationProblem,
+    check_services,
+    resolve_database_url,
+)
+from oncelery.cli.costs import costs
+from oncelery.cli.format import echo_json, format_table
+from oncelery.cli.metrics import metrics
+from oncelery.cli.ops import dlq, purge_command, relay
+from oncelery.cli.runs import runs
+from oncelery.errors import ConfigurationError, OnceleryError
+from oncelery.models import Outcome
+from oncelery.models.migrate import BRANCHES, FRAMEWORK
+from oncelery.runs.views import Runs
+from oncelery.store.schema import upgrade_schema
+
+# The public surface of `oncelery.cli`: the group, and what an application's own commands build on.
+__all__ = [
+    "EXIT_CONFIGURATION",
+    "build_group",
+    "check_services",
+    "echo_json",
+    "format_table",
+    "oncelery",
+    "resolve_database_url",
+]
+
+
+class _OnceleryGroup(click.Group):
+    """A group that turns Oncelery's and the driver's errors into a one-line message (exit 2 or 1)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigurationError as exc:  # a bad value or an unreachable service: nothing was done
+            raise ConfigurationProblem(str(exc)) from exc
+        except OnceleryError as exc:  # SchemaMissing / StoreUnavailable name the fix in their message
+            raise click.ClickException(str(exc)) from exc
+        except ArgumentError as exc:  # a malformed URL or an unknown dialect
+            raise click.ClickException(f"Invalid database URL: {exc}") from exc
+        except DBAPIError as exc:
+            raise click.ClickException(_driver_message(exc)) from exc
+
+
+def _driver_message(exc: DBAPIError) -> str:
+    return str(exc.orig if exc.orig is not None else exc).strip()
+
+
+def build_group() -> click.Group:
+    """Return a fresh `oncelery` group with every command (an application may add its own commands)."""
+
+    @click.group(cls=_OnceleryGroup, name="oncelery")
+    @click.option(
+        "--database-url",
+        metavar="URL",
+        default=None,
+        help="Claims database (SQLAlchemy URL). Default: the Celery app's oncelery_database_url, "
+        "else $ONCELERY_DATABASE_URL, else (reads only) the demo's ./oncelery.db if it exists.",
+    )
+    @click.pass_context
+    def group(ctx: click.Context, database_url: str | None) -> None:
+        """Oncelery: exactly-once effects for Celery tasks. Inspect and migrate the claims database."""
+        ctx.meta[URL_META] = database_url
+
+    group.add_command(db)
+    group.add_command(runs)
+    group.add_command(outcomes)
+    group.add_command(relay)
+    group.add_command(dlq)
+    group.add_command(purge_command)
+    group.add_command(costs)
+    group.add_command(metrics)
+    return group
+
+
+# -- db ------------------------------------------------------------------------------------------
+
+
+@click.group()
+def db() -> None:
+    """Create or migrate Oncelery's schema."""
+
+
+@db.command("upgrade")
+@click.option(
+    "--branch",
+    type=click.Choice(sorted(BRANCHES)),
+    default=FRAMEWORK.name,
+    show_default=True,
+    help="Which schema: Oncelery's own tables, or the demo jobs' (article_scores).",
+)
+@click.pass_context
+def db_upgrade(ctx: click.Context, branch: str) -> None:
+    """Create or migrate Oncelery's own tables in the configured database (never an application's)."""
+    click.echo(upgrade_schema(resolve_database_url(ctx), BRANCHES[branch]))
+
+
+# -- outcomes ------------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's deliveries.")
+@click.option("--tenant", metavar="TENANT", default=None, help="Only this tenant's deliveries ('' for none).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of a table.")
+@click.pass_context
+def outcomes(ctx: click.Context, task_name: str | None, tenant: str | None, as_json: bool) -> None:
+    """Print exact delivery outcome counts (every delivery records one, across all workers)."""
+    counts = Runs(resolve_database_url(ctx)).outcome_counts(task_name, tenant)
+    if as_json:
+        every = {o.value: counts.get(o.value, 0) for o in Outcome}  # every outcome, 0 included: stable keys
+        echo_json({"task": task_name, "tenant": tenant, "outcomes": every, "total": sum(counts.values())})
+        return
+    rows = [(o.value, counts.get(o.value, 0)) for o in Outcome]
+    rows.append(("total", sum(counts.values())))
+    click.echo(format_table(("outcome", "count"), rows))
+
+
+oncelery = build_group()

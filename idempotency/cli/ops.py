@@ -1,0 +1,330 @@
+"""Operations commands: `oncelery relay` (outbox + lost-job sweeper), `oncelery dlq ...`, `oncelery purge`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from oncelery.cli.context import celery_app_of, resolve_app, resolve_database_url
+from oncelery.cli.format import format_table
+from oncelery.delivery.replay_cache import purge_forgetter
+from oncelery.errors import ConfigurationError
+from oncelery.ops.dead_letters import DeadLetters, LetterView
+from oncelery.ops.reach import check_app
+from oncelery.ops.relay import Relay
+from oncelery.ops.retention import parse_age, purge
+from oncelery.store.database import Database
+
+_APP_HELP = (
+    "The Celery app to publish with (module or module:attribute). Default: the app of `celery -A`, "
+    "else one built from oncelery.celeryconfig (ONCELERY_BROKER_URL, else the embedded broker)."
+)
+
+
+def _age(value: str | None, allow_off: bool = False) -> float | None:
+    if value is None or (allow_off and value.strip().lower() in {"off", "never", "none"}):
+        return None
+    try:
+        return parse_age(value)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+# -- relay ---------------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--app", "app_path", metavar="MODULE[:APP]", default=None, help=_APP_HELP)
+@click.option("--once", is_flag=True, help="Run one round and exit (cron, tests).")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.05), default=0.5, show_default=True, help="Seconds between idle rounds."
+)
+@click.option("--batch", type=click.IntRange(min=1), default=100, show_default=True, help="Rows per round and kind.")
+@click.option(
+    "--republish-after",
+    metavar="AGE",
+    default="5m",
+    show_default=True,
+    help="Publish a SENT row again if its run has not finished this long after (the broker lost it).",
+)
+@click.option(
+    "--sweep-interval",
+    metavar="AGE",
+    default="60s",
+    show_default=True,
+    help="Re-send a lost run's stored message at most this often ('off' disables the sweeper).",
+)
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Failed publishes before a row is DEAD.",
+)
+@click.option(
+    "--retention",
+    metavar="AGE",
+    default="7d",
+    show_default=True,
+    help="Purge runs finished longer ago than this, hourly ('off' keeps them for ever).",
+)
+@click.pass_context
+def relay(
+    ctx: click.Context,
+    app_path: str | None,
+    once: bool,
+    interval: float,
+    batch: int,
+    republish_after: str,
+    sweep_interval: str,
+    max_attempts: int,
+    retention: str,
+) -> None:
+    """Publish the outbox, re-publish what a broker lost, re-send lost runs; until SIGTERM/Ctrl-C."""
+    app = resolve_app(ctx, app_path)
+    check_app(app, backend=False)  # it publishes only: the broker must answer, the result backend need not
+    url = resolve_database_url(ctx, app)
+    worker = Relay(
+        app,
+        url,
+        batch=batch,
+        republish_after=_age(republish_after) or 0.0,
+        max_attempts=max_attempts,
+        sweep_interval=_age(sweep_interval, allow_off=True),
+    )
+    keep = _age(retention, allow_off=True)
+    if once:
+        done = worker.run_once()
+        if keep is not None:
+            done.purged = purge(worker.db, keep, forget=purge_forgetter(app.conf, url)).runs
+        click.echo(json.dumps(vars(done), sort_keys=True))
+        return
+    stop = threading.Event()
+
+    def _stop(_signum: int, _frame: Any) -> None:
+        stop.set()  # finish the round in hand (its rows are committed or rolled back whole), then exit
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    click.echo(f"relay: publishing the outbox of {Database(url).dialect.name} database (Ctrl-C or SIGTERM stops)")
+    try:
+        total = worker.serve(stop, interval, keep)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    click.echo("relay stopped: " + json.dumps(vars(total), sort_keys=True))
+
+
+# -- dlq -----------------------------------------------------------------------------------------
+
+
+@click.group()
+def dlq() -> None:
+    """The dead-letter queue: runs that will never succeed as they are (list, show, replay, purge)."""
+
+
+def _filters(func: Any) -> Any:
+    for option in (
+        click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's letters."),
+        click.option("--tenant", default=None, help="Only this tenant's letters."),
+        click.option(
+            "--reason",
+            type=click.Choice(["retries_exhausted", "never_succeeds", "max_deliveries", "conflict", "bad_message"]),
+            default=None,
+        ),
+    ):
+        func = option(func)
+    return func
+
+
+def _select(
+    letters: DeadLetters,
+    refs: Sequence[str],
+    task_name: str | None,
+    tenant: str | None,
+    reason: str | None,
+    every: bool,
+) -> list[LetterView]:
+    """Letters by id or key (REFS), else by filters; refuses to act on everything without --all."""
+    if not refs and not (task_name or tenant is not None or reason or every):
+        raise click.UsageError("name letters (ids or keys), filter them (--task/--tenant/--reason), or pass --all")
+    ids = [int(r) for r in refs if r.isdigit()]
+    keys = [r for r in refs if not r.isdigit()]
+    found: list[LetterView] = []
+    if ids:
+        found += letters.list(ids=ids, task_name=task_name, tenant=tenant, reason=reason, limit=None)
+    if keys:
+        found += letters.list(keys=keys, task_name=task_name, tenant=tenant, reason=reason, limit=None)
+    if not refs:
+        found = letters.list(task_name=task_name, tenant=tenant, reason=reason, limit=None)
+    return found
+
+
+@dlq.command("list")
+@_filters
+@click.option("--all", "include_replayed", is_flag=True, help="Include letters already replayed.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_context
+def dlq_list(
+    ctx: click.Context,
+    task_name: str | None,
+    tenant: str | None,
+    reason: str | None,
+    include_replayed: bool,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List dead letters, the most recent failure first (times in UTC)."""
+    found = DeadLetters(resolve_database_url(ctx)).list(
+        task_name=task_name, tenant=tenant, reason=reason, include_replayed=include_replayed, limit=limit
+    )
+    if as_json:
+        for letter in found:
+            click.echo(json.dumps(_letter_json(letter, payload=False), sort_keys=True, default=str))
+        return
+    rows = [
+        (
+            x.letter_id,
+            x.task_name,
+            x.key,
+            x.reason,
+            x.attempts,
+            (x.error or "").splitlines()[0][:60] if x.error else None,
+            x.last_failed_at,
+            x.replayed_at,
+        )
+        for x in found
+    ]
+    click.echo(
+        format_table(("id", "task", "key", "reason", "attempts", "error", "last_failed_at", "replayed_at"), rows)
+    )
+    click.echo(f"({len(found)} letter{'s' if len(found) != 1 else ''})")
+
+
+def _letter_json(x: LetterView, payload: bool) -> dict[str, Any]:
+    out = {
+        "id": x.letter_id,
+        "run_id": x.run_id,
+        "task": x.task_name,
+        "tenant": x.tenant,
+        "key": x.key,
+        "reason": x.reason,
+        "error": x.error,
+        "attempts": x.attempts,
+        "first_failed_at": x.first_failed_at,
+        "last_failed_at": x.last_failed_at,
+        "replayed_at": x.replayed_at,
+        "replays": x.replays,
+        "run_status": x.run_status.value if x.run_status else None,
+    }
+    if payload:
+        out["traceback"] = x.traceback
+        out["message"] = x.message
+    return out
+
+
+@dlq.command("show")
+@click.argument("ref")
+@click.option("--show-payload", is_flag=True, help="Print the message's arguments (redacted otherwise).")
+@click.pass_context
+def dlq_show(ctx: click.Context, ref: str, show_payload: bool) -> None:
+    """Show a dead letter (by id or key): why it died, its error, traceback, attempts and failures."""
+    letters = DeadLetters(resolve_database_url(ctx))
+    if ref.isdigit():
+        found = letters.list(ids=[int(ref)], include_replayed=True, limit=None)
+    else:
+        found = letters.list(keys=[ref], include_replayed=True, limit=None)
+    if not found:
+        raise click.ClickException(f"No dead letter {ref!r}: see `oncelery dlq list`")
+    for i, x in enumerate(found):
+        if i:
+            click.echo()
+        data = _letter_json(x, payload=True)
+        if not show_payload and x.message is not None:
+            data["message"] = "<kept to replay it; --show-payload prints it>"
+        for name, value in data.items():
+            if name != "traceback":
+                click.echo(f"{name:16}  {'-' if value is None else value}")
+        click.echo("traceback:")
+        click.echo("\n".join("  " + line for line in (x.traceback or "-").splitlines()))
+
+
+def _selection(func: Any) -> Any:
+    """REFS (ids or keys), the filters, and --all: how replay and purge choose their letters."""
+    func = click.option("--all", "every", is_flag=True, help="Every letter not yet replayed (with the filters).")(func)
+    return click.argument("refs", nargs=-1)(_filters(func))
+
+
+@dlq.command("replay")
+@_selection
+@click.option("--app", "app_path", metavar="MODULE[:APP]", default=None, help=_APP_HELP)
+@click.option("--queue", default=None, help="Send to this queue (default: the one it came from).")
+@click.pass_context
+def dlq_replay(
+    ctx: click.Context,
+    refs: tuple[str, ...],
+    task_name: str | None,
+    tenant: str | None,
+    reason: str | None,
+    every: bool,
+    app_path: str | None,
+    queue: str | None,
+) -> None:
+    """Re-enqueue dead runs with the same key (completed steps replay from checkpoints). REFS: ids or keys."""
+    app = resolve_app(ctx, app_path)
+    check_app(app, backend=False)  # before a letter is marked replayed: its message must reach the broker
+    letters = DeadLetters(resolve_database_url(ctx, app))
+    found = _select(letters, refs, task_name, tenant, reason, every)
+    report = letters.replay(app, found, queue)
+    for x in report.replayed:
+        click.echo(f"replayed {x.letter_id} {x.task_name}[{x.key}]")
+    for x, why in report.skipped:
+        click.echo(f"skipped  {x.letter_id} {x.task_name}[{x.key}]: {why}")
+    click.echo(f"{len(report.replayed)} replayed, {len(report.skipped)} skipped")
+    if not found:
+        raise click.ClickException("no dead letter matched")
+
+
+@dlq.command("purge")
+@_selection
+@click.pass_context
+def dlq_purge(
+    ctx: click.Context,
+    refs: tuple[str, ...],
+    task_name: str | None,
+    tenant: str | None,
+    reason: str | None,
+    every: bool,
+) -> None:
+    """Delete dead letters and their DEAD runs (their keys may then be sent again). REFS: ids or keys."""
+    letters = DeadLetters(resolve_database_url(ctx))
+    n = letters.purge(_select(letters, refs, task_name, tenant, reason, every))
+    click.echo(f"{n} dead letter{'s' if n != 1 else ''} purged")
+
+
+# -- purge ---------------------------------------------------------------------------------------
+
+
+@click.command("purge")
+@click.option("--older-than", "older_than", metavar="AGE", required=True, help="e.g. 7d, 24h, 90m (at least 0s).")
+@click.option("--batch", type=click.IntRange(min=1), default=1000, show_default=True, help="Runs per transaction.")
+@click.pass_context
+def purge_command(ctx: click.Context, older_than: str, batch: int) -> None:
+    """Delete runs finished before AGE ago, with their steps, dead letters and ledger rows (never RUNNING/DEAD)."""
+    url = resolve_database_url(ctx)
+    # The replay cache's entries go with the runs (when the app, or the environment, has the cache).
+    forget = purge_forgetter(getattr(celery_app_of(ctx), "conf", None), url)
+    report = purge(Database(url), _age(older_than) or 0.0, batch, forget=forget)
+    click.echo(
+        f"purged {report.runs} runs ({report.steps} steps, {report.dead_letters} dead letters, "
+        f"{report.ledger} ledger rows) and {report.outbox} outbox rows in {report.batches} batches"
+        + (f"; kept {report.kept_referenced} runs your tables still refer to" if report.kept_referenced else "")
+    )
+
+
+__all__ = ["dlq", "purge_command", "relay", "resolve_app"]

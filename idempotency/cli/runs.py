@@ -1,0 +1,265 @@
+"""`oncelery runs list|show`: the runs of the claims database, each with its steps and model calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from oncelery.cli.context import resolve_database_url
+from oncelery.cli.format import _cell, _utc, echo_json, format_table
+from oncelery.models import RunStatus
+from oncelery.runs.views import CallView, Runs, RunView, StepView
+from oncelery.store.database import safe_url
+
+_KEY_WIDTH = 48  # `runs list` shortens longer keys; `runs show` prints them whole
+_OWNER_WIDTH = 8
+
+
+def _shorten(text: str | None, width: int) -> str | None:
+    if text is None or len(text) <= width:
+        return text
+    return text[: width - 3] + "..."
+
+
+def _short_owner(owner: str | None) -> str | None:
+    return owner[:_OWNER_WIDTH] if owner else owner
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+@click.group()
+def runs() -> None:
+    """List and show runs (one per task and idempotency key)."""
+
+
+_LIST_COLUMNS = ("id", "task", "key", "status", "token", "attempts", "owner", "lease_expires_at", "updated_at")
+
+
+@runs.command("list")
+@click.option("--status", type=click.Choice([s.value for s in RunStatus], case_sensitive=False), default=None)
+@click.option("--task", "task_name", metavar="NAME", default=None, help="Only runs of this task.")
+@click.option("--tenant", metavar="TENANT", default=None, help="Only runs of this tenant ('' for none).")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of a table.")
+@click.pass_context
+def runs_list(
+    ctx: click.Context, status: str | None, task_name: str | None, tenant: str | None, limit: int, as_json: bool
+) -> None:
+    """List the most recently updated runs (times in UTC)."""
+    # Imported here: oncelery.cli adds this module's commands to its group when it is imported.
+    reader = Runs(resolve_database_url(ctx))
+    found = reader.list(
+        task_name=task_name, status=RunStatus(status.upper()) if status else None, tenant=tenant, limit=limit
+    )
+    seen = reader.pass_through_seen()
+    if as_json:
+        echo_json({"count": len(found), "pass_through_seen": seen, "runs": [_run_summary(r) for r in found]})
+        return
+    if seen:
+        click.echo(f"WARNING: a worker ran with ONCELERY_PASS_THROUGH on (last: {seen}): its jobs ran unclaimed")
+    table = [
+        (
+            r.run_id,
+            r.task_name,
+            _shorten(r.key, _KEY_WIDTH),
+            r.status,
+            r.token,
+            r.attempts,
+            _short_owner(r.owner),
+            r.lease_expires_at,
+            r.updated_at,
+        )
+        for r in found
+    ]
+    click.echo(format_table(_LIST_COLUMNS, table))
+    click.echo(f"({len(found)} run{'s' if len(found) != 1 else ''})")
+
+
+@runs.command("show")
+@click.argument("key")
+@click.option("--task", "task_name", metavar="NAME", default=None, help="The task (if several share the key).")
+@click.option("--tenant", metavar="TENANT", default=None, help="The tenant (if several share the key).")
+@click.option("--show-payload", is_flag=True, help="Print the stored message's arguments (redacted otherwise).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of text.")
+@click.pass_context
+def runs_show(
+    ctx: click.Context, key: str, task_name: str | None, tenant: str | None, show_payload: bool, as_json: bool
+) -> None:
+    """Show every field of the run(s) with KEY: result, error, steps (timing, replayed or executed), model calls."""
+    # Imported here: oncelery.cli adds this module's commands to its group when it is imported.
+    url = resolve_database_url(ctx)
+    reader = Runs(url)
+    found = reader.find(key, task_name, tenant)
+    if not found:
+        where = f" for task {task_name}" if task_name else ""
+        raise click.ClickException(f"No run with key {key!r}{where} in {safe_url(url)}")
+    details = [(run, reader.steps(run.run_id), reader.model_calls(run.run_id)) for run in found]
+    if as_json:
+        echo_json({"runs": [_run_detail(run, steps, calls, show_payload) for run, steps, calls in details]})
+        return
+    for i, (run, steps, calls) in enumerate(details):
+        if i:
+            click.echo()
+        _echo_run(run, steps, calls, show_payload)
+
+
+_PAYLOAD_KEPT = "<kept for recovery until the run completes; --show-payload prints it>"
+
+
+def _run_summary(run: RunView) -> dict[str, Any]:
+    """The fields `runs list` shows, and the counters, of one run."""
+    return {
+        "id": run.run_id,
+        "task": run.task_name,
+        "tenant": run.tenant,
+        "key": run.key,
+        "status": run.status,
+        "token": run.token,
+        "attempts": run.attempts,
+        "owner": run.owner,
+        "lease_expires_at": run.lease_expires_at,
+        "lease_live": run.lease_live,
+        "retries": run.retries,
+        "lost": run.lost,
+        "replays": run.replays,
+        "created_at": run.created_at,
+        "updated_at": run.updated_at,
+        "finished_at": run.finished_at,
+    }
+
+
+def _run_detail(
+    run: RunView, steps: Sequence[StepView], calls: Sequence[CallView], show_payload: bool
+) -> dict[str, Any]:
+    """Everything `runs show` prints of one run, as JSON-ready data."""
+    payload_hidden = run.message is not None and not show_payload
+    return {
+        **_run_summary(run),
+        "fingerprint": run.fingerprint,
+        "not_before": run.not_before,
+        "retry_wait": run.retry_wait,
+        "concurrency_key": run.concurrency_key,
+        "celery_task_id": run.celery_task_id,
+        "result": run.result,
+        "error": run.error,
+        "message": _PAYLOAD_KEPT if payload_hidden else run.message,
+        "steps": _step_timeline(run, steps),
+        "model_calls": [_call(c) for c in calls],
+    }
+
+
+def _step_timeline(run: RunView, steps: Sequence[StepView]) -> list[dict[str, Any]]:
+    """Each step with its checkpoint time, the seconds since the previous checkpoint, and how the last attempt
+    got it: `replayed` from a checkpoint of an earlier fencing token, or `executed` by the current holder."""
+    timeline = []
+    previous = run.created_at  # the first step is timed from the run's claim
+    for st in steps:
+        seconds = None
+        if st.created_at is not None and previous is not None:
+            seconds = round((_utc(st.created_at) - _utc(previous)).total_seconds(), 6)
+        previous = st.created_at
+        timeline.append(
+            {
+                "position": st.position,
+                "name": st.name,
+                "token": st.token,
+                "created_at": st.created_at,
+                "seconds": seconds,
+                "by_last_attempt": "replayed" if st.token < run.token else "executed",
+            }
+        )
+    return timeline
+
+
+def _call(call: CallView) -> dict[str, Any]:
+    return {
+        "id": call.call_id,
+        "step": call.step,
+        "model": call.model,
+        "prompt": call.prompt,
+        "input_tokens": call.input_tokens,
+        "output_tokens": call.output_tokens,
+        "latency_ms": call.latency_ms,
+        "ok": call.ok,
+        "error": call.error,
+        "cost": None if call.cost is None else round(call.cost, 9),  # USD, no float noise (as `costs --json`)
+        "token": call.token,
+        "created_at": call.created_at,
+    }
+
+
+def _echo_run(
+    run: RunView, steps: Sequence[StepView], calls: Sequence[CallView] = (), show_payload: bool = False
+) -> None:
+    fields = [
+        ("id", run.run_id),
+        ("task", run.task_name),
+        ("tenant", run.tenant or None),
+        ("key", run.key),
+        ("status", run.status),
+        ("fingerprint", run.fingerprint),
+        ("fencing_token", run.token),
+        ("owner", run.owner),
+        ("attempts", run.attempts),
+        ("retries", run.retries),
+        ("lost", run.lost),
+        ("replays", run.replays),
+        ("not_before", run.not_before),
+        ("lease_expires_at", run.lease_expires_at),
+        ("lease_live", "yes" if run.lease_live else "no"),
+        ("concurrency_key", run.concurrency_key),
+        ("celery_task_id", run.celery_task_id),
+        ("created_at", run.created_at),
+        ("updated_at", run.updated_at),
+        ("finished_at", run.finished_at),
+    ]
+    width = max(len(name) for name, _ in fields)
+    for name, value in fields:
+        click.echo(f"{name.ljust(width)}  {_cell(value)}")
+    click.echo("result:")
+    click.echo(_indent(json.dumps(run.result, indent=2, sort_keys=True, ensure_ascii=False)))
+    click.echo("error:")
+    click.echo(_indent(run.error or "-"))
+    click.echo("message:")
+    if run.message is not None and not show_payload:
+        # Arguments may hold prompts, personal data or secrets: shown only when asked for.
+        click.echo(_indent("<kept for recovery until the run completes; --show-payload prints it>"))
+    else:
+        click.echo(_indent(json.dumps(run.message, sort_keys=True, ensure_ascii=False)))
+    click.echo(f"steps ({len(steps)}):")
+    if steps:
+        rows = [
+            (s["position"], s["name"], s["token"], s["created_at"], _seconds(s["seconds"]), s["by_last_attempt"])
+            for s in _step_timeline(run, steps)
+        ]
+        click.echo(_indent(format_table(("position", "step", "token", "created_at", "seconds", "last attempt"), rows)))
+    click.echo(f"model calls ({len(calls)}):")
+    if calls:
+        call_headers = ("step", "model", "prompt", "tokens in", "tokens out", "latency ms", "ok", "cost USD", "token")
+        call_rows = [
+            (
+                c.step,
+                c.model,
+                c.prompt,
+                c.input_tokens,
+                c.output_tokens,
+                f"{c.latency_ms:.1f}",
+                "yes" if c.ok else "no",
+                None if c.cost is None else f"{c.cost:.6f}",
+                c.token,
+            )
+            for c in calls
+        ]
+        click.echo(_indent(format_table(call_headers, call_rows)))
+
+
+def _seconds(value: float | None) -> str | None:
+    return None if value is None else f"{value:.3f}"
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())

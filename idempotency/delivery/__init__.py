@@ -1,0 +1,7 @@
+"""What happens on one delivery, in order (room 2): the decision table and what each row does.
+
+Reading order: `decision_table` (the `Delivery`: one small method per row of what the claim found),
+`replay_cache` (a duplicate answered from Redis before the database), `renewal` (the lease heartbeat while a body
+runs), `steps` (checkpoints), `effects` (the fenced writes), `resend` (sending a delivery back after a store
+fault or a wait).
+"""

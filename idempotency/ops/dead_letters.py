@@ -1,0 +1,201 @@
+"""The dead-letter queue: runs that will never succeed as they are, and messages that never had a run.
+
+A run goes DEAD, with one `dead_letters` row, when it spends its last retry, fails with an error that can never
+succeed (StepMismatch, ResultNotJSON, a ConfigurationError, a task's `dead_on`), or loses its worker on
+`max_deliveries` deliveries (a poison message). No delivery runs a DEAD run. `replay` makes it FAILED again
+(retry and lost-delivery counts reset) and re-enqueues its message with the same key through the outbox, so
+its completed steps are replayed from their checkpoints and the job runs to completion once.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Select, delete, select, update
+
+from oncelery.models import RunStatus
+from oncelery.ops.outbox import CONTINUATION, enqueue
+from oncelery.ops.relay import Relay
+from oncelery.store.database import Database
+from oncelery.store.tables import LETTERS, RUNS
+
+
+@dataclass(frozen=True)
+class LetterView:
+    """One dead letter: the run (if any), why it died, its error and traceback, attempts, first/last failure."""
+
+    letter_id: int
+    run_id: int | None
+    task_name: str
+    tenant: str
+    key: str | None
+    reason: str
+    error: str | None
+    traceback: str | None
+    attempts: int
+    message: Any
+    first_failed_at: datetime | None
+    last_failed_at: datetime | None
+    replayed_at: datetime | None
+    replays: int
+    run_status: RunStatus | None
+
+    @property
+    def replayable(self) -> bool:
+        """Whether `replay` can send it again: it has a run, which is DEAD, and the message to send."""
+        return self.run_id is not None and self.run_status is RunStatus.DEAD and isinstance(self.message, dict)
+
+
+@dataclass
+class ReplayReport:
+    """What a replay did: the letters re-enqueued, and the ones skipped with why."""
+
+    replayed: list[LetterView] = field(default_factory=list)
+    skipped: list[tuple[LetterView, str]] = field(default_factory=list)
+
+
+def _query() -> Select[Any]:
+    d, r = LETTERS.c, RUNS.c
+    return select(LETTERS, r.status.label("run_status")).select_from(LETTERS.outerjoin(RUNS, d.run_id == r.id))
+
+
+def _view(row: Any) -> LetterView:
+    return LetterView(
+        letter_id=row.id,
+        run_id=row.run_id,
+        task_name=row.task_name,
+        tenant=row.tenant,
+        key=row.idempotency_key,
+        reason=row.reason,
+        error=row.error,
+        traceback=row.traceback,
+        attempts=row.attempts,
+        message=row.message,
+        first_failed_at=row.first_failed_at,
+        last_failed_at=row.last_failed_at,
+        replayed_at=row.replayed_at,
+        replays=row.replays,
+        run_status=row.run_status,
+    )
+
+
+class DeadLetters:
+    """Lists, replays and purges dead letters of one claims database."""
+
+    def __init__(self, url: str) -> None:
+        self.db = Database(url)
+
+    def list(
+        self,
+        *,
+        task_name: str | None = None,
+        tenant: str | None = None,
+        reason: str | None = None,
+        keys: Sequence[str] | None = None,
+        ids: Sequence[int] | None = None,
+        include_replayed: bool = False,
+        limit: int | None = 50,
+    ) -> builtins.list[LetterView]:
+        """Return letters, most recent failure first, filtered; replayed ones only with `include_replayed`."""
+        d = LETTERS.c
+        stmt = _query().order_by(d.last_failed_at.desc(), d.id.desc())
+        if not include_replayed:
+            stmt = stmt.where(d.replayed_at.is_(None))
+        if task_name is not None:
+            stmt = stmt.where(d.task_name == task_name)
+        if tenant is not None:
+            stmt = stmt.where(d.tenant == tenant)
+        if reason is not None:
+            stmt = stmt.where(d.reason == reason)
+        if keys:
+            stmt = stmt.where(d.idempotency_key.in_(list(keys)))
+        if ids:
+            stmt = stmt.where(d.id.in_(list(ids)))
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self.db.read() as conn:
+            return [_view(row) for row in conn.execute(stmt)]
+
+    def get(self, letter_id: int) -> LetterView | None:
+        """Return one letter by id, or None."""
+        found = self.list(ids=[letter_id], include_replayed=True, limit=1)
+        return found[0] if found else None
+
+    def replay(self, app: Celery, letters: Sequence[LetterView], queue: str | None = None) -> ReplayReport:
+        """Make each letter's DEAD run FAILED again and re-enqueue its message with the same key.
+
+        The reset and the outbox row commit together (a replay is never half done); the relay's publish
+        follows at once, and a running `oncelery relay` publishes it if this process cannot.
+        """
+        report = ReplayReport()
+        r, d = RUNS.c, LETTERS.c
+        for letter in letters:
+            if not letter.replayable or letter.run_id is None:
+                report.skipped.append((letter, _why_not(letter)))
+                continue
+            message = dict(letter.message)
+            options: dict[str, Any] = {"idempotency_key": letter.key}
+            if letter.tenant:
+                options["tenant"] = letter.tenant
+            if queue or message.get("queue"):
+                options["queue"] = queue or message["queue"]
+            for option in CONTINUATION:
+                if message.get(option):
+                    options[option] = message[option]
+            sig = app.signature(letter.task_name, list(message.get("args") or ()), dict(message.get("kwargs") or {}))
+            sig = sig.set(**options)
+            now = self.db.dialect.now()
+            with self.db.begin() as conn:
+                revived = conn.execute(
+                    update(RUNS)
+                    .where(r.id == letter.run_id, r.status == RunStatus.DEAD)
+                    .values(
+                        status=RunStatus.FAILED,
+                        lost=0,
+                        retries=0,
+                        not_before=None,
+                        error="replayed from the dead-letter queue",
+                        updated_at=now,
+                    )
+                ).rowcount
+                if revived != 1:
+                    conn.rollback()
+                    report.skipped.append((letter, "its run is no longer DEAD (replayed already?)"))
+                    continue
+                conn.execute(
+                    update(LETTERS).where(d.id == letter.letter_id).values(replayed_at=now, replays=d.replays + 1)
+                )
+                enqueue(conn, sig)
+            report.replayed.append(letter)
+        if report.replayed:
+            Relay(app, self.db.url, sweep_interval=None).publish_pending()
+        return report
+
+    def purge(self, letters: Sequence[LetterView]) -> int:
+        """Delete these letters and their DEAD runs (the key may then be sent again); return how many letters."""
+        ids = [letter.letter_id for letter in letters]
+        runs = [letter.run_id for letter in letters if letter.run_id is not None]
+        if not ids:
+            return 0
+        with self.db.begin() as conn:
+            n = conn.execute(delete(LETTERS).where(LETTERS.c.id.in_(ids))).rowcount or 0
+            if runs:
+                r = RUNS.c
+                conn.execute(delete(RUNS).where(r.id.in_(runs), r.status == RunStatus.DEAD))
+        return int(n)
+
+
+def _why_not(letter: LetterView) -> str:
+    if letter.run_id is None:
+        return (
+            f"a {letter.reason} message has no run to replay: fix the message, then send it again "
+            f"(with a new key if it conflicted)"
+        )
+    if letter.run_status is not RunStatus.DEAD:
+        return f"its run is {letter.run_status.value if letter.run_status else 'gone'}, not DEAD"
+    return "no message was kept to send again"

@@ -1,0 +1,334 @@
+"""Prometheus metrics of the claims database, read at scrape time: exact across processes, hosts and restarts.
+
+Nothing is counted in this process: every value is a query on the database, so any number of exporters (or
+a restarted one) report the same figures. Every query reads a small table (delivery_outcomes, outbox rows
+not yet sent, dead_letters) or walks an index (the partial index of RUNNING runs, the (status, updated_at)
+index for FAILED/DEAD); none scans task_runs. docs/metrics.md gives each metric's definition and cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from typing import Any
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, text, type_coerce
+
+from oncelery.errors import OnceleryError
+from oncelery.models import Outcome
+from oncelery.store.database import Database
+from oncelery.store.tables import LETTERS, OUTBOX, OUTCOME_TOTALS, OUTCOMES, RUNS, STEPS, TOTALS
+
+__all__ = ["ClaimsCollector", "claims_registry"]
+
+logger = logging.getLogger("oncelery.metrics")  # a stable name (users filter on it)
+
+PREFIX = "oncelery"
+# Literal predicates, not bound parameters: a prepared statement's generic plan cannot prove `status = $1`
+# implies a partial index's `status = 'RUNNING'`, and would fall back to a scan of every run.
+_RUNNING = text("task_runs.status = 'RUNNING'")
+_FAILED_OR_DEAD = text("task_runs.status IN ('FAILED', 'DEAD')")
+_PENDING = text("outbox.status = 'PENDING'")
+# Deliveries that found the work already done or under way: what an at-least-once broker duplicated.
+DUPLICATE_OUTCOMES = (Outcome.REPLAYED.value, Outcome.IN_PROGRESS.value)
+# Deliveries that moved a run to COMPLETED (a COMPLETED run is final: each completes one run, once).
+COMPLETING_OUTCOMES = (Outcome.EXECUTED.value, Outcome.RESUMED.value, Outcome.STALE.value)
+
+
+class ClaimsCollector(Collector):
+    """Yields every `oncelery_*` metric from one read of the claims database per scrape."""
+
+    def __init__(self, url: str) -> None:
+        self.db = Database(url)
+        self.url = url
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing: registering must not query the database (the registry then calls collect on scrape only)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric, or only `oncelery_database_up 0` if the database cannot be read (logged)."""
+        started = time.perf_counter()
+        up = GaugeMetricFamily(f"{PREFIX}_database_up", "1 if the last scrape read the claims database, else 0.")
+        try:
+            families = list(self._families())
+        except OnceleryError as exc:
+            logger.warning("metrics: cannot read the claims database: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+        took = GaugeMetricFamily(f"{PREFIX}_scrape_duration_seconds", "Seconds the last scrape spent in the database.")
+        took.add_metric([], time.perf_counter() - started)
+        yield took
+
+    def _families(self) -> Iterator[Metric]:
+        with self.db.read() as conn:
+            clock = conn.execute(select(database_clock(self.db))).scalar_one()
+            yield from outcome_families(conn)
+            yield from run_families(conn, self.db, clock)
+            yield from step_families(conn)
+            yield from queue_families(conn, clock)
+            yield from ledger_families(conn)
+
+
+def claims_registry(url: str) -> CollectorRegistry:
+    """A registry holding only the claims collector (no process metrics: they would differ per exporter)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClaimsCollector(url))
+    return registry
+
+
+# -- deliveries (delivery_outcomes: a few rows per task, tenant and outcome) ---------------------------------
+
+
+def outcome_families(conn: Connection) -> Iterator[Metric]:
+    """Deliveries per outcome, lease_lost writes, completed runs, and the lifetime duplicate ratio per task."""
+    c = OUTCOMES.c
+    sums = [func.sum(c[name]) for name in OUTCOME_TOTALS]
+    rows = conn.execute(
+        select(c.task_name, c.tenant, c.outcome, func.sum(c.count), *sums).group_by(c.task_name, c.tenant, c.outcome)
+    ).all()
+    deliveries = CounterMetricFamily(
+        f"{PREFIX}_deliveries",
+        "Deliveries by the outcome each recorded (exactly one per delivery, across all workers).",
+        labels=["task", "tenant", "outcome"],
+    )
+    refused = CounterMetricFamily(
+        f"{PREFIX}_zombie_writes_refused",
+        "Completions refused because the holder's lease was lost (the lease_lost outcome): zombie writes fenced.",
+        labels=["task", "tenant"],
+    )
+    completed = CounterMetricFamily(
+        f"{PREFIX}_runs_completed",
+        "Runs moved to COMPLETED (outcomes executed + resumed + stale; purging old runs does not lower it).",
+        labels=["task", "tenant"],
+    )
+    per_task: dict[str, list[int]] = {}  # task -> [duplicates, all]
+    done: dict[tuple[str, str], int] = {}
+    lifetime: dict[tuple[str, str], list[float]] = {}  # (task, tenant) -> OUTCOME_TOTALS summed over outcomes
+    for task, tenant, outcome, n, *added in rows:
+        n, value = int(n), outcome.value
+        into = lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
+        for i, figure in enumerate(added):
+            into[i] += float(figure or 0)
+        if n == 0:  # a backfill row (migration 0007) carries totals only
+            continue
+        deliveries.add_metric([task, tenant, value], n)
+        if value == Outcome.LEASE_LOST.value:
+            refused.add_metric([task, tenant], n)
+        if value in COMPLETING_OUTCOMES:
+            done[task, tenant] = done.get((task, tenant), 0) + n
+        totals = per_task.setdefault(task, [0, 0])
+        totals[0] += n if value in DUPLICATE_OUTCOMES else 0
+        totals[1] += n
+    for (task, tenant), n in sorted(done.items()):
+        completed.add_metric([task, tenant], n)
+    ratio = GaugeMetricFamily(
+        f"{PREFIX}_duplicate_ratio",
+        "(replayed + in_progress) / all deliveries of the task, since the database began (see docs for a rate).",
+        labels=["task"],
+    )
+    for task, (duplicates, total) in sorted(per_task.items()):
+        ratio.add_metric([task], duplicates / total if total else 0.0)
+    yield from (deliveries, refused, completed, ratio)
+    yield from lifetime_families(lifetime)
+
+
+_LIFETIME = {
+    "steps_executed": ("steps_executed", "Checkpointed steps of completed runs, executed by any of their holders."),
+    "steps_replayed": ("steps_replayed", "Steps completing deliveries took from checkpoints instead of executing."),
+    "takeovers": ("takeovers", "Takeovers (fencing_token - 1) of completed runs: retries and lost holders."),
+    "saved_calls": ("llm_saved_calls", "Model calls replays did not make (each replay x the run's ok calls)."),
+    "saved_cost": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
+}
+
+
+def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Metric]:
+    """Counters kept with the outcome counts (steps, takeovers, what replays saved) per task and tenant."""
+    index = {name: i for i, name in enumerate(OUTCOME_TOTALS)}
+    families = {
+        name: CounterMetricFamily(f"{PREFIX}_{metric}", help_text, labels=["task", "tenant"])
+        for name, (metric, help_text) in _LIFETIME.items()
+    }
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=["task", "tenant", "direction"]
+    )
+    for (task, tenant), figures in sorted(totals.items()):
+        for name, family in families.items():
+            value = figures[index[name]]
+            family.add_metric([task, tenant], value if name == "saved_cost" else int(value))
+        tokens.add_metric([task, tenant, "input"], int(figures[index["saved_input_tokens"]]))
+        tokens.add_metric([task, tenant, "output"], int(figures[index["saved_output_tokens"]]))
+    yield from (*families.values(), tokens)
+
+
+# -- runs (the partial index of RUNNING runs; the (status, updated_at) index for FAILED and DEAD) -------------
+
+
+def database_clock(db: Database) -> ColumnElement[Any]:
+    """The database's clock as a datetime column (every age is measured by it, never by this host's clock)."""
+    return type_coerce(db.dialect.now(), DateTime(timezone=True))
+
+
+_TS = (RUNS.c.task_name, RUNS.c.status)
+
+
+def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Metric]:
+    """Runs RUNNING/FAILED/DEAD per task, lease ages by the database clock, and takeovers of RUNNING runs."""
+    c = RUNS.c
+    now = database_clock(db)
+    expired = c.lease_expires_at < now  # the sweeper's test: a RUNNING run whose holder stopped renewing
+    running = conn.execute(
+        select(
+            c.task_name,
+            func.count(),
+            # A live holder's lease started at its claim (updated_at; heartbeats move only lease_expires_at).
+            func.min(case((expired, None), else_=c.updated_at)),
+            func.min(case((expired, c.lease_expires_at), else_=None)),
+            func.coalesce(func.sum(c.fencing_token - 1), 0),
+            func.coalesce(func.sum(c.lost), 0),
+        )
+        .where(_RUNNING)
+        .group_by(c.task_name)
+    ).all()
+    finished = conn.execute(select(c.task_name, c.status, func.count()).where(_FAILED_OR_DEAD).group_by(*_TS)).all()
+    runs = GaugeMetricFamily(
+        f"{PREFIX}_runs",
+        "Runs now in a status (RUNNING, FAILED, DEAD; COMPLETED is oncelery_runs_completed_total).",
+        labels=["task", "status"],
+    )
+    live = GaugeMetricFamily(
+        f"{PREFIX}_oldest_live_lease_age_seconds",
+        "Seconds since the longest-held live lease of a RUNNING run was claimed (0: none).",
+        labels=["task"],
+    )
+    lapsed = GaugeMetricFamily(
+        f"{PREFIX}_oldest_expired_lease_age_seconds",
+        "Seconds since the oldest expired lease of a RUNNING run expired: a lost holder not yet taken over (0: none).",
+        labels=["task"],
+    )
+    takeovers = GaugeMetricFamily(
+        f"{PREFIX}_running_takeovers",
+        "Takeovers (fencing_token - 1, summed) of the runs now RUNNING: retries and lost holders.",
+        labels=["task"],
+    )
+    lost = GaugeMetricFamily(
+        f"{PREFIX}_running_lost_deliveries",
+        "Deliveries whose holder vanished (lease expired while RUNNING), summed over the runs now RUNNING.",
+        labels=["task"],
+    )
+    for task, n, oldest_live, oldest_expiry, bumps, vanished in running:
+        runs.add_metric([task, "RUNNING"], int(n))
+        live.add_metric([task], _age(clock, oldest_live))
+        lapsed.add_metric([task], _age(clock, oldest_expiry))
+        takeovers.add_metric([task], int(bumps))
+        lost.add_metric([task], int(vanished))
+    for task, status, n in finished:
+        runs.add_metric([task, status.value], int(n))
+    yield from (runs, live, lapsed, takeovers, lost)
+
+
+def _age(clock: datetime, moment: datetime | None) -> float:
+    if moment is None:
+        return 0.0
+    # PostgreSQL returns aware datetimes, SQLite naive UTC ones: compare like with like.
+    if (clock.tzinfo is None) != (moment.tzinfo is None):
+        clock, moment = clock.replace(tzinfo=None), moment.replace(tzinfo=None)
+    return max(0.0, (clock - moment).total_seconds())
+
+
+# -- steps of RUNNING runs (index of RUNNING runs, then step_results by run_id) --------------------------------
+
+
+def step_families(conn: Connection) -> Iterator[Metric]:
+    """Checkpointed steps of the RUNNING runs: executed by the current holder, or replayed from an earlier one."""
+    s, r = STEPS.c, RUNS.c
+    # Correlated per RUNNING run, so each is an index lookup on step_results(run_id, position): a join lets
+    # the planner hash the whole step_results table instead.
+    mine = select(func.count()).where(s.run_id == r.id, s.token == r.fencing_token).scalar_subquery()
+    earlier = select(func.count()).where(s.run_id == r.id, s.token < r.fencing_token).scalar_subquery()
+    per_run = select(r.task_name, mine.label("mine"), earlier.label("earlier")).where(_RUNNING).subquery()
+    p = per_run.c
+    rows = conn.execute(
+        select(p.task_name, func.coalesce(func.sum(p.mine), 0), func.coalesce(func.sum(p.earlier), 0)).group_by(
+            p.task_name
+        )
+    ).all()
+    executed = GaugeMetricFamily(
+        f"{PREFIX}_running_steps_executed",
+        "Steps the current holders of RUNNING runs executed and checkpointed.",
+        labels=["task"],
+    )
+    replayed = GaugeMetricFamily(
+        f"{PREFIX}_running_steps_replayed",
+        "Steps of RUNNING runs checkpointed by an earlier holder: replayed after a takeover, not re-executed.",
+        labels=["task"],
+    )
+    for task, mine, earlier in rows:
+        executed.add_metric([task], int(mine))
+        replayed.add_metric([task], int(earlier))
+    yield from (executed, replayed)
+
+
+# -- outbox backlog and dead letters ---------------------------------------------------------------------------
+
+
+def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
+    """Outbox rows waiting to be published (and the oldest one's age), and dead letters not yet replayed."""
+    o, d = OUTBOX.c, LETTERS.c
+    pending, oldest = conn.execute(select(func.count(), func.min(o.created_at)).where(_PENDING)).one()
+    letters = conn.execute(
+        select(d.task_name, d.reason, func.count(), func.count(d.replayed_at)).group_by(d.task_name, d.reason)
+    ).all()
+    backlog = GaugeMetricFamily(f"{PREFIX}_outbox_pending", "Outbox rows committed but not yet published.")
+    backlog.add_metric([], int(pending))
+    age = GaugeMetricFamily(
+        f"{PREFIX}_outbox_oldest_pending_age_seconds", "Seconds the oldest unpublished outbox row has waited (0: none)."
+    )
+    age.add_metric([], _age(clock, oldest))
+    dead = GaugeMetricFamily(
+        f"{PREFIX}_dead_letters",
+        "Dead letters (runs or messages that will never succeed as they are), replayed ones included.",
+        labels=["task", "reason"],
+    )
+    replayed = GaugeMetricFamily(
+        f"{PREFIX}_dead_letters_replayed",
+        "Dead letters sent again with `oncelery dlq replay`.",
+        labels=["task", "reason"],
+    )
+    for task, reason, n, again in letters:
+        dead.add_metric([task, reason], int(n))
+        replayed.add_metric([task, reason], int(again))
+    yield from (backlog, age, dead, replayed)
+
+
+# -- the model-call ledger (ledger_totals: a row per task, tenant and model) ----------------------------------
+
+
+def ledger_families(conn: Connection) -> Iterator[Metric]:
+    """Model calls made, their tokens and estimated USD, per task, tenant and model (running totals)."""
+    labels = ["task", "tenant", "model"]
+    calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Model calls made (failed ones included).", labels=labels)
+    failed = CounterMetricFamily(f"{PREFIX}_llm_failed_calls", "Model calls that raised.", labels=labels)
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_llm_tokens", "Tokens of the model calls made.", labels=[*labels, "direction"]
+    )
+    cost = CounterMetricFamily(f"{PREFIX}_llm_cost_usd", "Estimated USD of the priced calls made.", labels=labels)
+    t = TOTALS.c
+    for row in conn.execute(
+        select(t.task_name, t.tenant, t.model, t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost)
+    ):
+        key = [row.task_name, row.tenant, row.model]
+        calls.add_metric(key, int(row.calls))
+        failed.add_metric(key, int(row.failed_calls))
+        tokens.add_metric([*key, "input"], int(row.input_tokens))
+        tokens.add_metric([*key, "output"], int(row.output_tokens))
+        cost.add_metric(key, float(row.cost))
+    yield from (calls, failed, tokens, cost)

@@ -1,0 +1,276 @@
+"""The outbox relay: puts committed outbox rows on the broker, and publishes again those whose run never finished.
+
+Run it as `oncelery relay`, or as the beat task `install_relay_task` registers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from kombu.exceptions import OperationalError as BrokerUnreachable
+from sqlalchemy import Connection, and_, bindparam, case, select, update
+
+from oncelery.delivery.replay_cache import purge_forgetter
+from oncelery.models import OutboxStatus, RunStatus
+from oncelery.ops.outbox import send_keyed
+from oncelery.ops.retention import purge
+from oncelery.ops.sweeper import sweep_lost_runs
+from oncelery.runs.faults import fault_point
+from oncelery.settings import require_database_url
+from oncelery.store.database import Database
+from oncelery.store.tables import OUTBOX, RUNS
+
+# The outbox's logger, as before the relay had a module of its own.
+logger = logging.getLogger("oncelery.outbox")
+
+
+@dataclass
+class RelayRound:
+    """What one relay round did: rows published, re-published, marked done or dead, runs swept."""
+
+    published: int = 0
+    republished: int = 0
+    done: int = 0
+    failed: int = 0
+    dead: int = 0
+    swept: int = 0
+    purged: int = 0
+
+    def busy(self) -> bool:
+        """Whether the round moved anything (the loop then goes again without sleeping)."""
+        return bool(self.published or self.republished or self.swept or self.done)
+
+
+class Relay:
+    """Publishes committed outbox rows, re-publishes unfinished ones, and re-sends lost runs' stored messages.
+
+    Several relays may run at once: on PostgreSQL each round locks its rows with FOR UPDATE SKIP LOCKED
+    (no double publish), on SQLite a round holds the database's single writer lock. A relay killed between
+    publishing and marking a row sent publishes it again; the claim absorbs the copy. No row is ever lost.
+    """
+
+    def __init__(
+        self,
+        app: Celery,
+        url: str,
+        *,
+        batch: int = 100,
+        republish_after: float = 300.0,
+        max_attempts: int = 10,
+        sweep_interval: float | None = 60.0,
+    ) -> None:
+        self.app = app
+        self.db = Database(url)
+        self.batch = batch
+        self.republish_after = republish_after
+        self.max_attempts = max_attempts
+        self.sweep_interval = sweep_interval
+        dia = self.db.dialect
+        self._now = dia.now()
+
+    def _forget(self) -> Callable[[list[tuple[str, str, str]]], object] | None:
+        return purge_forgetter(self.app.conf, self.db.url)
+
+    def run_once(self, republish: bool = True) -> RelayRound:
+        """One round: publish pending rows, re-publish unfinished sent rows (if `republish`), sweep lost runs."""
+        done = RelayRound()
+        self.publish_pending(done)
+        if republish:
+            self.republish_unfinished(done)
+        if self.sweep_interval is not None:
+            done.swept = sweep_lost_runs(self.app, self.db, self.sweep_interval, self.batch)
+        return done
+
+    def serve(
+        self,
+        stop: threading.Event,
+        interval: float = 0.5,
+        retention: float | None = None,
+        purge_every: float = 3600.0,
+    ) -> RelayRound:
+        """Run rounds until `stop` is set (SIGTERM in `oncelery relay`); purge past `retention` every hour.
+
+        A round that fails (database or broker down) is logged and tried again after a backoff: the relay
+        outlives any outage. Returns the totals.
+        """
+        total = RelayRound()
+        failures = 0
+        next_purge = time.monotonic()
+        while not stop.is_set():
+            try:
+                done = self.run_once()
+                if retention is not None and time.monotonic() >= next_purge:
+                    done.purged = purge(self.db, retention, forget=self._forget()).runs
+                    next_purge = time.monotonic() + purge_every
+                failures = 0
+            except Exception as exc:  # keep relaying through outages; the rows wait in the database
+                failures += 1
+                logger.error("relay round failed (%d in a row): %s", failures, exc)
+                stop.wait(min(30.0, interval * 2**failures))
+                continue
+            for name, value in vars(done).items():
+                setattr(total, name, getattr(total, name) + value)
+            if not done.busy():
+                stop.wait(interval)
+        return total
+
+    # -- pending rows ------------------------------------------------------------------------------
+
+    def publish_pending(self, done: RelayRound | None = None) -> RelayRound:
+        """Publish up to `batch` PENDING rows that are due; mark each SENT, or back it off (DEAD after N)."""
+        done = done or RelayRound()
+        o = OUTBOX.c
+        query = (
+            select(OUTBOX)
+            .where(o.status == OutboxStatus.PENDING, o.next_attempt_at <= self._now)
+            .order_by(o.id)
+            .limit(self.batch)
+        )
+        if not self._any(query):
+            return done
+        with self.db.begin() as conn:
+            rows = conn.execute(self._locked(query)).all()
+            sent: list[int] = []
+            for row in rows:
+                error = self._publish(row)
+                if error is None:
+                    sent.append(row.id)
+                    continue
+                dead = self._back_off(conn, row, f"{type(error).__name__}: {error}")
+                done.dead += dead
+                done.failed += 1 - dead
+                if isinstance(error, BrokerUnreachable):
+                    # The broker, not this row, failed: the other rows wait for the next round untouched,
+                    # instead of each waiting out broker_connection_timeout (and a back-off) in turn.
+                    break
+            fault_point("relay_published", rows=len(sent))
+            if sent:
+                conn.execute(self._sent(), [{"p_id": i} for i in sent])
+        done.published += len(sent)
+        return done
+
+    def _any(self, query: Any, params: dict[str, Any] | None = None) -> bool:
+        """Whether `query` finds a row, read without a lock: an idle round never takes SQLite's writer lock."""
+        with self.db.read() as conn:
+            return conn.execute(query.limit(1), params or {}).first() is not None
+
+    def _locked(self, query: Any) -> Any:
+        # PostgreSQL: rows another relay holds are skipped, not waited for (no double publish).
+        return self.db.dialect.locked_rows(query, of=OUTBOX)
+
+    def _sent(self) -> Any:
+        o = OUTBOX.c
+        return (
+            update(OUTBOX)
+            .where(o.id == bindparam("p_id"))
+            .values(
+                status=OutboxStatus.SENT,
+                sent_at=self._now,
+                attempts=o.attempts + 1,
+                publishes=o.publishes + 1,
+                last_error=None,
+            )
+        )
+
+    def _back_off(self, conn: Connection, row: Any, error: str) -> int:
+        """Record a failed publish: try again after an exponential delay, or mark the row DEAD after N."""
+        attempts = row.attempts + 1
+        dead = attempts >= self.max_attempts
+        delay = min(300.0, 0.5 * 2 ** min(attempts, 16))
+        o = OUTBOX.c
+        values: dict[str, Any] = {"attempts": attempts, "last_error": error[:2000]}
+        if dead:
+            values["status"] = OutboxStatus.DEAD
+            logger.error(
+                "outbox row %s (%s) is DEAD after %d failed publishes: %s", row.id, row.task_name, attempts, error
+            )
+        else:
+            values["next_attempt_at"] = self.db.dialect.lease_until("p_delay")
+        conn.execute(
+            update(OUTBOX).where(o.id == row.id).values(**values),
+            {"p_delay": self.db.dialect.lease_param(delay)} if not dead else {},
+        )
+        return int(dead)
+
+    def _publish(self, row: Any) -> Exception | None:
+        """Send one row's job; return the error if the broker refused it (the row stays, backed off)."""
+        options = dict(row.options or {})
+        # retry=False: a broker that is down fails this row now; the relay backs off and tries again.
+        job = (row.task_name, row.args, row.kwargs, row.celery_task_id)
+        return send_keyed(self.app, *job, row.idempotency_key, row.tenant, options, retry=False)
+
+    # -- sent rows whose run has not finished --------------------------------------------------------
+
+    def republish_unfinished(self, done: RelayRound | None = None) -> RelayRound:
+        """Publish again each SENT row older than `republish_after` whose run has not finished; close the rest.
+
+        Finished: COMPLETED, DEAD, or FAILED for good (no retry pending). A run that never started (the broker
+        lost the message), whose holder vanished, or whose retry was lost, is published again.
+        """
+        done = done or RelayRound()
+        o, r = OUTBOX.c, RUNS.c
+        dia = self.db.dialect
+        cutoff = dia.lease_until("p_age")
+        query = (
+            select(OUTBOX, r.status.label("run_status"), r.not_before.label("run_not_before"), r.lease_expires_at)
+            .select_from(
+                OUTBOX.outerjoin(
+                    RUNS,
+                    and_(r.task_name == o.task_name, r.tenant == o.tenant, r.idempotency_key == o.idempotency_key),
+                )
+            )
+            .where(o.status == OutboxStatus.SENT, o.sent_at < cutoff)
+            .order_by(o.id)
+            .limit(self.batch)
+        )
+        params = {"p_age": dia.lease_param(-self.republish_after)}
+        finished = case(
+            (r.status.in_([RunStatus.COMPLETED, RunStatus.DEAD]), True),
+            (and_(r.status == RunStatus.FAILED, r.not_before.is_(None)), True),
+            else_=False,
+        )
+        live = and_(r.status == RunStatus.RUNNING, r.lease_expires_at >= self._now)
+        waiting = and_(r.status == RunStatus.FAILED, r.not_before >= cutoff)
+        query = query.add_columns(finished.label("finished"), live.label("live"), waiting.label("waiting"))
+        if not self._any(query, params):
+            return done
+        with self.db.begin() as conn:
+            rows = conn.execute(self._locked(query), params).all()
+            closed = [row.id for row in rows if row.idempotency_key is None or row.finished]
+            open_rows = [row for row in rows if not (row.idempotency_key is None or row.finished)]
+            later = [row.id for row in open_rows if row.live or row.waiting]
+            sent = [row.id for row in open_rows if not (row.live or row.waiting) and self._publish(row) is None]
+            if closed:
+                conn.execute(update(OUTBOX).where(o.id.in_(closed)).values(status=OutboxStatus.DONE))
+            if sent:
+                conn.execute(update(OUTBOX).where(o.id.in_(sent)).values(sent_at=self._now, publishes=o.publishes + 1))
+            if later:  # a live holder or a pending retry: look again after another interval
+                conn.execute(update(OUTBOX).where(o.id.in_(later)).values(sent_at=self._now))
+        if sent:
+            logger.warning("outbox: re-published %d jobs whose runs had not finished (lost by the broker?)", len(sent))
+        done.done += len(closed)
+        done.republished += len(sent)
+        return done
+
+
+def install_relay_task(app: Celery, every: float = 1.0, url: str | None = None, **relay_options: Any) -> Any:
+    """Register the task `oncelery.relay_outbox` on `app` and schedule it with beat every `every` seconds.
+
+    Runs one relay round per beat tick (rounds may overlap: their rows never do). Returns the task.
+    """
+
+    def relay_outbox() -> dict[str, int]:
+        db_url = url or require_database_url(app.conf, "The outbox relay task")
+        return vars(Relay(app, db_url, **relay_options).run_once())
+
+    task = app.task(name="oncelery.relay_outbox", ignore_result=True, shared=False)(relay_outbox)
+    schedule = dict(app.conf.beat_schedule or {})
+    schedule["oncelery-relay-outbox"] = {"task": "oncelery.relay_outbox", "schedule": every}
+    app.conf.beat_schedule = schedule
+    return task

@@ -1,0 +1,137 @@
+"""Retention: delete finished runs (with their steps, dead letters and ledger rows) in bounded batches.
+
+Only COMPLETED runs and FAILED ones with no retry pending are deleted, never RUNNING ones (a holder may be
+on it) and never DEAD ones (they wait in the dead-letter queue for a person: `oncelery dlq purge`). Each
+batch is its own short transaction, walking the primary key, so workers keep claiming meanwhile. A key whose
+run was purged executes again if it is sent again. Entity versions are kept: purging them would let a stale
+event apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, and_, column, delete, func, inspect, or_, select, table
+from sqlalchemy.exc import IntegrityError
+
+from oncelery.errors import ConfigurationError
+from oncelery.models import OutboxStatus, RunStatus
+from oncelery.store.database import Database
+from oncelery.store.tables import LETTERS, OUTBOX, RUNS, STEPS
+
+logger = logging.getLogger("oncelery.retention")  # a stable name (users filter on it)
+
+#: Tables that hold rows per run (by a `run_id` column) without a foreign key: the model-call cost ledger.
+LEDGER_TABLES = ("model_calls",)
+DEFAULT_BATCH = 1000
+#: The relay's default retention (`oncelery relay --retention`): a week, above Stripe's 24 hours.
+DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> float:
+    """Seconds in an age such as `7d`, `24h`, `90m`, `30s`, `2w` (a bare number is seconds)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
+    if m is None:
+        raise ConfigurationError(f"age {text!r}: give a number with a unit, e.g. 7d, 24h, 90m, 30s")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+@dataclass
+class PurgeReport:
+    """How many rows a purge deleted, per table, and how many runs it kept because a table refers to them."""
+
+    runs: int = 0
+    steps: int = 0
+    dead_letters: int = 0
+    ledger: int = 0
+    outbox: int = 0
+    kept_referenced: int = 0
+    batches: int = 0
+
+
+def purge(
+    db: Database,
+    older_than: float,
+    batch: int = DEFAULT_BATCH,
+    on_batch: Callable[[PurgeReport], None] | None = None,
+    forget: Callable[[list[tuple[str, str, str]]], object] | None = None,
+) -> PurgeReport:
+    """Delete runs that finished more than `older_than` seconds ago (database clock), `batch` per transaction.
+
+    `forget`: called with the (task, tenant, key) of each batch's deleted runs once it committed (the replay
+    cache drops their entries, so a purged key is forgotten there too).
+    """
+    if older_than < 0 or batch < 1:
+        raise ConfigurationError("purge: older_than must be >= 0 seconds and batch >= 1")
+    report = PurgeReport()
+    r = RUNS.c
+    dia = db.dialect
+    cutoff = dia.lease_until("p_age")
+    params = {"p_age": dia.lease_param(-older_than)}
+    finished = or_(
+        r.status == RunStatus.COMPLETED,
+        and_(r.status == RunStatus.FAILED, r.not_before.is_(None)),
+    )
+    with db.read() as conn:
+        ledgers = [name for name in LEDGER_TABLES if inspect(conn).has_table(name)]
+    last_id = 0
+    while True:
+        query = (
+            select(r.id, r.task_name, r.tenant, r.idempotency_key)
+            .where(r.id > last_id, finished, func.coalesce(r.finished_at, r.updated_at) < cutoff)
+            .order_by(r.id)
+            .limit(batch)
+        )
+        with db.begin() as conn:
+            found = conn.execute(query, params).all()
+            if not found:
+                break
+            ids = [row.id for row in found]
+            last_id = ids[-1]
+            _delete_runs(conn, ids, ledgers, report)
+        if forget is not None:
+            # All found runs, kept ones included: an entry dropped for a run that stays is only a cache miss.
+            forget([(row.task_name, row.tenant, row.idempotency_key) for row in found])
+        report.batches += 1
+        if on_batch is not None:
+            on_batch(report)
+    with db.begin() as conn:
+        o = OUTBOX.c
+        done = o.status.in_([OutboxStatus.DONE, OutboxStatus.DEAD])
+        report.outbox += conn.execute(delete(OUTBOX).where(done, o.created_at < cutoff), params).rowcount or 0
+    return report
+
+
+def _delete_runs(conn: Connection, ids: list[int], ledgers: list[str], report: PurgeReport) -> None:
+    """Delete `ids` with their rows; a run an application's table still refers to is kept, not an error."""
+    try:
+        with conn.begin_nested():
+            _delete(conn, ids, ledgers, report)
+        return
+    except IntegrityError:
+        pass  # an application's foreign key (e.g. RESTRICT) refuses some: delete one by one, keep those
+    for run_id in ids:
+        try:
+            with conn.begin_nested():
+                _delete(conn, [run_id], ledgers, report)
+        except IntegrityError:
+            report.kept_referenced += 1
+
+
+def _delete(conn: Connection, ids: list[int], ledgers: list[str], report: PurgeReport) -> None:
+    counts: dict[str, int] = {}
+    counts["steps"] = conn.execute(delete(STEPS).where(STEPS.c.run_id.in_(ids))).rowcount or 0
+    counts["dead_letters"] = conn.execute(delete(LETTERS).where(LETTERS.c.run_id.in_(ids))).rowcount or 0
+    counts["ledger"] = 0
+    for name in ledgers:
+        ledger: Any = table(name, column("run_id"))
+        counts["ledger"] += conn.execute(delete(ledger).where(ledger.c.run_id.in_(ids))).rowcount or 0
+    counts["runs"] = conn.execute(delete(RUNS).where(RUNS.c.id.in_(ids))).rowcount or 0
+    for name, n in counts.items():
+        setattr(report, name, getattr(report, name) + n)

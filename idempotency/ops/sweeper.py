@@ -1,0 +1,73 @@
+"""Lost-job recovery from the database: re-send the stored message of a run whose holder vanished.
+
+On the embedded (filesystem) broker a SIGKILLed worker's in-flight messages are gone; on Redis they come back
+only after the visibility timeout. A run that kept its message (embedded broker, or `store_message=True`)
+and is RUNNING with a lease expired by the database clock is sent again by the sweeper, at most once per
+`interval` (its `swept_at`). The claim absorbs the copy if the broker redelivers the original as well. The
+sweeper runs inside `oncelery relay` (and `oncelery process`), never inside a worker: a worker that is down
+cannot sweep, and one sweeper is enough for any number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import String, and_, cast, func, or_, select, update
+
+from oncelery.models import RunStatus
+from oncelery.ops.outbox import CONTINUATION, send_keyed
+from oncelery.store.clock import lease_expired
+from oncelery.store.database import Database
+from oncelery.store.tables import RUNS
+
+logger = logging.getLogger("oncelery.sweeper")  # a stable name (users filter on it)
+
+
+def stored_message(column: Any) -> Any:
+    """SQL: the run keeps a message (neither SQL NULL nor JSON null: completion clears it to the latter)."""
+    return func.coalesce(cast(column, String), "null") != "null"
+
+
+def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100) -> int:
+    """Re-send the stored messages of up to `batch` lost runs (RUNNING, lease expired); return how many."""
+    r = RUNS.c
+    dia = db.dialect
+    now = dia.now()
+    due = and_(
+        r.status == RunStatus.RUNNING,
+        lease_expired(now),
+        stored_message(r.message),
+        or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
+    )
+    params = {"p_age": dia.lease_param(-interval)}
+    with db.read() as conn:  # an idle sweep never takes SQLite's writer lock (workers are writing)
+        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
+            return 0
+    # Two relays never re-send the same run in one round (rows another one holds are skipped).
+    ids = dia.locked_rows(select(r.id).where(due).order_by(r.lease_expires_at).limit(batch))
+    stmt = (
+        update(RUNS)
+        .where(r.id.in_(ids.scalar_subquery()), due)
+        .values(swept_at=now)
+        .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
+    )
+    with db.begin() as conn:
+        rows = conn.execute(stmt, params).all()
+    sent = 0
+    for row in rows:
+        # Marked first, sent after the commit: a sweeper that dies in between re-sends after `interval`.
+        sent += _resend(app, row)
+    if sent:
+        logger.warning("sweeper: re-sent %d jobs whose worker was lost (lease expired, message kept)", sent)
+    return sent
+
+
+def _resend(app: Celery, row: Any) -> int:
+    message = row.message if isinstance(row.message, dict) else {}
+    # Where it ran, what follows it in a pipeline, and the headers it came with.
+    options = {name: message[name] for name in ("queue", "headers", *CONTINUATION) if message.get(name)}
+    job = (row.task_name, message.get("args"), message.get("kwargs"), row.celery_task_id)
+    # A broker that is down: the next sweep after the interval tries again.
+    return int(send_keyed(app, *job, row.idempotency_key, row.tenant, options) is None)

@@ -1,0 +1,7 @@
+"""How a run row is claimed, renewed, completed, failed and read (room 3): the protocol, without Celery.
+
+Reading order: `keys` (idempotency keys and fingerprints), `decisions` (what a claim is and decides),
+`claims` (each transition as one token-guarded statement), `letters` (dead letters written with their state
+change), `outcomes` (exact outcome counts, and cached replays' counts), `views` (the read side), `faults`
+(named fault points on a delivery's path, for tests). Imports no celery, kombu, redis or click.
+"""

@@ -1,0 +1,394 @@
+"""The claim protocol on a SQL database: each transition is one atomic, token-guarded statement.
+
+Lease timeline (all times are the database clock's, never a worker's):
+
+    claim: INSERT (token=1) or takeover UPDATE (token=t+1), owner=o, lease_expires_at = now + L
+    |<------------- L ------------->|
+    holder renews every L/3:  UPDATE ... SET lease_expires_at = now + L WHERE id AND token=t AND owner=o
+    completion:               UPDATE ... SET status=COMPLETED WHERE id AND token=t AND owner=o AND RUNNING
+
+    If the holder stops renewing (SIGKILL, SIGSTOP, GC pause, partition):
+    |<------------- L ------------->| expired: the next delivery takes over in ONE statement:
+        UPDATE ... SET token=t+1, owner=o2 WHERE key AND fingerprint AND
+                  (status=FAILED OR (status=RUNNING AND lease_expires_at < now))
+    The old holder (a zombie) wakes: every write it makes says `token=t AND owner=o` -> 0 rows ->
+    LeaseLost, and its transaction (result, effects, step) rolls back.
+
+`owner` is a random id per claim: with the token it stays unique even if a database crash loses a claim
+row and a counter is handed out again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from oncelery.errors import StaleVersion, StoreError
+from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
+from oncelery.runs.decisions import (
+    BAD_MESSAGE,
+    CONFLICT,
+    MAX_DELIVERIES,
+    MAX_ERROR_CHARS,
+    NEVER_SUCCEEDS,
+    RETRIES_EXHAUSTED,
+    Claim,
+    ClaimResult,
+    Death,
+    Decision,
+    EntityVersionOf,
+    clean_error,
+    completion_counts,
+    encode_result,
+    lease_lost,
+)
+from oncelery.runs.faults import fault_point
+from oncelery.runs.keys import Identity
+from oncelery.runs.letters import kill_lost, letter_without_run, write_letter
+from oncelery.runs.outcomes import counter_shard, flush_replays, outcome_counts, record_outcome, record_outcome_txn
+from oncelery.runs.views import Runs, RunView, run_view
+from oncelery.store.database import rowcount, translated
+from oncelery.store.driver import DriverTransaction
+from oncelery.store.statements import Statements, statements
+from oncelery.store.tables import SECRETS, VERSIONS
+
+# The claim types are re-exported: oncelery.claims is where callers import them from.
+__all__ = [
+    "BAD_MESSAGE",
+    "CONFLICT",
+    "MAX_DELIVERIES",
+    "MAX_ERROR_CHARS",
+    "NEVER_SUCCEEDS",
+    "RETRIES_EXHAUSTED",
+    "Claim",
+    "ClaimResult",
+    "Death",
+    "Decision",
+    "EntityVersionOf",
+    "RunStore",
+    "clean_error",
+    "completion_counts",
+    "encode_result",
+    "lease_lost",
+]
+
+# A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
+_MAX_CLAIM_ROUNDS = 8
+
+
+class RunStore:
+    """Claims, leases, fencing and completion of runs in one SQL database (PostgreSQL or SQLite).
+
+    Round trips per executed job on PostgreSQL: the claim is one autocommit statement on a connection
+    with `synchronous_commit = off` (a claim need not be durable: a lost claim only makes its holder's
+    fenced completion fail, and the random owner id keeps tokens unique), and the completion plus its
+    outcome counter is one durable autocommit statement (or joins the effects transaction).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.runs = Runs(url)
+        self.db = self.runs.db  # one handle: the reads and the claims share its dialect and engines
+        self._digest_key: bytes | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine for the store's database."""
+        return self.db.engine
+
+    @property
+    def read_engine(self) -> Engine:
+        """This process's engine for reads (never takes SQLite's writer lock)."""
+        return self.db.read_engine
+
+    @property
+    def dialect(self) -> str:
+        """The database's dialect name: "postgresql" or "sqlite"."""
+        return self.db.dialect.name
+
+    @property
+    def sql(self) -> Statements:
+        """The prebuilt statements of this store's dialect."""
+        return statements(self.dialect)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A transaction on the store's database; driver errors become typed store errors."""
+        with self.db.begin() as conn:
+            yield conn
+
+    def fence_params(self, claim: Claim) -> dict[str, Any]:
+        """The parameters of the fence every holder write carries (run id, token, owner)."""
+        return {"p_run_id": claim.run_id, "p_token": claim.token, "p_owner": claim.owner}
+
+    def lease_params(self, seconds: float) -> dict[str, Any]:
+        """The parameter that sets a lease of `seconds` from the database clock's now."""
+        return {"p_lease": self.db.dialect.lease_param(seconds)}
+
+    # -- claim -------------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        task_name: str,
+        ident: Identity,
+        lease: float,
+        concurrency_key: str | None = None,
+        celery_task_id: str | None = None,
+        message: Any = None,
+        max_deliveries: int | None = None,
+        letter: Any = None,
+        owner: str | None = None,
+        abandoned: str | None = None,
+    ) -> ClaimResult:
+        """Take the run for (task, key) if it is new, FAILED, or its lease expired; else say who has it.
+
+        A RUNNING run whose holder vanished for the `max_deliveries`-th time (a poison message) goes DEAD,
+        with `letter` (the message) in its dead letter, instead of being run again. `owner` names this
+        claimant (one per delivery); `abandoned` is the owner of an earlier delivery of this message that a
+        database fault made send it again: its run is not a lost delivery.
+        """
+        owner = owner or uuid.uuid4().hex
+        for _ in range(_MAX_CLAIM_ROUNDS):
+            params = {
+                "p_task": task_name,
+                "p_tenant": ident.tenant,
+                "p_key": ident.key,
+                "p_fingerprint": ident.fingerprint,
+                "p_digests": ident.field_digests,
+                "p_owner": owner,
+                "p_entity": concurrency_key,
+                "p_task_id": celery_task_id,
+                "p_message": message,
+                "p_abandoned": abandoned or "",
+                "p_shard": counter_shard(),  # the replayed counter's row, if one is counted
+                **self.lease_params(lease),
+            }
+            try:
+                if self.sql.claim_or_replay is not None:
+                    # One round trip: a new key is claimed, a duplicate of a finished run answered and counted,
+                    # anything else read for the decision below. Asynchronous commit, as every claim: see
+                    # docs/benchmarks.md (a server crash may forget the last moments' replay counts).
+                    row, _ = self.db.one(self.sql.claim_or_replay, params, durable=False)
+                    run = run_view(row) if row.id is not None else None
+                    new_id = row.new_id
+                    if row.replayed and run is not None:
+                        return ClaimResult(Decision.COMPLETED, run=run, counted=True)
+                else:
+                    row, _ = self.db.one(self.sql.insert_claim, params, durable=False)
+                    new_id = None if row is None else row.id
+                    # The key exists. Read it first: a duplicate of a finished or live run (the common case)
+                    # is then decided by this one read, and only a FAILED or expired run needs a takeover.
+                    run = self.get(task_name, ident.key, ident.tenant) if new_id is None else None
+                if new_id is not None:
+                    claim = Claim(new_id, task_name, ident.key, 1, owner, lease, 1, False, ident.tenant)
+                    return ClaimResult(Decision.CLAIMED, claim=claim)
+                if run is None:
+                    continue  # purged between our statements, or inserted after our snapshot: look again
+                if run.fingerprint != ident.fingerprint:
+                    if self.sql.claim_or_replay is not None:
+                        # Its answer holds no field digests (one_trip.NOT_DECIDING): read them for the error.
+                        fault_point("conflict_read", task=task_name, key=ident.key)
+                        run = self.get(task_name, ident.key, ident.tenant) or run
+                    return ClaimResult(Decision.CONFLICT, run=run)
+                if run.status is RunStatus.COMPLETED:
+                    return ClaimResult(Decision.COMPLETED, run=run)
+                if run.status is RunStatus.DEAD:
+                    return ClaimResult(Decision.DEAD, run=run)
+                # This message's own earlier delivery, which gave the run up on a database fault: nothing
+                # runs it any more (its body ended or never began), so it is taken over now, and not lost.
+                given_up = abandoned is not None and run.owner == abandoned
+                if run.status is RunStatus.RUNNING and run.lease_live and not given_up:
+                    return ClaimResult(Decision.IN_PROGRESS, run=run)
+                lost = run.status is RunStatus.RUNNING and not given_up
+                if lost and max_deliveries and run.lost + 1 >= max_deliveries:
+                    if self._kill_lost(run, max_deliveries, letter):
+                        return ClaimResult(Decision.DEAD, run=run, killed=True)
+                    continue  # taken over (or killed) by someone else between our statements: look again
+                if run.status is RunStatus.FAILED and run.retry_wait and run.celery_task_id != celery_task_id:
+                    # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
+                    # (The retry itself carries the run's task id: it may go, even a moment early.)
+                    return ClaimResult(Decision.IN_PROGRESS, run=run)
+                row, _ = self.db.one(self.sql.takeover, params, durable=False)
+            except IntegrityError as exc:
+                if concurrency_key is None or not self.db.dialect.is_entity_lock_violation(exc):
+                    # Not the entity lock: a schema that does not match the code (NOT NULL, CHECK). Taking it
+                    # for a busy entity would re-send the job "in progress" forever; a store error re-sends it
+                    # too, but says what is wrong, every time.
+                    raise StoreError(
+                        f"{task_name}[{ident.key}]: the claims database refused the claim: {exc.orig}; is its "
+                        f"schema at the code's revision? Run `oncelery db upgrade`"
+                    ) from exc
+                # The partial unique index refused a second RUNNING run for this entity. If its holder's lease
+                # expired (database clock), demote that run and claim again; a live holder keeps the entity.
+                if self.db.one(self.sql.demote_expired_entity, params)[1] > 0:
+                    continue
+                return ClaimResult(Decision.ENTITY_BUSY)
+            if row is not None:
+                claim = Claim(
+                    row.id,
+                    task_name,
+                    ident.key,
+                    row.fencing_token,
+                    owner,
+                    lease,
+                    row.attempts,
+                    True,
+                    ident.tenant,
+                    row.retries,
+                )
+                return ClaimResult(Decision.CLAIMED, claim=claim)
+            # Another claimant took it between our read and our takeover: look again.
+        raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
+
+    def _kill_lost(self, run: RunView, max_deliveries: int, letter: Any) -> bool:
+        """Make a poison run DEAD (guarded by the token seen and its expiry), with its dead letter."""
+        return kill_lost(self.db, self.sql, run, max_deliveries, letter)
+
+    def letter_without_run(
+        self, task_name: str, tenant: str, reason: str, error: str, message: Any, key: str | None = None
+    ) -> None:
+        """Dead-letter a message that has no run of its own (a bad message, a conflict), and count its outcome."""
+        letter_without_run(self.db, task_name, tenant, reason, error, message, key)
+
+    def applied_version(self, task_name: str, tenant: str, entity: str) -> int | None:
+        """The last applied version of `entity` for this task and tenant, or None before the first."""
+        v = VERSIONS.c
+        stmt = select(v.version).where(v.task_name == task_name, v.tenant == tenant, v.entity == entity)
+        with self.db.read() as conn:
+            value = conn.execute(stmt).scalar_one_or_none()
+        return None if value is None else int(value)
+
+    # -- holder's writes (all fenced) ----------------------------------------------------------------
+
+    def heartbeat(self, claim: Claim) -> bool:
+        """Extend the lease by `claim.lease` from now (database clock) iff the claim is still ours."""
+        params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
+        return self.db.one(self.sql.heartbeat, params, durable=False)[1] == 1
+
+    def complete_txn(
+        self,
+        conn: Connection | Session | DriverTransaction,
+        claim: Claim,
+        result: Any,
+        outcome: Outcome = Outcome.EXECUTED,
+        version: EntityVersionOf | None = None,
+        steps: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write).
+
+        With `version`, the entity's applied version moves to it in the same transaction, or StaleVersion
+        is raised (nothing written) if a newer version was applied first. `steps`: the run's checkpointed steps
+        and those this delivery replayed, added with its takeovers to the outcome's running totals.
+        """
+        if version is not None:
+            vparams = {"p_task": claim.task_name, "p_tenant": claim.tenant, **version.params()}
+            if conn.execute(self.sql.advance_version, vparams).first() is None:
+                raise StaleVersion.of(version.entity, version.version)
+        params = {**self.fence_params(claim), "p_result": result, **completion_counts(claim, outcome, steps)}
+        sql = self.sql
+        if sql.complete_and_count is not None:
+            if conn.execute(sql.complete_and_count, params).first() is None:
+                raise lease_lost(claim)
+            return
+        if rowcount(conn.execute(sql.complete, params)) != 1:
+            raise lease_lost(claim)
+        conn.execute(sql.count_outcome, params)
+
+    def complete(
+        self,
+        claim: Claim,
+        result: Any,
+        effects: Connection | Session | None = None,
+        outcome: Outcome = Outcome.EXECUTED,
+        version: EntityVersionOf | None = None,
+        steps: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Commit the run's completion (and the open `effects` transaction) atomically, fenced by the token."""
+        if effects is None:
+            sql = self.sql
+            if sql.complete_and_count is not None and version is None:
+                # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
+                params = {**self.fence_params(claim), "p_result": result, **completion_counts(claim, outcome, steps)}
+                if self.db.one(sql.complete_and_count, params)[0] is None:
+                    raise lease_lost(claim)
+                return
+            with self.db.begin_statements() as conn:
+                self.complete_txn(conn, claim, result, outcome, version, steps)
+            return
+        with translated(self.url):
+            try:
+                self.complete_txn(effects, claim, result, outcome, version, steps)
+                effects.commit()
+            except BaseException:
+                effects.rollback()
+                raise
+
+    def fail(
+        self,
+        claim: Claim,
+        error: str,
+        outcome: Outcome = Outcome.FAILED,
+        retry_in: float | None = None,
+        death: Death | None = None,
+    ) -> bool:
+        """Record the run FAILED with `error` iff the claim is still ours; return whether it was.
+
+        `retry_in`: Celery retries the run after that many seconds; until then (database clock) no duplicate
+        may take it over, and the retry is counted on the run. `death`: the run goes DEAD instead, with its
+        dead letter in the same transaction, and the outcome counted is `dead`.
+        """
+        error = clean_error(error)
+        params = {**self.fence_params(claim), "p_error": error}
+        stmt = self.sql.fail
+        if death is not None:
+            stmt, outcome = self.sql.fail_dead, Outcome.DEAD
+        elif retry_in is not None:
+            stmt = self.sql.fail_for_retry
+            params["p_delay"] = self.db.dialect.lease_param(max(0.0, retry_in))
+        with self.db.begin() as conn:
+            ok = rowcount(conn.execute(stmt, params)) == 1
+            if ok and death is not None:
+                write_letter(conn, self.sql, claim.run_id, error, death)
+            counted = outcome if ok else Outcome.LEASE_LOST
+            record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
+        return ok
+
+    # -- reads and counters --------------------------------------------------------------------------
+
+    def digest_key(self) -> bytes | None:
+        """The secret this database generated for per-field digests (read once), or None if it has none."""
+        if self._digest_key is None:
+            stmt = select(SECRETS.c.value).where(SECRETS.c.name == DIGEST_KEY_SECRET)
+            with self.db.read() as conn:
+                value = conn.execute(stmt).scalar_one_or_none()
+            self._digest_key = str(value).encode("utf-8") if value else b""
+        return self._digest_key or None
+
+    def get(self, task_name: str, key: str, tenant: str = "") -> RunView | None:
+        """Return the run for (task, tenant, key), with whether its lease is live by the database clock."""
+        return self.runs.get(task_name, key, tenant)
+
+    def record_outcome(
+        self, task_name: str, outcome: Outcome, tenant: str = "", replayed_run: int | None = None
+    ) -> None:
+        """Count one delivery outcome in its own (durable) transaction.
+
+        `replayed_run`: the id of the COMPLETED run whose result answered it; one more replay on that run, in
+        the same transaction.
+        """
+        record_outcome(self.db, task_name, outcome, tenant, replayed_run)
+
+    def outcome_counts(self, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:
+        """Return {outcome: count} summed over all tasks, or for one task (or tenant).
+
+        This process's replays answered by the replay cache are written first, so its own counts are exact.
+        """
+        flush_replays()
+        return outcome_counts(self.db, task_name, tenant)

@@ -1,0 +1,129 @@
+"""What a claim is and what it decides: the claim, the decision, the row seen, and the values they carry.
+
+The data of the claim protocol (oncelery.claims runs it): a `Claim` held, a `ClaimResult`, an entity version,
+a death sentence, and the helpers that shape what is written (a bounded error text, a JSON-checked result,
+the completion's counter parameters, the one LeaseLost factory).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from oncelery.errors import LeaseLost, ResultNotJSON
+from oncelery.models import Outcome
+from oncelery.runs.outcomes import outcome_params
+from oncelery.runs.views import RunView
+
+# Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
+MAX_ERROR_CHARS = 10_000
+
+
+def clean_error(text: str) -> str:
+    """Return error text that every database can store: no NUL characters, at most MAX_ERROR_CHARS."""
+    text = text.replace("\x00", "\\x00")
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 20] + "\n...[truncated]"
+    return text
+
+
+class Decision(Enum):
+    """What a claim attempt found."""
+
+    CLAIMED = "claimed"  # this caller holds the run and must execute it
+    COMPLETED = "completed"  # finished before: answer with the stored result
+    IN_PROGRESS = "in_progress"  # a live holder runs this key
+    ENTITY_BUSY = "entity_busy"  # another key of the same concurrency_key is RUNNING
+    CONFLICT = "conflict"  # same key, different payload fingerprint
+    DEAD = "dead"  # DEAD (dead-lettered): no delivery runs it until `oncelery dlq replay`
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A held claim: the run row, its fencing token and owner id, and the lease length."""
+
+    run_id: int
+    task_name: str
+    key: str
+    token: int
+    owner: str
+    lease: float
+    attempts: int
+    takeover: bool
+    tenant: str = ""
+    retries: int = 0  # Celery retries already spent on this run (by any message)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """The outcome of `RunStore.claim`: a decision plus the claim (if CLAIMED) or the row seen."""
+
+    decision: Decision
+    claim: Claim | None = None
+    # The row seen. From PostgreSQL's one-statement claim, the fields no decision reads are None
+    # (one_trip.NOT_DECIDING): read the run (RunStore.get) for them.
+    run: RunView | None = None
+    killed: bool = False  # DEAD because this claim found its max_deliveries-th lost delivery
+    counted: bool = False  # COMPLETED, and the replay was counted by the claim's own statement (PostgreSQL)
+
+
+@dataclass(frozen=True)
+class EntityVersionOf:
+    """The version an event carries for its entity (entity_version=): applied only forward."""
+
+    entity: str
+    version: int
+
+    def params(self) -> dict[str, Any]:
+        """The statement parameters of this entity and version."""
+        return {"p_entity": self.entity, "p_version": self.version}
+
+
+@dataclass(frozen=True)
+class Death:
+    """Why a run goes DEAD, and what `oncelery dlq replay` sends again (the message's args and key headers)."""
+
+    reason: str
+    traceback: str | None = None
+    message: Any = None
+    error: str | None = None  # the letter's one-line error (default: the run's error)
+
+
+# Dead-letter reasons (dead_letters.reason).
+RETRIES_EXHAUSTED = "retries_exhausted"
+NEVER_SUCCEEDS = "never_succeeds"
+MAX_DELIVERIES = "max_deliveries"
+CONFLICT = "conflict"
+BAD_MESSAGE = "bad_message"
+
+
+def encode_result(value: Any, what: str) -> Any:
+    """Return `value` round-tripped through strict JSON, raising ResultNotJSON with the fix if it can't."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ResultNotJSON(
+            f"{what} is not JSON-serializable ({exc}); return JSON types (dict, list, str, int, float, "
+            f"bool, None) — convert objects with .model_dump()/dataclasses.asdict() first",
+            what=what,
+        ) from exc
+
+
+def completion_counts(claim: Claim, outcome: Outcome, steps: tuple[int, int]) -> dict[str, Any]:
+    """The outcome counter's parameters for a completion: its steps (checkpointed, replayed) and takeovers."""
+    executed, replayed = steps
+    return outcome_params(
+        claim.task_name,
+        outcome,
+        claim.tenant,
+        steps_executed=executed,
+        steps_replayed=replayed,
+        takeovers=claim.token - 1,
+    )
+
+
+def lease_lost(claim: Claim, what: str = "this holder's writes were rolled back") -> LeaseLost:
+    """The LeaseLost of `claim`'s holder (the one factory every fenced write uses)."""
+    return LeaseLost.for_holder(claim.task_name, claim.key, claim.token, what)

@@ -1,0 +1,70 @@
+"""Dead letters the claim protocol writes: a poison run made DEAD, a failure's letter, a run-less message.
+
+Each letter is written in the same transaction as the state change it records (and its outcome count), so a
+fault in between can neither leave a DEAD run without its letter nor write a letter twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection
+
+from oncelery.models import Outcome
+from oncelery.runs.decisions import CONFLICT, MAX_DELIVERIES, Death, clean_error
+from oncelery.runs.faults import fault_point
+from oncelery.runs.outcomes import record_outcome_txn
+from oncelery.runs.views import RunView
+from oncelery.store.database import Database, rowcount
+from oncelery.store.statements import Statements
+from oncelery.store.tables import LETTERS
+
+
+def write_letter(conn: Connection, sql: Statements, run_id: int, error: str, death: Death) -> None:
+    """Insert the dead letter of run `run_id` in the caller's transaction (its DEAD state commits with it)."""
+    params = {
+        "p_run_id": run_id,
+        "p_reason": death.reason,
+        "p_error": clean_error(death.error or error),
+        "p_traceback": clean_error(death.traceback) if death.traceback else None,
+        "p_letter": death.message,
+    }
+    conn.execute(sql.letter, params)
+
+
+def kill_lost(db: Database, sql: Statements, run: RunView, max_deliveries: int, letter: Any) -> bool:
+    """Make a poison run DEAD (guarded by the token seen and its expiry) with its dead letter; False if not ours."""
+    error = (
+        f"the worker running {run.task_name}[{run.key}] was lost on {run.lost + 1} deliveries "
+        f"(max_deliveries={max_deliveries}): killed by the OS (OOM, segfault, SIGKILL) or cut off; "
+        f"fix the cause, then `oncelery dlq replay`"
+    )
+    params = {"p_run_id": run.run_id, "p_token": run.token, "p_error": error}
+    fault_point("dead_letter", task=run.task_name, key=run.key)
+    with db.begin() as conn:
+        if rowcount(conn.execute(sql.kill_lost, params)) != 1:
+            return False
+        write_letter(conn, sql, run.run_id, error, Death(MAX_DELIVERIES, None, letter))
+    return True
+
+
+def letter_without_run(
+    db: Database, task_name: str, tenant: str, reason: str, error: str, message: Any, key: str | None = None
+) -> None:
+    """Dead-letter a message that has no run of its own (a bad message, a conflict), and count its outcome."""
+    row = {
+        "task_name": task_name,
+        "tenant": tenant,
+        "idempotency_key": key,
+        "reason": reason,
+        "error": clean_error(error),
+        "attempts": 1,
+        "message": message,
+    }
+    with db.begin() as conn:
+        conn.execute(LETTERS.insert().values(**row))
+        # Counted with its letter, in one transaction: a fault between the two can neither leave a letter
+        # uncounted nor, once the copy is re-sent, write the letter twice. A conflict is counted as such
+        # (the first payload's run stands); any other reason as `dead`.
+        outcome = Outcome.CONFLICT if reason == CONFLICT else Outcome.DEAD
+        record_outcome_txn(conn, db.dialect.name, task_name, outcome, tenant)

@@ -1,0 +1,324 @@
+"""The claim protocol's SQL, built once per dialect with bind parameters.
+
+Building a statement per call costs more CPU than the database round trip on a fast local server
+(SQLAlchemy coerces every clause and derives a cache key); a prebuilt statement memoises both.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, update
+from sqlalchemy.sql.elements import ColumnElement
+
+from oncelery.models import RunStatus
+from oncelery.store.clock import lease_expired
+from oncelery.store.dialects import dialect as get_dialect
+from oncelery.store.one_trip import claim_or_replay, complete_and_count, count_replay, count_statement
+from oncelery.store.tables import (
+    LETTERS,
+    OUTCOME_TOTALS,
+    RUNS,
+    SAVED_FROM,
+    VERSIONS,
+)
+
+__all__ = [
+    "Statements",
+    "retry_due",
+    "statements",
+]
+
+
+def retry_due(now: ColumnElement[Any]) -> ColumnElement[bool]:
+    """A FAILED run may be taken over: Celery's retry countdown (not_before, database clock) has passed."""
+    c = RUNS.c
+    return or_(c.not_before.is_(None), c.not_before <= now)
+
+
+def _fenced() -> ColumnElement[bool]:
+    # The fence every holder write carries: this run, this token, this claim's random owner, still RUNNING.
+    c = RUNS.c
+    return and_(
+        c.id == bindparam("p_run_id"),
+        c.fencing_token == bindparam("p_token"),
+        c.owner == bindparam("p_owner"),
+        still_running(),
+    )
+
+
+def still_running() -> ColumnElement[bool]:
+    """`status = 'RUNNING'` for a row found by its id, kept out of the index conditions.
+
+    A plain `status = ...` let PostgreSQL's generic plans (prepared statements) pick the (status, updated_at)
+    index over the primary key and read every RUNNING run per write: a completion cost 1 ms with 3,000 runs
+    in flight, and grew with them (tests/test_store_contract.py checks the plans).
+    """
+    return func.coalesce(RUNS.c.status, literal("", String), type_=String) == literal(RunStatus.RUNNING.value, String)
+
+
+class Statements:
+    """Prebuilt statements of one dialect; execute them with the parameters named `p_*`."""
+
+    def __init__(self, dialect: str) -> None:
+        self.dialect = dialect
+        dia = get_dialect(dialect)
+        insert = dia.insert
+        now = dia.now()
+        until = dia.lease_until()
+        self.insert_claim = self._insert_claim(insert, until)
+        self.takeover = self._takeover(now, until)
+        self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
+        self.complete = (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.COMPLETED,
+                result=bindparam("p_result", type_=JSON),
+                finished_at=now,
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=None,
+                message=None,  # kept only until the run completes (G9): it was there for recovery
+            )
+        )
+        first_failed = func.coalesce(RUNS.c.first_failed_at, now)
+        self.fail = (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.FAILED,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                first_failed_at=first_failed,
+            )
+        )
+        # A failure that can never succeed, or the last retry's: DEAD until `oncelery dlq replay`.
+        self.fail_dead = (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.DEAD,
+                error=bindparam("p_error"),
+                updated_at=now,
+                finished_at=now,
+                lease_expires_at=None,
+                not_before=None,
+                first_failed_at=first_failed,
+            )
+        )
+        # A poison message: the run lost its holder max_deliveries times (the worker died on every delivery).
+        # Guarded by the token the claimant saw and the expiry, so a live holder or a taker is never killed.
+        self.kill_lost = (
+            update(RUNS)
+            .where(
+                RUNS.c.id == bindparam("p_run_id"),
+                RUNS.c.fencing_token == bindparam("p_token"),
+                still_running(),
+                lease_expired(now),
+            )
+            .values(
+                status=RunStatus.DEAD,
+                error=bindparam("p_error"),
+                lost=RUNS.c.lost + 1,
+                updated_at=now,
+                finished_at=now,
+                lease_expires_at=None,
+                first_failed_at=first_failed,
+            )
+        )
+        self.letter = self._letter(insert, now)
+        self.advance_version = self._advance_version(insert, now)
+        # A failure Celery will retry after a countdown: no duplicate may take the run over before then
+        # (database clock), and the retry is counted on the run, whichever message carries it.
+        self.fail_for_retry = (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.FAILED,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=dia.lease_until("p_delay"),
+                retries=RUNS.c.retries + 1,
+                first_failed_at=first_failed,
+            )
+        )
+        self.demote_expired_entity = self._demote_expired_entity(now)
+        self.count_outcome = count_statement(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
+        # `p_count` deliveries at once: the replays the replay cache answered, written by its flusher.
+        self.count_outcomes = count_statement(
+            insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS}, count=bindparam("p_count", type_=Integer)
+        )
+        self.complete_and_count = complete_and_count(self.complete) if dia.dml_in_cte else None
+        # A duplicate answered from a COMPLETED run's stored result: one more replay on that run (fenced by its
+        # id and status), counted with the `replayed` outcome in the same transaction, with what it saved.
+        self.count_replay_on_run = (
+            update(RUNS)
+            # By id alone: the run was read COMPLETED, which is final (see one_trip.claim_or_replay's `bumped`).
+            .where(RUNS.c.id == bindparam("p_run_id"))
+            .values(replays=RUNS.c.replays + 1)
+            .returning(*(RUNS.c[column] for column in SAVED_FROM.values()))
+        )
+        self.count_replay = count_replay(self.count_replay_on_run, insert) if dia.dml_in_cte else None
+        self.claim_or_replay = claim_or_replay(self.insert_claim, now) if dia.dml_in_cte else None
+
+    @staticmethod
+    def _demote_expired_entity(now: ColumnElement[Any]) -> Any:
+        # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
+        # holder's fenced writes now fail, and its own redelivery can take it over later).
+        return (
+            update(RUNS)
+            .where(
+                RUNS.c.tenant == bindparam("p_tenant"),
+                RUNS.c.concurrency_key == bindparam("p_entity"),
+                RUNS.c.status == RunStatus.RUNNING,
+                lease_expired(now),
+            )
+            .values(
+                status=RunStatus.FAILED,
+                error="lease expired while another run of its entity waited; demoted so the entity is not blocked",
+                updated_at=now,
+                lease_expires_at=None,
+                lost=RUNS.c.lost + 1,  # its holder vanished: a lost delivery, as for a takeover
+            )
+        )
+
+    @staticmethod
+    def _insert_claim(insert: Any, until: ColumnElement[Any]) -> Any:
+        # A new key: INSERT ... ON CONFLICT DO NOTHING RETURNING id (no row back: the key exists).
+        c = RUNS.c
+        return (
+            insert(RUNS)
+            .values(
+                task_name=bindparam("p_task"),
+                tenant=bindparam("p_tenant"),
+                idempotency_key=bindparam("p_key"),
+                fingerprint=bindparam("p_fingerprint"),
+                field_digests=bindparam("p_digests", type_=JSON),
+                status=RunStatus.RUNNING,
+                fencing_token=1,
+                owner=bindparam("p_owner"),
+                lease_expires_at=until,
+                attempts=1,
+                concurrency_key=bindparam("p_entity"),
+                celery_task_id=bindparam("p_task_id"),
+                message=bindparam("p_message", type_=JSON),
+            )
+            .on_conflict_do_nothing(index_elements=["task_name", "tenant", "idempotency_key"])
+            .returning(c.id)
+        )
+
+    @staticmethod
+    def _takeover(now: ColumnElement[Any], until: ColumnElement[Any]) -> Any:
+        # A FAILED run, or a RUNNING one whose lease expired: one guarded UPDATE bumps the token.
+        c = RUNS.c
+        return (
+            update(RUNS)
+            .where(
+                c.task_name == bindparam("p_task"),
+                c.tenant == bindparam("p_tenant"),
+                c.idempotency_key == bindparam("p_key"),
+                # A different payload never takes a run over: that is a conflict, decided by the caller.
+                c.fingerprint == bindparam("p_fingerprint"),
+                or_(
+                    # Celery's own retry (the same task id) is due when it arrives; duplicates wait it out.
+                    and_(c.status == RunStatus.FAILED, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))),
+                    # A lapsed holder, or this message's own earlier delivery that gave up on a store fault.
+                    and_(c.status == RunStatus.RUNNING, or_(lease_expired(now), c.owner == bindparam("p_abandoned"))),
+                ),
+            )
+            .values(
+                status=RunStatus.RUNNING,
+                fencing_token=c.fencing_token + 1,
+                owner=bindparam("p_owner"),
+                lease_expires_at=until,
+                attempts=c.attempts + 1,
+                # Taking over a RUNNING run means its holder vanished (SIGKILL, OOM): a lost delivery, unless
+                # this message is that holder's own re-send after a database fault (it did not vanish).
+                lost=c.lost
+                + case((and_(c.status == RunStatus.RUNNING, c.owner != bindparam("p_abandoned")), 1), else_=0),
+                updated_at=now,
+                error=None,
+                not_before=None,
+                concurrency_key=bindparam("p_entity"),
+                celery_task_id=bindparam("p_task_id"),
+                message=bindparam("p_message", type_=JSON),
+            )
+            .returning(c.id, c.fencing_token, c.attempts, c.retries)
+        )
+
+    @staticmethod
+    def _letter(insert: Any, now: ColumnElement[Any]) -> Any:
+        # The dead letter of a run, written in the transaction that makes it DEAD: one row per run, its
+        # first failure kept and the rest refreshed if it dies again after a replay. INSERT ... SELECT takes
+        # the task, key, attempts and first failure from the run itself (the WHERE also lets SQLite parse
+        # the ON CONFLICT clause).
+        c = RUNS.c
+        rows = select(
+            c.id,
+            c.task_name,
+            c.tenant,
+            c.idempotency_key,
+            bindparam("p_reason", type_=String),
+            bindparam("p_error", type_=String),
+            bindparam("p_traceback", type_=String),
+            c.attempts,
+            bindparam("p_letter", type_=JSON),
+            func.coalesce(c.first_failed_at, now),
+            now,
+        ).where(c.id == bindparam("p_run_id"))
+        cols = [
+            "run_id",
+            "task_name",
+            "tenant",
+            "idempotency_key",
+            "reason",
+            "error",
+            "traceback",
+            "attempts",
+            "message",
+            "first_failed_at",
+            "last_failed_at",
+        ]
+        stmt = insert(LETTERS).from_select(cols, rows)
+        x = stmt.excluded
+        return stmt.on_conflict_do_update(
+            index_elements=["run_id"],
+            set_={
+                "reason": x.reason,
+                "error": x.error,
+                "traceback": x.traceback,
+                "attempts": x.attempts,
+                "message": x.message,
+                "last_failed_at": x.last_failed_at,
+                "replayed_at": None,
+            },
+        )
+
+    @staticmethod
+    def _advance_version(insert: Any, now: ColumnElement[Any]) -> Any:
+        # The entity's applied version moves forward only: a row comes back iff this version is newer than
+        # the stored one (or the first). Run in the completion transaction, its row lock also orders two
+        # completions of one entity.
+        stmt = insert(VERSIONS).values(
+            task_name=bindparam("p_task"),
+            tenant=bindparam("p_tenant"),
+            entity=bindparam("p_entity"),
+            version=bindparam("p_version"),
+            updated_at=now,
+        )
+        x = stmt.excluded
+        return stmt.on_conflict_do_update(
+            index_elements=["task_name", "tenant", "entity"],
+            set_={"version": x.version, "updated_at": now},
+            where=VERSIONS.c.version < x.version,
+        ).returning(VERSIONS.c.version)
+
+
+@cache
+def statements(dialect: str) -> Statements:
+    """Return the prebuilt statements of `dialect` ("postgresql" or "sqlite")."""
+    return Statements(dialect)

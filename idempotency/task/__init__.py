@@ -1,0 +1,8 @@
+"""The Celery glue: what a user declares and calls (room 1 of a delivery's lifecycle).
+
+Reading order: `idempotent` (the `IdempotentTask` base class: one delivery's entry), `options` (what a task
+declares, checked at decoration time), `body` (the API a body calls on `self`: step, effects, seeds),
+`announce` and `caller` (telling Flower and the caller what was decided), `metering` (the cost ledger's write
+side: `model_call`), `pipeline` (one key through a chain), `embedded_broker` (the serverless default's
+transport), `startup` (the worker's refusal to start without a ready claims database).
+"""

@@ -1,0 +1,61 @@
+"""Telling the caller and Flower what Oncelery decided for a delivery: its outcome, its step in progress."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.utils.saferepr import saferepr
+
+from oncelery.models import Outcome
+from oncelery.runs.keys import Identity
+from oncelery.task.caller import tell_caller
+from oncelery.task.options import TaskOptions
+
+# The task's logger: this class is a part of IdempotentTask.
+logger = logging.getLogger("oncelery.task")
+
+
+class Announcing(TaskOptions):
+    """Publishes each delivery's outcome as a task event (for Flower) and in the result backend (for the caller)."""
+
+    def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None, note: str = "") -> None:
+        """Publish this delivery's outcome: a task event for Flower, and `outcome_of(result)` for the caller.
+
+        The event `task-<outcome>` (e.g. task-replayed) carries outcome, key, tenant and token as fields.
+        Flower shows only Celery's standard fields, so its `kwargs` field also gets a line saying what Oncelery
+        decided (after the task's own kwargs): every Flower page that lists kwargs shows the outcome.
+        """
+        req = self.request
+        if getattr(req, "is_eager", False) or getattr(req, "called_directly", True):
+            return
+        decided = f"{outcome.value} key={ident.key}"
+        if ident.tenant:
+            decided += f" tenant={ident.tenant}"
+        if token is not None:
+            decided += f" token={token}"
+        if note:
+            decided += f" ({note})"
+        fields: dict[str, Any] = {"outcome": outcome.value, "key": ident.key, "tenant": ident.tenant, "token": token}
+        if outcome is Outcome.IN_PROGRESS:
+            # A wait is not a failure: no exception, no traceback; the result column says what happens next.
+            fields.update(exception=None, traceback=None, result=f"oncelery: {decided}")
+        self._announce(f"task-{outcome.value}", decided, fields, outcome.value)
+        if not self.ignore_result:
+            tell_caller(self.backend, req.id, outcome, ident.key, ident.tenant, token)
+
+    def _announce(self, event: str, decided: str, fields: dict[str, Any], label: str) -> None:
+        """Send task event `event` with `fields`, `decided` after the task's own kwargs, `label` after its name.
+
+        Flower displays only Celery's standard fields, and its task list only name, state and times: so the
+        name reads "shop.charge [replayed]" in the list, and the task page's kwargs row says the whole decision.
+        """
+        req = self.request
+        # Only where task events are on (worker_send_task_events, as for Flower): else no extra publish per job.
+        if not req.id or not self.send_events or not self.app.conf.worker_send_task_events:
+            return
+        own = req.kwargsrepr if getattr(req, "kwargsrepr", None) else saferepr(req.kwargs or {})
+        try:
+            self.send_event(event, **fields, kwargs=f"{own} | oncelery: {decided}", name=f"{self.name} [{label}]")
+        except Exception as exc:  # monitoring must never fail the job
+            logger.debug("could not send the %s event of %s: %s", event, req.id, exc)

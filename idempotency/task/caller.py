@@ -1,0 +1,54 @@
+"""What the caller can see: which outcome a delivery had (executed, replayed, resumed, an in-progress wait...).
+
+A Celery result says SUCCESS for an execution and for a replay alike. So the worker writes the delivery's
+outcome next to the task's result, in the result backend under the task id (`celery-task-meta-<id>:oncelery`,
+with the result's expiry), and `outcome_of(async_result)` reads it back. The last delivery of a task id wins:
+an in-progress wait re-sends the same task id, so after `.get()` the outcome is the one that produced the
+result. It needs a key-value result backend (Redis, the embedded filesystem backend, memcached...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from celery.backends.base import BaseKeyValueStoreBackend
+
+from oncelery.errors import ConfigurationError
+from oncelery.models import Outcome
+
+__all__ = ["outcome_of", "tell_caller"]
+
+logger = logging.getLogger("oncelery.caller")  # a stable name (users filter on it)
+
+_SUFFIX = ":oncelery"
+
+
+def tell_caller(backend: Any, task_id: str | None, outcome: Outcome, key: str, tenant: str, token: int | None) -> None:
+    """Store this delivery's outcome for `outcome_of`; best effort (a backend error never fails the job)."""
+    if not task_id or not isinstance(backend, BaseKeyValueStoreBackend):
+        return
+    value = json.dumps({"outcome": outcome.value, "key": key, "tenant": tenant, "token": token})
+    try:
+        backend.set(backend.get_key_for_task(task_id, _SUFFIX), value)
+    except Exception as exc:  # the outcome is already counted in the database; this is only the caller's view
+        logger.warning("could not store the outcome of task %s for its caller: %s", task_id, exc)
+
+
+def outcome_of(result: Any) -> Outcome | None:
+    """The outcome of the delivery that produced `result` (an AsyncResult), or None if none was decided yet.
+
+    Executed, resumed (some steps replayed from checkpoints), replayed (the stored result of an earlier run),
+    in_progress (waiting for another holder, or skipped), and the refusals: conflict, stale, dead, lease_lost.
+    """
+    backend = result.backend
+    if not isinstance(backend, BaseKeyValueStoreBackend):
+        raise ConfigurationError(
+            f"outcome_of needs a key-value result backend (redis://, file://...); this app's is "
+            f"{type(backend).__name__}: set result_backend to one, e.g. the Redis you use as the broker"
+        )
+    raw = backend.get(backend.get_key_for_task(result.id, _SUFFIX))
+    if raw is None:
+        return None
+    return Outcome(json.loads(raw)["outcome"])

@@ -1,0 +1,220 @@
+"""`IdempotentTask`: the Celery Task base that turns at-least-once delivery into exactly-once effects.
+
+The task decides *what happens* on each claim decision; `RunStore` decides *how* a claim is written.
+This module is the Celery glue: sending a call and receiving a delivery. The class is built in layers, one
+module each: `options` (what a task declares, resolved per call) <- `announce` (outcomes for the caller and
+Flower) <- `body` (the API a body calls on `self`) <- `task`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery._state import _task_stack
+from celery.exceptions import Ignore, Retry
+from celery.utils.serialization import raise_with_context
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from oncelery.delivery.decision_table import NEVER_SUCCEED, Delivery
+from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
+from oncelery.errors import ConfigurationError, OnceleryError, StoreError
+from oncelery.runs.claims import BAD_MESSAGE, EntityVersionOf
+from oncelery.runs.faults import fault_point
+from oncelery.runs.keys import Identity, validate_key
+from oncelery.settings import (
+    CONF_TENANT,
+    HEADER_ABANDONED,
+    HEADER_KEY,
+    HEADER_LEASE,
+    HEADER_ON_IN_PROGRESS,
+    HEADER_TENANT,
+    HEADER_WAITS,
+    check_lease,
+    check_policy,
+    pass_through,
+)
+from oncelery.task.body import RunBody
+from oncelery.task.startup import watch_worker_start
+
+logger = logging.getLogger("oncelery.task")  # a stable name (users filter on it)
+
+# Headers a call's options travel in, kept with a run's message so a replay or a sweep sends them again.
+_CALL_HEADERS = (HEADER_KEY, HEADER_TENANT, HEADER_ON_IN_PROGRESS, HEADER_LEASE)
+
+
+class IdempotentTask(RunBody):
+    """A Celery task whose body's committed effects and stored result happen once per idempotency key."""
+
+    # -- producer side ---------------------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
+        """Send the task; refuse at once what a worker would refuse (bad key, non-JSON payload).
+
+        `idempotency_key=` and `tenant=` travel as headers (Celery drops unknown options).
+        """
+        key = options.pop("idempotency_key", None)
+        tenant = options.pop("tenant", None)
+        policy = options.pop("on_in_progress", None)
+        lease = options.pop("lease", None)
+        headers = dict(options.get("headers") or {})
+        conf = self.settings()  # a misspelt oncelery_* setting is refused here, at the first call
+        if tenant is None and self.tenant is None and not headers.get(HEADER_TENANT):
+            resolver = conf.get(CONF_TENANT)
+            if resolver is not None:
+                if not callable(resolver):
+                    raise ConfigurationError(
+                        f"app.conf.{CONF_TENANT}={resolver!r}: give a callable (task_name, args, kwargs) -> tenant"
+                    )
+                tenant = resolver(self.name, tuple(args or ()), dict(kwargs or {})) or None
+        if key is not None:
+            headers[HEADER_KEY] = validate_key(key)
+        if tenant is not None:
+            headers[HEADER_TENANT] = validate_key(tenant, "tenant")
+        if policy is not None:
+            headers[HEADER_ON_IN_PROGRESS] = check_policy(policy, f"{self.name} (this call)")
+        if lease is not None:
+            headers[HEADER_LEASE] = check_lease(lease, f"{self.name} (this call)")
+        if headers:
+            options["headers"] = headers
+        self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
+        return super().apply_async(args, kwargs, *a, **options)
+
+    def _check_at_call_time(
+        self, args: Any, kwargs: Any, key: str | None, tenant: str | None, serializer: str | None
+    ) -> None:
+        # The worker sees the arguments after a round trip through the serializer (kombu's JSON turns a
+        # UUID, datetime or Decimal back into that object): derive the identity from the same values here,
+        # so what every delivery would refuse is refused in the caller, not acked in a worker at 3 a.m.
+        content_type, encoding, body = dumps(
+            (list(args or ()), dict(kwargs or {})), serializer=serializer or self.serializer
+        )
+        accept = prepare_accept_content(self.app.conf.accept_content)
+        seen_args, seen_kwargs = loads(body, content_type, encoding, accept=accept)
+        try:
+            self._keys.bind(seen_args, seen_kwargs)
+        except ConfigurationError:
+            # A chain link gets its first argument from the previous link, in the worker: checked there.
+            return
+        self.identity_of(seen_args, seen_kwargs, key, tenant, digests=False)
+        self.version_of(seen_args, seen_kwargs)
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body at most once per key: claim, execute or answer from the stored result."""
+        top = self.request_stack.top
+        if top is not None and not top.called_directly:
+            return self._guarded(args, kwargs, direct=False)
+        # Called directly (not by a worker): give it a request of its own, as Task.__call__ does.
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            return self._guarded(args, kwargs, direct=True)
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+
+    def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any], direct: bool) -> Any:
+        headers = self.request.headers or {}
+        if pass_through():
+            return self._pass_through(args, kwargs)
+        explicit = {name: headers[name] for name in _CALL_HEADERS if headers.get(name) is not None}
+        # What a replay from the dead-letter queue (or a sweeper) sends again: the arguments and key headers.
+        message: dict[str, Any] = {"args": list(args), "kwargs": kwargs, "headers": explicit}
+        req = self.request
+        queue = (req.delivery_info or {}).get("routing_key")
+        if queue:
+            message["queue"] = queue
+        # A chain link's continuation: a replayed or swept link goes on down its pipeline.
+        for option, value in (("chain", req.chain), ("link", req.callbacks), ("link_error", req.errbacks)):
+            if value:
+                message[option] = value
+        try:
+            ident, entity, version = self._identify(args, kwargs, explicit, message)
+        except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
+            return after_store_fault(exc, f"before claiming {self.name}", can_resend(req, direct), self._send_again)
+        kept = message if self._keeps_messages() else None
+        try:
+            lease, policy = self.lease_for(explicit), self.policy_for(explicit)
+        except ConfigurationError as exc:  # a bad setting: no delivery can run until it is fixed
+            logger.error("%s: %s", self.name, exc)
+            raise
+        abandoned = headers.get(HEADER_ABANDONED)
+        delivery = Delivery(
+            self,
+            ident,
+            entity,
+            kept,
+            direct,
+            self._send_again,
+            letter=message,
+            version=version,
+            abandoned=abandoned,
+            lease=lease,
+            policy=policy,
+        )
+        return delivery.run(args, kwargs)
+
+    def _identify(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any
+    ) -> tuple[Identity, str | None, EntityVersionOf | None]:
+        """The delivery's identity, entity and version; a message without them is dead-lettered, with why."""
+        try:
+            ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
+            entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+            version = self.version_of(args, kwargs)
+        except StoreError:
+            raise
+        except OnceleryError as exc:
+            # No run can hold a delivery without an identity; it can never succeed: dead-letter it, say why.
+            logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
+            fault_point("dead_letter", task=self.name, key=None)
+            self.store.letter_without_run(self.name, explicit.get(HEADER_TENANT, ""), BAD_MESSAGE, str(exc), message)
+            raise
+        return ident, entity, version
+
+    def _send_again(self, exc: BaseException | None, abandoned: str | None = None) -> Any:
+        """Re-send this message with backoff, without spending the task's max_retries, and ack this one.
+
+        `abandoned`: the owner this delivery claimed as before a store fault; the re-send names it, so
+        taking its run over is not counted as a lost delivery (a poison message).
+        """
+        req = self.request
+        headers = dict(req.headers or {})
+        waits = int(headers.get(HEADER_WAITS, 0))
+        headers[HEADER_WAITS] = waits + 1
+        if abandoned is not None:
+            headers[HEADER_ABANDONED] = abandoned
+        delay = wait_backoff(waits)
+        # Same task id and the same `retries` count: waiting on a live holder is not a failure.
+        sig = self.signature_from_request(req, countdown=delay, retries=req.retries, headers=headers)
+        # Sent as it came, without apply_async's caller-side checks: they passed when it was first sent (so
+        # each wait would only repeat them), and a message that fails them (no identity) must still go back.
+        options = dict(self._get_exec_options(), **sig.options)
+        self.app.send_task(self.name, sig.args, sig.kwargs, task_type=self, result_cls=self.AsyncResult, **options)
+        if exc is None:
+            # A wait (or a lost lease answered by the new holder) is not a failure: Ignore makes the worker ack
+            # this delivery without a task-retried event (which Flower shows with a traceback); the caller's
+            # result stays pending until the copy just sent decides it.
+            raise Ignore()
+        # A store fault: Retry makes the worker ack this delivery and mark the task RETRY, with the error.
+        raise Retry(exc=exc, when=delay, sig=sig)
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: BaseException | None = None, *a: Any, **kw: Any) -> Any:
+        """Celery's retry, except that an error which can never succeed is raised at once (the run goes DEAD).
+
+        Covers autoretry_for=(Exception,) too: a dead_on error (or StepMismatch, ResultNotJSON, a
+        ConfigurationError) is not retried max_retries times for nothing.
+        """
+        if exc is not None and isinstance(exc, NEVER_SUCCEED + tuple(self.dead_on)):
+            raise_with_context(exc)
+        return super().retry(args, kwargs, exc, *a, **kw)
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Return this task's exact delivery outcome counts across all processes."""
+        return self.store.outcome_counts(self.name)
+
+
+# A worker whose app has idempotent tasks checks its claims database before it consumes anything.
+watch_worker_start(IdempotentTask)

@@ -1,0 +1,240 @@
+"""What an idempotent task declares (its options) and how one call resolves them.
+
+Checked at decoration time (a bad option fails there, not at 3 a.m.); per call, a call's own option wins over
+the task's, which wins over the app's (`app.conf.oncelery_*`), which wins over the default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from functools import cached_property
+from typing import Any
+
+from celery import Task
+
+from oncelery.delivery.replay_cache import ReplayCache, configured_cache
+from oncelery.errors import ConfigurationError
+from oncelery.runs.claims import EntityVersionOf, RunStore
+from oncelery.runs.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec
+from oncelery.settings import (
+    CONF_LEASE,
+    CONF_ON_IN_PROGRESS,
+    CONF_STORE_MESSAGE,
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_MAX_DELIVERIES,
+    HEADER_LEASE,
+    HEADER_ON_IN_PROGRESS,
+    check_lease,
+    check_policy,
+    check_settings,
+    digest_secret,
+    require_database_url,
+)
+from oncelery.task.embedded_broker import is_embedded_broker
+
+# The task's logger: this class is a part of IdempotentTask.
+logger = logging.getLogger("oncelery.task")
+
+
+class TaskOptions(Task):  # type: ignore[misc]
+    """The options of an IdempotentTask, validated when the task is defined and resolved for each call."""
+
+    #: Template over the bound arguments ("article:{article_id}:v{version}"), a callable taking the
+    #: task's arguments, or None for a content-addressed key (task arguments' sha256).
+    idempotency_key: KeySpec = None
+    #: Argument names whose values make the payload fingerprint; None means all arguments.
+    fingerprint: FingerprintSpec = None
+    #: Lease in seconds, renewed by a heartbeat every lease/3 while the body runs. None: app.conf.oncelery_lease,
+    #: else 60. Per call: apply_async(..., lease=30).
+    lease: float | None = None
+    #: What a delivery does while another live holder runs the key: "retry" | "skip" | "raise". None:
+    #: app.conf.oncelery_on_in_progress, else "retry". Per call: apply_async(..., on_in_progress="raise").
+    on_in_progress: str | None = None
+    #: Optional template/callable: at most one RUNNING run per entity (a partial unique index).
+    concurrency_key: KeySpec = None
+    #: Optional number of steps, reported as "total" in the PROGRESS state Flower shows.
+    total_steps: int | None = None
+    #: Seconds after which the heartbeat stops renewing a running body's lease, so a hung body cannot hold
+    #: its key for ever. None: the task's time_limit (else soft_time_limit, else the app's task_time_limit);
+    #: with none of them set, renewal is unbounded. Set it above the longest honest run.
+    max_lease: float | None = None
+    #: Template or callable over the arguments giving the key's namespace (a tenant); per call:
+    #: apply_async(..., tenant="acme"); app-wide: app.conf.oncelery_tenant, a callable (task_name, args,
+    #: kwargs) -> tenant, called where the job is sent. One tenant never replays, conflicts with or blocks
+    #: another's key.
+    tenant: KeySpec = None
+    #: Keep the message's arguments in the run row until it completes, so a job whose message a broker lost
+    #: can be sent again. None: app.conf.oncelery_store_message, else only on an embedded broker
+    #: (oncelery-fs://, filesystem://: is_embedded_broker), which loses in-flight messages.
+    store_message: bool | None = None
+    #: Deliveries whose worker vanished mid-body (SIGKILL, OOM, segfault) after which the run goes DEAD with
+    #: a dead letter instead of running again: Celery re-queues such a poison message for ever under
+    #: task_reject_on_worker_lost. None: no bound.
+    max_deliveries: int | None = DEFAULT_MAX_DELIVERIES
+    #: Exception types that can never succeed on the same input (e.g. a validation error): the run goes DEAD
+    #: at once. StepMismatch, ResultNotJSON and ConfigurationError always do.
+    dead_on: tuple[type[BaseException], ...] = ()
+    #: Name of the argument carrying the event's version (an int). An event whose version is not newer than
+    #: its entity's last applied one is acked without running (outcome `stale`); completion applies it.
+    entity_version: str | None = None
+    #: Template or callable naming the entity that entity_version orders; default: concurrency_key.
+    entity: KeySpec = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        if type(self).run is not Task.run:
+            self._validate_options()
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def _validate_options(self) -> None:
+        if self.on_in_progress is not None:
+            check_policy(self.on_in_progress, str(self.name))
+        if self.lease is not None:
+            check_lease(self.lease, str(self.name))
+        if self.max_lease is not None and (not isinstance(self.max_lease, int | float) or self.max_lease <= 0):
+            raise ConfigurationError(f"{self.name}: max_lease={self.max_lease!r}; give seconds > 0, or None")
+        if self.max_deliveries is not None and (
+            not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1
+        ):
+            raise ConfigurationError(f"{self.name}: max_deliveries={self.max_deliveries!r}; give an int >= 1, or None")
+        bad = [t for t in self.dead_on if not (isinstance(t, type) and issubclass(t, BaseException))]
+        if bad:
+            raise ConfigurationError(f"{self.name}: dead_on={self.dead_on!r}; give a tuple of exception classes")
+        self._check_versioning()
+        if self.name and (self.name.startswith("tasks.") or "." not in self.name):
+            logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
+        _ = self._keys, self._concurrency_keys
+
+    @cached_property
+    def _keys(self) -> KeyBuilder:
+        return KeyBuilder(
+            self.run, self.name or "", self._option("idempotency_key"), self.fingerprint, self._option("tenant")
+        )
+
+    @cached_property
+    def _concurrency_keys(self) -> KeyBuilder | None:
+        if self.concurrency_key is None:
+            return None
+        return KeyBuilder(self.run, self.name or "", self._option("concurrency_key"), None, what="concurrency_key")
+
+    def _check_versioning(self) -> None:
+        if self.entity_version is None:
+            if self.entity is not None:
+                raise ConfigurationError(f"{self.name}: entity= orders events only with entity_version=; set both")
+            return
+        params = list(inspect.signature(self.run).parameters)
+        if self.entity_version not in params:
+            raise ConfigurationError(
+                f"{self.name}: entity_version={self.entity_version!r} is not a parameter of the task {params}"
+            )
+        if self.entity is None and self.concurrency_key is None:
+            raise ConfigurationError(
+                f"{self.name}: entity_version needs an entity: set concurrency_key= or entity= "
+                f"(a template such as 'article:{{article_id}}')"
+            )
+        _ = self._entity_keys
+
+    @cached_property
+    def _entity_keys(self) -> KeyBuilder:
+        spec = "entity" if self.entity is not None else "concurrency_key"
+        return KeyBuilder(self.run, self.name or "", self._option(spec), None, what=spec)
+
+    def version_of(self, args: Any = (), kwargs: Any = None) -> EntityVersionOf | None:
+        """The entity and version this call carries (entity_version=), or None if the task is not versioned."""
+        if self.entity_version is None:
+            return None
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        version = self._keys.bind(args, kwargs).get(self.entity_version)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ConfigurationError(
+                f"{self.name}: entity_version argument {self.entity_version!r} must be an int, got {version!r}"
+            )
+        return EntityVersionOf(self._entity_keys.identity(args, kwargs).key, version)
+
+    def _option(self, name: str) -> Any:
+        # Celery keeps task options as class attributes, so a function given as an option (a callable key)
+        # comes back bound to the task; it is documented to take the task's arguments only: unbind it.
+        value = getattr(self, name)
+        if inspect.ismethod(value) and value.__self__ is self:
+            return value.__func__
+        return value
+
+    def settings(self) -> Any:
+        """The app's configuration, its oncelery_* names checked once (a typo raises, naming the setting)."""
+        conf = self.app.conf
+        if self.__dict__.get("_settings_of") is not conf:
+            check_settings(conf)
+            self.__dict__["_settings_of"] = conf
+        return conf
+
+    def lease_for(self, headers: dict[str, Any] | None = None) -> float:
+        """The lease of a call: its own (lease=), else the task's, else app.conf.oncelery_lease, else 60 s."""
+        call = (headers or {}).get(HEADER_LEASE)
+        if call is not None:
+            return check_lease(call, f"{self.name} (this call)")
+        if self.lease is not None:
+            return float(self.lease)
+        app_wide = self.settings().get(CONF_LEASE)
+        return DEFAULT_LEASE_SECONDS if app_wide is None else check_lease(app_wide, f"app.conf.{CONF_LEASE}")
+
+    def policy_for(self, headers: dict[str, Any] | None = None) -> str:
+        """The on_in_progress of a call: its own, else the task's, else the app's, else "retry"."""
+        call = (headers or {}).get(HEADER_ON_IN_PROGRESS)
+        if call is not None:
+            return check_policy(call, f"{self.name} (this call)")
+        if self.on_in_progress is not None:
+            return self.on_in_progress
+        app_wide = self.settings().get(CONF_ON_IN_PROGRESS)
+        return "retry" if app_wide is None else check_policy(app_wide, f"app.conf.{CONF_ON_IN_PROGRESS}")
+
+    @property
+    def store(self) -> RunStore:
+        """The claims store of this task's app (app.conf.oncelery_database_url, else $ONCELERY_DATABASE_URL)."""
+        url = require_database_url(self.app.conf, f"Task {self.name}")
+        cached: RunStore | None = self.__dict__.get("_store")
+        if cached is None or cached.url != url:
+            cached = RunStore(url)
+            self.__dict__["_store"] = cached
+        return cached
+
+    def replay_cache(self) -> ReplayCache | None:
+        """The app's replay cache (app.conf.oncelery_replay_cache, else $ONCELERY_REPLAY_CACHE), or None if off."""
+        conf = self.settings()
+        seen = self.__dict__.get("_replay_cache")
+        if seen is None or seen[0] is not conf:  # read once per app configuration: this is on every delivery
+            seen = (conf, configured_cache(conf, require_database_url(conf, f"Task {self.name}")))
+            self.__dict__["_replay_cache"] = seen
+        return seen[1]  # type: ignore[no-any-return]
+
+    def identity_of(
+        self,
+        args: Any = (),
+        kwargs: Any = None,
+        idempotency_key: str | None = None,
+        tenant: str | None = None,
+        *,
+        digests: bool = True,
+    ) -> Identity:
+        """Return the key, tenant and payload fingerprint this task derives for the given call.
+
+        Per-field digests are keyed with ONCELERY_DIGEST_KEY, else with the secret the claims database
+        generated (`digests=False` skips them, and the database).
+        """
+        digest_key = (digest_secret(self.app.conf) or self.store.digest_key()) if digests else None
+        return self._keys.identity(tuple(args or ()), dict(kwargs or {}), idempotency_key, tenant, digest_key)
+
+    def _keeps_messages(self) -> bool:
+        if self.store_message is not None:
+            return bool(self.store_message)
+        conf = self.settings()
+        app_wide = conf.get(CONF_STORE_MESSAGE)
+        if app_wide is not None:
+            return bool(app_wide)
+        # Celery's broker_url property is costly (environment, aliases) and is read once per app configuration.
+        seen = self.__dict__.get("_filesystem_broker")
+        if seen is None or seen[0] is not conf:
+            seen = (conf, is_embedded_broker(conf.broker_url))
+            self.__dict__["_filesystem_broker"] = seen
+        return bool(seen[1])
