@@ -1,18 +1,21 @@
 """One delivery of one message, as a decision table: what the claim found decides what happens.
 
-| claim decision          | what the delivery does                                     | outcome recorded       |
-|-------------------------|------------------------------------------------------------|------------------------|
-| CLAIMED                 | run the body, complete fenced (or record the failure)      | executed/resumed/failed|
-| COMPLETED               | return the stored result; the body is not called           | replayed               |
-| CONFLICT                | raise IdempotencyConflict (never retried)                  | conflict               |
-| IN_PROGRESS/ENTITY_BUSY | on_in_progress: re-send with backoff, skip, or raise       | in_progress            |
-| DEAD                    | raise RunIsDead (acked; `oncelery dlq replay` runs it)     | dead                   |
-| (before claiming) stale | a version not newer than the entity's applied one: ack     | stale                  |
-| (before claiming) cached| replay cache on: the COMPLETED run's answer from Redis     | replayed (batched)     |
-| store unavailable       | re-send the message (never acked as a failure)             | (none: not settled)    |
-| lease lost on finishing | roll back, re-send: the next delivery replays the taker's  | lease_lost             |
+| what was found           | method             | what the delivery does                        | outcome           |
+|--------------------------|--------------------|-----------------------------------------------|-------------------|
+| (before claiming) stale  | `_stale`           | not newer than the applied version: ack       | stale             |
+| (before claiming) cached | `_replay_cached`   | replay cache on: the stored answer from Redis | replayed          |
+| CLAIMED                  | `_execute`         | run the body, complete fenced                 | executed, resumed |
+|   the body raised        | `_failed`          | record FAILED (or DEAD), raise                | failed, dead      |
+|   the body asked a retry | `_retry_requested` | record the wait for the retry, raise          | (retry pending)   |
+|   lease lost finishing   | `_lease_lost`      | roll back, re-send (the taker's result)       | lease_lost        |
+| COMPLETED                | `_replay`          | the stored result; the body is not called     | replayed          |
+| CONFLICT                 | `_conflict`        | dead-letter, raise IdempotencyConflict        | conflict          |
+| IN_PROGRESS, ENTITY_BUSY | `_busy`            | on_in_progress: re-send, skip or raise        | in_progress       |
+| DEAD                     | `_dead`            | raise RunIsDead (`oncelery dlq replay`)       | dead              |
+| store unavailable        | `_store_failed`    | re-send (never acked as a failure)            | (not settled)     |
 
-The task (Celery glue) supplies how to re-send; this module decides when.
+The task (Celery glue) supplies how to re-send; this module decides when. It knows the task only through
+`DeliveredTask`, the few things a delivery asks of it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import logging
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery.exceptions import Retry
 
@@ -43,7 +47,8 @@ from oncelery.errors import (
     StoreError,
 )
 from oncelery.models import Outcome
-from oncelery.runs.claims import (
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import (
     CONFLICT,
     NEVER_SUCCEEDS,
     RETRIES_EXHAUSTED,
@@ -52,20 +57,18 @@ from oncelery.runs.claims import (
     Death,
     Decision,
     EntityVersionOf,
-    RunStore,
     encode_result,
 )
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity, differing_fields
 from oncelery.settings import DEFAULT_LEASE_SECONDS, DIRECT_WAIT_TIMEOUT
 
-if TYPE_CHECKING:
-    from oncelery.task.idempotent import IdempotentTask
+__all__ = ["UNFIXABLE_ERRORS", "Call", "DeliveredTask", "Delivery", "RunContext"]
 
 logger = logging.getLogger("oncelery.delivery")  # a stable name (users filter on it)
 
 # Errors that no retry of the same message can fix: the run goes DEAD at once (with a dead letter).
-NEVER_SUCCEED: tuple[type[BaseException], ...] = (StepMismatch, ResultNotJSON, ConfigurationError)
+UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (StepMismatch, ResultNotJSON, ConfigurationError)
 
 
 @dataclass
@@ -78,43 +81,75 @@ class RunContext:
     effects: EffectsScope
 
 
-class Delivery:
-    """One delivery of `task` for `ident`: claims, then executes, replays, waits or refuses (one outcome)."""
+@dataclass(frozen=True)
+class Call:
+    """What one delivery carries: its identity, entity and version, its message, and this call's options.
 
-    def __init__(
-        self,
-        task: IdempotentTask,
-        ident: Identity,
-        entity: str | None,
-        message: Any,
-        direct: bool,
-        send_again: SendAgain,
-        letter: Any = None,
-        version: EntityVersionOf | None = None,
-        abandoned: str | None = None,
-        lease: float = DEFAULT_LEASE_SECONDS,
-        policy: str = "retry",
-    ) -> None:
+    `message` is what a dead letter keeps to replay (the arguments and key headers); it reaches `task_runs`
+    only where `keep_message` says so (the task's `store_message`, or the embedded broker).
+    """
+
+    ident: Identity
+    message: dict[str, Any]
+    keep_message: bool = False
+    entity: str | None = None
+    version: EntityVersionOf | None = None
+    direct: bool = False
+    abandoned: str | None = None
+    lease: float = DEFAULT_LEASE_SECONDS  # its own option, else the task's, else the app's
+    policy: str = "retry"  # on_in_progress, resolved the same way
+
+
+class DeliveredTask(Protocol):
+    """What a delivery asks of its task (the Celery glue implements it: `IdempotentTask`)."""
+
+    name: str
+    request: Any
+    max_deliveries: int | None
+    max_retries: int | None
+    dead_on: tuple[type[BaseException], ...]
+
+    @property
+    def store(self) -> RunStore:
+        """The claims database of this task."""
+
+    def replay_cache(self) -> ReplayCache | None:
+        """The app's replay cache, or None."""
+
+    def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None, note: str = "") -> None:
+        """Tell the caller and Flower which outcome this delivery had."""
+
+    def max_lease_seconds(self) -> float | None:
+        """How long renewals may keep a hung body's lease."""
+
+    def attach(self, ctx: RunContext) -> None:
+        """Make `ctx` the live run of this thread (the body's step() and effects() use it)."""
+
+    def detach(self, ctx: RunContext) -> None:
+        """Undo `attach`."""
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The task's body."""
+
+
+class Delivery:
+    """One delivery of `task` for a call: claims, then executes, replays, waits or refuses (one outcome)."""
+
+    def __init__(self, task: DeliveredTask, call: Call, send_again: SendAgain) -> None:
         self.task = task
-        self.letter = letter  # what a dead letter keeps to replay: the arguments and key headers
-        self.version = version
+        self.call = call
+        self.ident = call.ident
+        self.version = call.version
         self.store: RunStore = task.store
-        self.ident = ident
-        self.entity = entity
-        self.message = message
-        self.direct = direct
         # The request of this delivery: Celery's `task.request` is a thread-local stack lookup per access.
         self.request = request = task.request
         # Eager (task_always_eager, .apply()): there is no broker to send the job again through, and
         # re-sending would run it again on this very stack (unbounded recursion).
         self.eager = bool(getattr(request, "is_eager", False))
-        self.resend = can_resend(request, direct)
+        self.resend = can_resend(request, call.direct)
         self.send_again = send_again
         # This delivery's claimant name, sent along if a store fault makes it re-send the job (see claim()).
         self.owner = uuid.uuid4().hex
-        self.abandoned = abandoned
-        self.lease = lease  # this call's: its own option, else the task's, else the app's
-        self.policy = policy  # on_in_progress, resolved the same way
         self.cache: ReplayCache | None = None  # the app's replay cache, resolved when the delivery runs
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -126,29 +161,12 @@ class Delivery:
                 return None
         except StoreError as exc:
             return self._store_failed(exc, "checking the version of")
-        self.cache = cache = self.task.replay_cache()  # resolved once per delivery: _remember writes to it
-        if cache is not None and (cached := cache.lookup(self.task.name, self.ident)) is not None:
-            # A finished run's answer, no database round trip: counted in memory, written within a second.
-            cache.count(cached.run_id, self.task.name, self.ident.tenant)
-            self.task.tell_caller(Outcome.REPLAYED, self.ident, cached.token)
-            logger.info("replayed %s[%s] from the replay cache", self.task.name, self.ident.key)
-            return cached.result
+        self.cache = self.task.replay_cache()  # resolved once per delivery: _remember writes to it
+        if self.cache is not None and (cached := self.cache.lookup(self.task.name, self.ident)) is not None:
+            return self._replay_cached(self.cache, cached.run_id, cached.token, cached.result)
         while True:
             try:
-                fault_point("claim", task=self.task.name, key=self.ident.key)
-                res = self.store.claim(
-                    self.task.name,
-                    self.ident,
-                    self.lease,
-                    self.entity,
-                    self.request.id,
-                    self.message,
-                    max_deliveries=self.task.max_deliveries,
-                    letter=self.letter,
-                    owner=self.owner,
-                    abandoned=self.abandoned,
-                )
-                answer = self._decide(res, args, kwargs, deadline)
+                answer = self._decide(self._claim(), args, kwargs, deadline)
             except StoreError as exc:
                 # Claiming, or counting the outcome, failed: nothing was decided, so the job is sent again.
                 return self._store_failed(exc, "delivering")
@@ -158,27 +176,50 @@ class Delivery:
             time.sleep(direct_backoff(waited))
             waited += 1
 
+    def _claim(self) -> ClaimResult:
+        call = self.call
+        fault_point("claim", task=self.task.name, key=self.ident.key)
+        return self.store.claim(
+            self.task.name,
+            self.ident,
+            call.lease,
+            call.entity,
+            self.request.id,
+            call.message if call.keep_message else None,
+            max_deliveries=self.task.max_deliveries,
+            letter=call.message,
+            owner=self.owner,
+            abandoned=call.abandoned,
+        )
+
     def _decide(self, res: ClaimResult, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float) -> Any:
-        """The table: one branch per claim decision."""
-        if res.decision is Decision.CLAIMED and res.claim is not None:
-            return self._execute(res.claim, args, kwargs)
-        if res.decision is Decision.COMPLETED and res.run is not None:
-            return self._replay(res)
-        if res.decision is Decision.CONFLICT:
-            conflict = self._conflict(res)
-            fault_point("dead_letter", task=self.task.name, key=self.ident.key)
-            self.store.letter_without_run(
-                self.task.name, self.ident.tenant, CONFLICT, str(conflict), self.letter, self.ident.key
-            )  # the letter and the `conflict` count, in one transaction
-            self.task.tell_caller(Outcome.CONFLICT, self.ident)
-            raise conflict
-        if res.decision is Decision.DEAD:
-            return self._dead(res)
-        return self._busy(res, deadline)
+        """The table: the row of the claim's decision (see the module's docstring)."""
+        return _ROWS[res.decision](self, res, args, kwargs, deadline)
 
-    # -- the decisions ---------------------------------------------------------------------------
+    # -- before claiming -------------------------------------------------------------------------
 
-    def _replay(self, res: ClaimResult) -> Any:
+    def _stale(self, version: EntityVersionOf) -> bool:
+        """Whether the entity already applied this version or a newer one: then count `stale` (acked)."""
+        fault_point("version_check", task=self.task.name, key=self.ident.key)
+        applied = self.store.applied_version(self.task.name, self.ident.tenant, version.entity)
+        if applied is None or version.version > applied:
+            return False
+        self._count(Outcome.STALE)
+        stale = StaleVersion.of(version.entity, version.version, applied)
+        logger.info("%s[%s]: %s", self.task.name, self.ident.key, stale)
+        return True
+
+    def _replay_cached(self, cache: ReplayCache, run_id: int, token: int, result: Any) -> Any:
+        """A finished run's answer, no database round trip: counted in memory, written within a second."""
+        cache.count(run_id, self.task.name, self.ident.tenant)
+        self.task.tell_caller(Outcome.REPLAYED, self.ident, token)
+        logger.info("replayed %s[%s] from the replay cache", self.task.name, self.ident.key)
+        return result
+
+    # -- the rows --------------------------------------------------------------------------------
+
+    def _replay(self, res: ClaimResult, *_: Any) -> Any:
+        """COMPLETED: the stored result answers; the body is not called."""
         run = res.run
         # The token of the run whose result answers this delivery (Flower shows which holder produced it).
         token = run.token if run is not None else None
@@ -192,22 +233,27 @@ class Delivery:
         self._remember(run.run_id, run.token, run.result)  # e.g. an entry Redis lost: written back
         return run.result
 
-    def _remember(self, run_id: int, token: int, result: Any) -> None:
-        if self.cache is not None:
-            self.cache.remember(self.task.name, self.ident, run_id, token, result)
+    def _conflict(self, res: ClaimResult, *_: Any) -> Any:
+        """CONFLICT: the key was first used with another payload; dead-letter this message, never retry it."""
+        stored = res.run.field_digests if res.run is not None else {}
+        fields = differing_fields(stored, self.ident.field_digests)
+        conflict = IdempotencyConflict(
+            f"{self.task.name}: idempotency key {self.ident.key!r} was first used with a different payload "
+            f"(fields that differ: {', '.join(fields) or 'unknown'}); the first result stands. "
+            f"Use a new key (e.g. bump the version in it) for a new payload.",
+            task_name=self.task.name,
+            key=self.ident.key,
+            fields=fields,
+        )
+        fault_point("dead_letter", task=self.task.name, key=self.ident.key)
+        self.store.letter_without_run(
+            self.task.name, self.ident.tenant, CONFLICT, str(conflict), self.call.message, self.ident.key
+        )  # the letter and the `conflict` count, in one transaction
+        self.task.tell_caller(Outcome.CONFLICT, self.ident)
+        raise conflict
 
-    def _stale(self, version: EntityVersionOf) -> bool:
-        """Whether the entity already applied this version or a newer one: then count `stale` (acked)."""
-        fault_point("version_check", task=self.task.name, key=self.ident.key)
-        applied = self.store.applied_version(self.task.name, self.ident.tenant, version.entity)
-        if applied is None or version.version > applied:
-            return False
-        self._count(Outcome.STALE)
-        stale = StaleVersion.of(version.entity, version.version, applied)
-        logger.info("%s[%s]: %s", self.task.name, self.ident.key, stale)
-        return True
-
-    def _dead(self, res: ClaimResult) -> Any:
+    def _dead(self, res: ClaimResult, *_: Any) -> Any:
+        """DEAD: the run is never run again until `oncelery dlq replay`."""
         self._count(Outcome.DEAD)
         how = "is DEAD"
         if res.killed:
@@ -220,43 +266,23 @@ class Delivery:
             key=self.ident.key,
         )
 
-    def _conflict(self, res: ClaimResult) -> IdempotencyConflict:
-        stored = res.run.field_digests if res.run is not None else {}
-        fields = differing_fields(stored, self.ident.field_digests)
-        return IdempotencyConflict(
-            f"{self.task.name}: idempotency key {self.ident.key!r} was first used with a different payload "
-            f"(fields that differ: {', '.join(fields) or 'unknown'}); the first result stands. "
-            f"Use a new key (e.g. bump the version in it) for a new payload.",
-            task_name=self.task.name,
-            key=self.ident.key,
-            fields=fields,
-        )
-
-    def _busy(self, res: ClaimResult, deadline: float) -> Any:
-        """Someone else holds the key (or the entity) right now: apply the on_in_progress policy."""
-        policy = self.policy
+    def _busy(self, res: ClaimResult, _args: Any, _kwargs: Any, deadline: float) -> Any:
+        """IN_PROGRESS / ENTITY_BUSY: someone else holds the key (or the entity); apply on_in_progress."""
+        policy = self.call.policy
         held = res.run.token if res.run is not None else None  # the live holder's token, for Flower
-        if policy == "skip":
+        if policy in ("skip", "raise") or self.resend or self.eager:
             self._count(Outcome.IN_PROGRESS, token=held)
+        if policy == "skip":
             return None
         if policy == "raise":
-            self._count(Outcome.IN_PROGRESS, token=held)
-            busy = " (entity " + str(self.entity) + " busy)" if res.decision is Decision.ENTITY_BUSY else ""
-            raise InProgress(
-                f"{self.task.name}[{self.ident.key}] is being run by another worker{busy}",
-                task_name=self.task.name,
-                key=self.ident.key,
-            )
+            busy = f" (entity {self.call.entity} busy)" if res.decision is Decision.ENTITY_BUSY else ""
+            raise self._in_progress(f"is being run by another worker{busy}")
         if self.resend:
-            self._count(Outcome.IN_PROGRESS, token=held)
             return self.send_again(None)
         if self.eager:
-            self._count(Outcome.IN_PROGRESS, token=held)
-            raise InProgress(
-                f"{self.task.name}[{self.ident.key}] is being run by another worker, and an eager call "
-                f"(task_always_eager or .apply()) cannot wait for it: use .delay(), or on_in_progress='skip'",
-                task_name=self.task.name,
-                key=self.ident.key,
+            raise self._in_progress(
+                "is being run by another worker, and an eager call (task_always_eager or .apply()) cannot wait "
+                "for it: use .delay(), or on_in_progress='skip'"
             )
         if time.monotonic() > deadline:
             raise InProgress(
@@ -264,84 +290,127 @@ class Delivery:
             )
         return _WAIT
 
-    def _execute(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        task, store = self.task, self.store
-        logger.info("claimed %s[%s] token=%d attempt=%d", task.name, claim.key, claim.token, claim.attempts)
+    def _in_progress(self, why: str) -> InProgress:
+        return InProgress(f"{self.task.name}[{self.ident.key}] {why}", task_name=self.task.name, key=self.ident.key)
+
+    # -- CLAIMED: run the body, then complete, fail, wait for a retry, or give the run up ---------------
+
+    def _execute(self, res: ClaimResult, args: tuple[Any, ...], kwargs: dict[str, Any], _deadline: float) -> Any:
+        """CLAIMED: run the body under a renewed lease; its effects commit with the fenced completion."""
+        claim = res.claim
+        if claim is None:  # a CLAIMED decision always carries its claim (a typed error, not an assert)
+            raise StoreError(f"{self.task.name}[{self.ident.key}]: a claim was decided without a claim")
+        logger.info("claimed %s[%s] token=%d attempt=%d", self.task.name, claim.key, claim.token, claim.attempts)
         try:
-            # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
-            if claim.takeover:
-                fault_point("load_checkpoints", task=task.name, key=claim.key)
-            checkpoints = load_checkpoints(store, claim.run_id) if claim.takeover else []
+            checkpoints = self._checkpoints(claim)
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")
-        hb = Heartbeat(store, claim, task.max_lease_seconds()).start()
-        ctx = RunContext(claim, hb, StepRunner(store, claim, checkpoints), EffectsScope(store))
-        task.attach(ctx)
-        # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
-        # carries the attempt: never a fresh allowance per copy.
-        self.request.retries = max(int(self.request.retries or 0), claim.retries)
+        ctx = self._attach(claim, checkpoints)
         try:
-            try:
-                result = task.run(*args, **kwargs)
-                hb.check()
-                encoded = encode_result(result, f"The result of {task.name}[{claim.key}]")
-                outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
-                fault_point("complete", task=task.name, key=claim.key)
-                try:
-                    steps = ctx.steps.counts()
-                    store.complete(claim, encoded, ctx.effects.connection, outcome, self.version, steps)
-                    task.tell_caller(outcome, self.ident, claim.token)
-                    self._remember(claim.run_id, claim.token, encoded)  # committed: COMPLETED is final
-                except StaleVersion as stale:
-                    # A newer version of the entity was applied while this one ran: its effects roll back,
-                    # and the run completes with no result, counted `stale` (never applied out of order).
-                    ctx.effects.discard()
-                    logger.info("%s[%s]: %s", task.name, claim.key, stale)
-                    encoded = None
-                    store.complete(claim, None, None, Outcome.STALE, steps=steps)
-                    task.tell_caller(Outcome.STALE, self.ident, claim.token)
-            finally:
-                # Stopped only after the commit: on SQLite a renewal may wait for the effects
-                # transaction's write lock, which the commit releases (joining first would deadlock).
-                hb.stop()
+            return self._run_body(ctx, args, kwargs)
         except LeaseLost:
-            ctx.effects.discard()
-            self._count(Outcome.LEASE_LOST)
-            logger.warning("lease lost for %s[%s] token=%d: writes rolled back", task.name, claim.key, claim.token)
-            if not self.resend:
-                raise
-            # The next delivery replays the new holder's result, or runs the job if the claim itself was lost
-            # (e.g. a database crash): never a silent drop.
-            return self.send_again(None)
+            return self._lease_lost(ctx)
         except StoreError as exc:
             ctx.effects.discard()
             # Nothing committed; the run stays RUNNING until its lease expires, then a re-delivery takes it.
             return self._store_failed(exc, "finishing")
         except Retry as retry:
-            ctx.effects.discard()
-            # Celery has already sent the retry's message: if the failure cannot be recorded, the run stays
-            # RUNNING until its lease expires and the retry takes it over then. Recorded, the run waits
-            # out the countdown: a duplicate delivery must not run it again sooner.
-            self._record_failure(
-                claim, "retry requested: " + traceback.format_exc(limit=5), retry_in=seconds_until(retry.when)
-            )
+            self._retry_requested(ctx, retry)
             raise
         except BaseException as exc:
-            ctx.effects.discard()
-            death = self._death(exc)
-            failure = self._record_failure(
-                claim, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}", death=death
-            )
-            if failure is not None and self.resend:
-                # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
-                # again instead; it is taken over (and run again) once this holder's lease expires.
-                return self._store_failed(failure, "recording the failure of")
-            task.tell_caller(Outcome.DEAD if death is not None else Outcome.FAILED, self.ident, claim.token)
-            raise
+            return self._failed(ctx, exc)
         finally:
             ctx.effects.close()
-            task.detach(ctx)
+            self.task.detach(ctx)
+
+    def _checkpoints(self, claim: Claim) -> list[Any]:
+        # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
+        if not claim.takeover:
+            return []
+        fault_point("load_checkpoints", task=self.task.name, key=claim.key)
+        return load_checkpoints(self.store, claim.run_id)
+
+    def _attach(self, claim: Claim, checkpoints: list[Any]) -> RunContext:
+        hb = Heartbeat(self.store, claim, self.task.max_lease_seconds()).start()
+        ctx = RunContext(claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store))
+        self.task.attach(ctx)
+        # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
+        # carries the attempt: never a fresh allowance per copy.
+        self.request.retries = max(int(self.request.retries or 0), claim.retries)
+        return ctx
+
+    def _run_body(self, ctx: RunContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        claim = ctx.claim
+        try:
+            result = self.task.run(*args, **kwargs)
+            ctx.heartbeat.check()
+            encoded = encode_result(result, f"The result of {self.task.name}[{claim.key}]")
+            return self._complete(ctx, encoded)
+        finally:
+            # Stopped only after the commit: on SQLite a renewal may wait for the effects
+            # transaction's write lock, which the commit releases (joining first would deadlock).
+            ctx.heartbeat.stop()
+
+    def _complete(self, ctx: RunContext, encoded: Any) -> Any:
+        """Complete the run fenced by its token, with its effects; a newer entity version makes it stale."""
+        claim = ctx.claim
+        outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
+        fault_point("complete", task=self.task.name, key=claim.key)
+        steps = ctx.steps.counts()
+        try:
+            self.store.complete(claim, encoded, ctx.effects.connection, outcome, self.version, steps)
+        except StaleVersion as stale:
+            # A newer version of the entity was applied while this one ran: its effects roll back,
+            # and the run completes with no result, counted `stale` (never applied out of order).
+            ctx.effects.discard()
+            logger.info("%s[%s]: %s", self.task.name, claim.key, stale)
+            self.store.complete(claim, None, None, Outcome.STALE, steps=steps)
+            self.task.tell_caller(Outcome.STALE, self.ident, claim.token)
+            return None
+        self.task.tell_caller(outcome, self.ident, claim.token)
+        self._remember(claim.run_id, claim.token, encoded)  # committed: COMPLETED is final
         return encoded
+
+    def _lease_lost(self, ctx: RunContext) -> Any:
+        """Lease lost while finishing: roll back; the next delivery replays the taker's result."""
+        claim = ctx.claim
+        ctx.effects.discard()
+        self._count(Outcome.LEASE_LOST)
+        logger.warning("lease lost for %s[%s] token=%d: writes rolled back", self.task.name, claim.key, claim.token)
+        if not self.resend:
+            raise  # re-raises the LeaseLost being handled by _execute
+        # The next delivery replays the new holder's result, or runs the job if the claim itself was lost
+        # (e.g. a database crash): never a silent drop.
+        return self.send_again(None)
+
+    def _retry_requested(self, ctx: RunContext, retry: Retry) -> None:
+        """The body asked Celery to retry: record the wait, so a duplicate does not run it sooner."""
+        ctx.effects.discard()
+        # Celery has already sent the retry's message: if the failure cannot be recorded, the run stays
+        # RUNNING until its lease expires and the retry takes it over then. Recorded, the run waits
+        # out the countdown: a duplicate delivery must not run it again sooner.
+        error = "retry requested: " + traceback.format_exc(limit=5)
+        self._record_failure(ctx.claim, error, retry_in=seconds_until(retry.when))
+
+    def _failed(self, ctx: RunContext, exc: BaseException) -> Any:
+        """The body raised: record FAILED (or DEAD) and re-raise; re-send if the failure could not be recorded."""
+        claim = ctx.claim
+        ctx.effects.discard()
+        death = self._death(exc)
+        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}"
+        failure = self._record_failure(claim, error, death=death)
+        if failure is not None and self.resend:
+            # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
+            # again instead; it is taken over (and run again) once this holder's lease expires.
+            return self._store_failed(failure, "recording the failure of")
+        self.task.tell_caller(Outcome.DEAD if death is not None else Outcome.FAILED, self.ident, claim.token)
+        raise  # re-raises the body's error being handled by _execute, with its traceback
+
+    # -- shared by the rows ----------------------------------------------------------------------
+
+    def _remember(self, run_id: int, token: int, result: Any) -> None:
+        if self.cache is not None:
+            self.cache.remember(self.task.name, self.ident, run_id, token, result)
 
     def _store_failed(self, exc: StoreError, doing: str) -> Any:
         what = f"{doing} {self.task.name}[{self.ident.key}]"
@@ -350,7 +419,7 @@ class Delivery:
     def _death(self, exc: BaseException) -> Death | None:
         """A Death if this final failure can never succeed or spent the last retry, else None (FAILED)."""
         task = self.task
-        if isinstance(exc, NEVER_SUCCEED + tuple(task.dead_on)):
+        if isinstance(exc, UNFIXABLE_ERRORS + tuple(task.dead_on)):
             reason = NEVER_SUCCEEDS
         elif (limit := _max_retries(task)) is not None and int(task.request.retries or 0) >= limit:
             # Celery re-raises the error of the last allowed retry (or MaxRetriesExceededError): it is final.
@@ -358,7 +427,7 @@ class Delivery:
         else:
             return None
         tb = traceback.format_exc(limit=50)
-        return Death(reason, tb, self.letter, f"{type(exc).__name__}: {exc}")
+        return Death(reason, tb, self.call.message, f"{type(exc).__name__}: {exc}")
 
     def _record_failure(
         self, claim: Claim, error: str, retry_in: float | None = None, death: Death | None = None
@@ -381,8 +450,18 @@ class Delivery:
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again
 
+# The table's rows after the claim, one method each (built once: no per-delivery dispatch objects).
+_ROWS: dict[Decision, Callable[[Delivery, ClaimResult, tuple[Any, ...], dict[str, Any], float], Any]] = {
+    Decision.CLAIMED: Delivery._execute,
+    Decision.COMPLETED: Delivery._replay,
+    Decision.CONFLICT: Delivery._conflict,
+    Decision.DEAD: Delivery._dead,
+    Decision.IN_PROGRESS: Delivery._busy,
+    Decision.ENTITY_BUSY: Delivery._busy,
+}
 
-def _max_retries(task: IdempotentTask) -> int | None:
+
+def _max_retries(task: DeliveredTask) -> int | None:
     """The retry limit Celery enforces: autoretry's retry_kwargs["max_retries"] wins over the task's."""
     retry_kwargs = getattr(task, "retry_kwargs", None) or {}
     if "max_retries" in retry_kwargs:

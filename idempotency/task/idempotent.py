@@ -16,7 +16,7 @@ from celery.exceptions import Ignore, Retry
 from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from oncelery.delivery.decision_table import NEVER_SUCCEED, Delivery
+from oncelery.delivery.decision_table import UNFIXABLE_ERRORS, Call, Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
 from oncelery.runs.claims import BAD_MESSAGE, EntityVersionOf
@@ -134,27 +134,23 @@ class IdempotentTask(RunBody):
             ident, entity, version = self._identify(args, kwargs, explicit, message)
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
             return after_store_fault(exc, f"before claiming {self.name}", can_resend(req, direct), self._send_again)
-        kept = message if self._keeps_messages() else None
         try:
             lease, policy = self.lease_for(explicit), self.policy_for(explicit)
         except ConfigurationError as exc:  # a bad setting: no delivery can run until it is fixed
             logger.error("%s: %s", self.name, exc)
             raise
-        abandoned = headers.get(HEADER_ABANDONED)
-        delivery = Delivery(
-            self,
+        call = Call(
             ident,
-            entity,
-            kept,
-            direct,
-            self._send_again,
-            letter=message,
+            message,
+            keep_message=self._keeps_messages(),
+            entity=entity,
             version=version,
-            abandoned=abandoned,
+            direct=direct,
+            abandoned=headers.get(HEADER_ABANDONED),
             lease=lease,
             policy=policy,
         )
-        return delivery.run(args, kwargs)
+        return Delivery(self, call, self._send_again).run(args, kwargs)
 
     def _identify(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any
@@ -207,7 +203,7 @@ class IdempotentTask(RunBody):
         Covers autoretry_for=(Exception,) too: a dead_on error (or StepMismatch, ResultNotJSON, a
         ConfigurationError) is not retried max_retries times for nothing.
         """
-        if exc is not None and isinstance(exc, NEVER_SUCCEED + tuple(self.dead_on)):
+        if exc is not None and isinstance(exc, UNFIXABLE_ERRORS + tuple(self.dead_on)):
             raise_with_context(exc)
         return super().retry(args, kwargs, exc, *a, **kw)
 
