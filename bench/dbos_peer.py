@@ -40,7 +40,7 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import admin_engine, drop_database
+from bench.support.harness import admin_engine, drop_database
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/oncelery_bench_dbos"
 executions: Counter[str] = Counter()

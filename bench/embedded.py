@@ -7,7 +7,7 @@ broker, the claims in a SQLite file (no server at all, as `oncelery process` run
 The broker settings are the embedded default's own, read from oncelery.celeryconfig (oncelery.embedded_broker,
 kombu's filesystem transport woken by acks; --stock-transport: kombu's own filesystem transport), spool
 under a temporary $ONCELERY_DATA_DIR, polling_interval 0.1 s unless --polling-interval); the claims database
-is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.bench_app
+is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.support.bench_app
 worker --pool=prefork` (acks_late, prefetch 1, results ignored in both phases). A job is the same no-op as in
 bench/throughput.py:
 
@@ -48,7 +48,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import (
+from bench.support.harness import (
     LOG_DIR,
     REPO,
     children_of,
@@ -65,7 +65,7 @@ def run_phase(
     phase: str, jobs: int, args: argparse.Namespace, env: dict[str, str], stats: redis.Redis
 ) -> dict[str, Any]:
     """Enqueue `jobs` no-ops of `phase` on the filesystem broker, drain them with a fresh worker, return the rates."""
-    from bench.bench_app import bench_idem, bench_plain
+    from bench.support.bench_app import bench_idem, bench_plain
 
     task = bench_idem if phase == "idem" else bench_plain
     queue = f"oncelery_bench.{phase}.{uuid.uuid4().hex[:8]}"
@@ -124,8 +124,8 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the options, set up the embedded stack, run the rounds, print the table."""
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1000, help="jobs per phase")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of plain + idem; medians reported")
@@ -142,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn-redis", type=int, default=6398, metavar="PORT", help="private Redis for the counters")
     parser.add_argument("--stats-url", help="use this Redis for the bench's counters instead of spawning one")
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
-    args = parser.parse_args(argv)
-    data_dir = Path(tempfile.mkdtemp(prefix="oncelery_embedded_"))
-    private_redis = None if args.stats_url else spawn_redis(args.spawn_redis)
-    stats_url = args.stats_url or f"redis://127.0.0.1:{args.spawn_redis}/0"
+    return parser.parse_args(argv)
+
+
+def bench_env(args: argparse.Namespace, data_dir: Path, stats_url: str) -> dict[str, str]:
+    """The BENCH_* (and ONCELERY_DATA_DIR) variables bench.support.bench_app reads, for these options."""
     env = {
         "BENCH_BROKER_URL": "embedded",
         "BENCH_STATS_URL": stats_url,
@@ -159,32 +160,48 @@ def main(argv: list[str] | None = None) -> int:
         env["BENCH_PREFETCH"] = str(args.prefetch)
     if args.stock_transport:
         env["BENCH_TRANSPORT"] = "filesystem"
-    os.environ.update(env)  # bench.bench_app reads them at import, in this process (the producer) as in the worker
+    return env
+
+
+def run_rounds(args: argparse.Namespace, stats: redis.Redis) -> dict[str, list[dict[str, Any]]]:
+    """Run plain and idem `--repeat` times, alternating which goes first; print each run."""
+    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "idem": []}
+    for r in range(args.repeat):
+        for phase in ("plain", "idem") if r % 2 == 0 else ("idem", "plain"):
+            res = run_phase(phase, args.jobs, args, {**os.environ}, stats)
+            runs[phase].append(res)
+            print(
+                f"[{r + 1}/{args.repeat}] {phase:<5} {res['rate_start']:6.1f} jobs/s from start, "
+                f"{res['rate_ready']:6.1f} ready (boot {res['boot_s']:.2f}s, enqueue {res['enqueue_rate']:.0f}/s) "
+                f"cpu ms/job {json.dumps({k: round(v, 2) for k, v in res['cpu_ms'].items()})}",
+                flush=True,
+            )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, set up the embedded stack, run the rounds, print the table."""
+    args = parse_args(argv)
+    data_dir = Path(tempfile.mkdtemp(prefix="oncelery_embedded_"))
+    private_redis = None if args.stats_url else spawn_redis(args.spawn_redis)
+    stats_url = args.stats_url or f"redis://127.0.0.1:{args.spawn_redis}/0"
+    env = bench_env(args, data_dir, stats_url)
+    # bench.support.bench_app reads them at import, in this process (the producer) as in the worker.
+    os.environ.update(env)
     os.environ.pop("ONCELERY_BROKER_URL", None)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     try:
         from oncelery.store.schema import upgrade_schema
 
         upgrade_schema(env["BENCH_DATABASE_URL"])
-        from bench.bench_app import app
+        from bench.support.bench_app import app
 
         print(
             f"{args.jobs} jobs x {args.repeat} rounds, broker {app.conf.broker_url} "
             f"(polling_interval {app.conf.broker_transport_options.get('polling_interval')} s), "
             f"claims {env['BENCH_DATABASE_URL']}, prefork -c {args.concurrency}"
         )
-        stats = redis.Redis.from_url(stats_url)
-        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "idem": []}
-        for r in range(args.repeat):
-            for phase in ("plain", "idem") if r % 2 == 0 else ("idem", "plain"):
-                res = run_phase(phase, args.jobs, args, {**os.environ}, stats)
-                runs[phase].append(res)
-                print(
-                    f"[{r + 1}/{args.repeat}] {phase:<5} {res['rate_start']:6.1f} jobs/s from start, "
-                    f"{res['rate_ready']:6.1f} ready (boot {res['boot_s']:.2f}s, enqueue {res['enqueue_rate']:.0f}/s) "
-                    f"cpu ms/job {json.dumps({k: round(v, 2) for k, v in res['cpu_ms'].items()})}",
-                    flush=True,
-                )
+        runs = run_rounds(args, redis.Redis.from_url(stats_url))
         summary = report(runs)
         if args.json:
             args.json.write_text(json.dumps({"runs": runs, "summary": summary, "jobs": args.jobs}, indent=2))

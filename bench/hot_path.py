@@ -42,8 +42,8 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import bench_app
-from bench.harness import admin_engine, cpu_seconds, drop_database, noop_task, pids_named, prepare_database
+from bench.support import bench_app
+from bench.support.harness import admin_engine, cpu_seconds, drop_database, noop_task, pids_named, prepare_database
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.store.dialects import MODE_FAST
 from oncelery.store.driver import driver_statement, statement_listeners

@@ -44,8 +44,8 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import admin_engine, create_database, drop_database, p50_p99
 from bench.metrics_scrape import FILL_RUNS, TASKS
+from bench.support.harness import admin_engine, create_database, drop_database, p50_p99
 from oncelery.models import Outcome
 from oncelery.runs.claims import Decision, RunStore
 from oncelery.runs.keys import Identity

@@ -3,7 +3,7 @@
     python bench/memory.py [--checkpoints 10000,50000] [--phases plain,idem] [--database-url URL]
                            [--spawn-redis 6397 | --broker-url URL] [--fresh-db] [--json FILE]
 
-Each phase starts one `celery -A bench.bench_app worker --pool=prefork --concurrency=1` (Redis broker,
+Each phase starts one `celery -A bench.support.bench_app worker --pool=prefork --concurrency=1` (Redis broker,
 PostgreSQL claims database as bench/throughput.py), so there is one pool child to read. Jobs go in batches:
 up to the first checkpoint, wait until the last is done, read the child's /proc/<pid>/status, then the next
 batch up to the next checkpoint, and so on (the child is idle at each reading; the same pid is checked).
@@ -36,7 +36,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import (
+from bench.support.harness import (
     DEFAULT_BROKER_URL,
     DEFAULT_DATABASE_URL,
     LOG_DIR,
@@ -55,7 +55,7 @@ from bench.harness import (
 
 
 def _task(phase: str) -> Any:
-    from bench import bench_app
+    from bench.support import bench_app
 
     return {"plain": bench_app.bench_plain, "idem": bench_app.bench_idem, "once": bench_app.bench_once}[phase]
 

@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import noop_task
+from bench.support.harness import noop_task
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.store.schema import upgrade_schema
 

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import noop_task
+from bench.support.harness import noop_task
 from oncelery.store.schema import upgrade_schema
 
 

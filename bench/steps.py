@@ -33,7 +33,7 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import admin_engine, create_database
+from bench.support.harness import admin_engine, create_database
 from oncelery import IdempotentTask
 from oncelery.delivery.steps import StepRunner, load_checkpoints
 from oncelery.models.migrate import upgrade

@@ -5,7 +5,7 @@
                                [--what-if ...] [--profile DIR] [--json FILE]
 
 e.g. `python bench/throughput.py --spawn-redis 6399 --fresh-db --repeat 2 --phases plain,once,idem,dup`.
-Every phase runs against a real `celery -A bench.bench_app worker` subprocess (prefork, concurrency 2 or
+Every phase runs against a real `celery -A bench.support.bench_app worker` subprocess (prefork, concurrency 2 or
 --concurrency, Redis broker, JSON, acks_late, prefetch 1, results ignored):
 
     plain  N jobs of `oncelery.bench_plain`
@@ -28,13 +28,13 @@ COMPLETED rows in task_runs, for once the locks left in Redis). Reported per pha
     x plain          jobs/s (ready) / plain's jobs/s (ready)
     enq/s            jobs/s of the producer's apply_async loop (celery-once's lock is taken there)
     stmts/job ...    SQL statements, commits, rollbacks (SQLAlchemy events) and pre-pings per job, counted
-                     in the worker children; RT/job = wire round trips to PostgreSQL (see bench/bench_app.py)
+                     in the worker children; RT/job = wire round trips to PostgreSQL (see bench/support/bench_app.py)
     xact/job         xact_commit + xact_rollback delta of the bench database in pg_stat_database
     CPU ms/job       CPU time of the worker's main process and of its pool children, of this phase's
                      PostgreSQL backends, of redis-server, and of everything else, from /proc;
                      util = busy share of all CPUs
 
-`--profile DIR` attaches two `py-spy record` to each worker child (bench/pyspy.py) and prints where the
+`--profile DIR` attaches two `py-spy record` to each worker child (bench/support/pyspy.py) and prints where the
 children's time goes per job (profiled runs are slower: take the throughput figures from a run without it).
 
 Benchmarks are not tests: nothing here asserts a figure.
@@ -56,7 +56,7 @@ from sqlalchemy.engine import Engine, make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import (
+from bench.support.harness import (
     DEFAULT_BROKER_URL,
     DEFAULT_DATABASE_URL,
     LOG_DIR,
@@ -80,8 +80,8 @@ from bench.harness import (
     wait_quiet,
     xact_counts,
 )
-from bench.pyspy import attach_py_spy, print_profile
-from bench.report import PhaseResult, report, write_json
+from bench.support.pyspy import attach_py_spy, print_profile
+from bench.support.report import PhaseResult, report, write_json
 
 PHASES = ("plain", "once", "idem", "dup", "floor", "floordup", "idemc", "dupc", "cachedup")
 # A phase that answers the keys another phase just completed runs right after it.
@@ -102,7 +102,7 @@ def round_order(phases: list[str], r: int) -> list[str]:
 
 def enqueue(phase: str, run_tag: str, n: int, queue: str) -> tuple[int, float]:
     """Send the phase's jobs to `queue`; return (jobs accepted, jobs/s of the send loop)."""
-    from bench import bench_app
+    from bench.support import bench_app
 
     # dup: every key of idem again, all COMPLETED by now (as many jobs as the other phases: a fair rate)
     ids = range(n)
@@ -126,6 +126,66 @@ def enqueue(phase: str, run_tag: str, n: int, queue: str) -> tuple[int, float]:
     return count, count / (time.perf_counter() - started)
 
 
+def reset_for_first_executions(phase: str, url: str, cache_url: str) -> None:
+    """Empty the claims tables (and the replay cache for cached phases) before a phase of first executions."""
+    if phase not in ANSWERS:
+        truncate(url)
+        if phase in CACHED:
+            redis.Redis.from_url(cache_url).flushdb()  # no entry of an earlier round answers a first execution
+
+
+def worker_env(phase: str, args: argparse.Namespace, queue: str, cache_url: str) -> dict[str, str]:
+    """The worker's environment: the BENCH_* variables bench.support.bench_app reads."""
+    return {
+        **os.environ,
+        "BENCH_BROKER_URL": args.broker_url,
+        "BENCH_DATABASE_URL": args.database_url,
+        "BENCH_QUEUE": queue,
+        "BENCH_WHAT_IF": args.what_if,
+        "BENCH_REPLAY_CACHE": cache_url if phase in CACHED else "",
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def worker_cpu(
+    proc: subprocess.Popen[bytes], admin: Engine, dbname: str, redis_pids: list[int], redis0: float, busy: float
+) -> dict[str, float]:
+    """CPU seconds of the worker's main process, its children, the database's backends, Redis, and the rest."""
+    cpu = {
+        "main": cpu_seconds(proc.pid),
+        "children": sum(cpu_seconds(p) for p in children_of(proc.pid)),
+        "postgres": sum(cpu_seconds(p) for p in backend_pids(admin, dbname)),
+        "redis": sum(cpu_seconds(p) for p in redis_pids) - redis0,
+    }
+    cpu["other"] = max(0.0, busy - sum(cpu.values()))
+    return cpu
+
+
+def stop_spies(spies: list[subprocess.Popen[bytes]]) -> None:
+    """Wait for each py-spy to write its profile; SIGINT one that has not within 30 s."""
+    for spy in spies:
+        try:
+            spy.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            spy.send_signal(signal.SIGINT)
+            spy.wait()
+
+
+def verify(phase: str, url: str, stats: redis.Redis) -> str:
+    """What the database (or Redis) holds after the phase: COMPLETED rows, counted replays, locks left."""
+    if phase in ("idem", "idemc", "floor"):
+        table = "bench_floor_runs" if phase == "floor" else "task_runs"
+        name = "oncelery.bench_floor" if phase == "floor" else "oncelery.bench_idem"
+        return f"{count_completed(url, name, table)} COMPLETED rows"
+    if phase in ("dup", "dupc"):
+        # Exact G7 counts: with the cache, the replays were counted in the children's memory and written by
+        # their flushers (the last ones at the children's shutdown).
+        return f"{count_replayed(url, 'oncelery.bench_idem')} replays counted"
+    if phase == "once":
+        return f"{sum(1 for _ in stats.scan_iter(match='qo_oncelery.bench_once*', count=1000))} locks left"
+    return ""
+
+
 def run_phase(
     phase: str,
     run_tag: str,
@@ -140,20 +200,9 @@ def run_phase(
     queue = f"oncelery_bench.{phase}.{uuid.uuid4().hex[:8]}"
     prefix = f"bench:{queue}"
     cache_url = args.broker_url.rsplit("/", 1)[0] + "/5"
-    if phase not in ANSWERS:
-        truncate(url)
-        if phase in CACHED:
-            redis.Redis.from_url(cache_url).flushdb()  # no entry of an earlier round answers a first execution
+    reset_for_first_executions(phase, url, cache_url)
     jobs, enqueue_rate = enqueue(phase, run_tag, args.jobs, queue)
-    env = {
-        **os.environ,
-        "BENCH_BROKER_URL": args.broker_url,
-        "BENCH_DATABASE_URL": url,
-        "BENCH_QUEUE": queue,
-        "BENCH_WHAT_IF": args.what_if,
-        "BENCH_REPLAY_CACHE": cache_url if phase in CACHED else "",
-        "PYTHONPATH": str(REPO),
-    }
+    env = worker_env(phase, args, queue, cache_url)
     wait_no_backends(admin, dbname)
     c0, r0 = xact_counts(admin, dbname)
     idle_load = wait_quiet(args.settle) if args.settle > 0 else 0.0
@@ -169,37 +218,16 @@ def run_phase(
             spies = attach_py_spy(proc, prefix, stats, profile_dir / phase)
         t_end = wait_done(proc, stats, prefix, jobs, max(120.0, jobs / 20), log)
         busy = system_busy_seconds() - busy0
-        cpu = {
-            "main": cpu_seconds(proc.pid),
-            "children": sum(cpu_seconds(p) for p in children_of(proc.pid)),
-            "postgres": sum(cpu_seconds(p) for p in backend_pids(admin, dbname)),
-            "redis": sum(cpu_seconds(p) for p in redis_pids) - redis0,
-        }
-        cpu["other"] = max(0.0, busy - sum(cpu.values()))
+        cpu = worker_cpu(proc, admin, dbname, redis_pids, redis0, busy)
     finally:
         stop_worker(proc)
-        for spy in spies:
-            try:
-                spy.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                spy.send_signal(signal.SIGINT)
-                spy.wait()
+        stop_spies(spies)
     ready = float(stats.get(f"{prefix}:ready") or t0)
     last = float(stats.get(f"{prefix}:last") or 0)
     db = {k.decode(): int(v) for k, v in stats.hgetall(f"{prefix}:db").items()}
     wait_no_backends(admin, dbname)
     c1, r1 = xact_counts(admin, dbname)
-    verified = ""
-    if phase in ("idem", "idemc", "floor"):
-        table = "bench_floor_runs" if phase == "floor" else "task_runs"
-        name = "oncelery.bench_floor" if phase == "floor" else "oncelery.bench_idem"
-        verified = f"{count_completed(url, name, table)} COMPLETED rows"
-    elif phase in ("dup", "dupc"):
-        # Exact G7 counts: with the cache, the replays were counted in the children's memory and written by
-        # their flushers (the last ones at the children's shutdown).
-        verified = f"{count_replayed(url, 'oncelery.bench_idem')} replays counted"
-    elif phase == "once":
-        verified = f"{sum(1 for _ in stats.scan_iter(match='qo_oncelery.bench_once*', count=1000))} locks left"
+    verified = verify(phase, url, stats)
     stats.delete(*(f"{prefix}:{k}" for k in ("done", "last", "first", "ready", "db")), queue)
     return PhaseResult(
         phase=phase,
@@ -252,7 +280,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--what-if",
         default="",
-        help="comma-separated experiments patched into the worker, see bench/what_if.py "
+        help="comma-separated experiments patched into the worker, see bench/support/what_if.py "
         "(no-heartbeat, no-pre-ping, async-claim, all-async, floor-async-claim)",
     )
     args = parser.parse_args(argv)
@@ -289,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, phases: list[str]) -> int:
     """Run `args.repeat` interleaved rounds of `phases`; print and return 0."""
-    # bench.bench_app reads these at import, in this process (the producer) as in the worker.
+    # bench.support.bench_app reads these at import, in this process (the producer) as in the worker.
     os.environ["BENCH_BROKER_URL"] = args.broker_url
     os.environ["BENCH_DATABASE_URL"] = args.database_url
     LOG_DIR.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,15 @@
-"""The parts of bench/store_chaos.py around its run: the chaos thread, the worker process, the Redis queue.
+"""The parts of bench/store_chaos.py around its run: chaos thread, worker process, Redis queue, run resources.
 
 Split out of store_chaos.py (which keeps the app, the run and the counts) to keep each file under 400 lines.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,13 +18,16 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import redis
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from oncelery import StoreError
+from oncelery.store.database import dispose_engines
 from tests.pg_cluster import PgCluster
 
 T = TypeVar("T")
@@ -168,3 +173,45 @@ def queue_length(redis_url: str, queue: str) -> int:
         return int(client.llen(queue))
     finally:
         client.close()
+
+
+@dataclass
+class ChaosRun:
+    """One run: its options, and what `cleanup` releases whatever happened (filled in as the run goes)."""
+
+    opts: argparse.Namespace
+    queue: str
+    workdir: Path
+    cluster: PgCluster
+    dbname: str = ""
+    url: str = ""
+    worker: subprocess.Popen[bytes] | None = None
+    chaos: Chaos | None = None
+    observer: Engine | None = None
+
+    @property
+    def logfile(self) -> Path:
+        """The worker's log, in the temporary folder."""
+        return self.workdir / "worker.log"
+
+
+def cleanup(run: ChaosRun, code: int) -> None:
+    """Stop the chaos and the worker, drop the queue's keys and the cluster; keep the log unless all went well."""
+    if run.chaos is not None and run.chaos.is_alive():
+        run.chaos.stop()
+    if run.worker is not None:
+        rc = stop_worker(run.worker)
+        print(f"worker stopped (exit {rc})", flush=True)
+    if run.observer is not None:
+        run.observer.dispose()
+    dispose_engines()
+    with suppress(Exception):
+        delete_queue_keys(run.opts.broker_url, run.queue)
+    if run.opts.keep_log and run.logfile.exists():
+        with suppress(OSError):
+            Path(run.opts.keep_log).write_bytes(run.logfile.read_bytes())
+    run.cluster.remove()
+    if code == 0:
+        shutil.rmtree(run.workdir, ignore_errors=True)
+    else:
+        print(f"worker log kept: {run.logfile}")

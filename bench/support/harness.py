@@ -18,7 +18,7 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -61,7 +61,7 @@ def prepare_database(url: str, admin: Engine, fresh: bool) -> None:
     """Create the bench database if missing (drop it first if `fresh`), migrate it to head, add the floor's tables."""
     create_database(admin, make_url(url).database or "", fresh)
     upgrade(get_engine(url))
-    from bench.bench_app import FLOOR_DDL
+    from bench.support.bench_app import FLOOR_DDL
 
     with get_engine(url).begin() as conn:
         for ddl in FLOOR_DDL:
@@ -225,7 +225,7 @@ def wait_quiet(max_wait: float, threshold: float = 0.15) -> float:
 
 
 def start_worker(
-    queue: str, env: dict[str, str], log: Path, concurrency: int, app: str = "bench.bench_app"
+    queue: str, env: dict[str, str], log: Path, concurrency: int, app: str = "bench.support.bench_app"
 ) -> subprocess.Popen[bytes]:
     """Start `celery -A app worker` (prefork, `concurrency` children) consuming `queue`, its output in `log`."""
     cmd = [

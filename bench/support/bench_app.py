@@ -1,4 +1,4 @@
-"""The Celery app of the throughput benchmark (`celery -A bench.bench_app worker`), configured from env vars.
+"""The Celery app of the throughput benchmark (`celery -A bench.support.bench_app worker`), configured from env vars.
 
 Environment (set by `bench/throughput.py` for the worker it starts):
 
@@ -25,7 +25,7 @@ The database counters come from SQLAlchemy and pool events registered on every e
 child; round_trips follows how psycopg 3 talks to the server (see `_on_statement`).
 
 BENCH_WHAT_IF (comma-separated) monkeypatches Oncelery's internals *in the benchmark worker only*
-(bench/what_if.py says which experiments there are and what each weakens).
+(bench/support/what_if.py says which experiments there are and what each weakens).
 
 `bench_once` is the same no-op as a celery-once `QueueOnce` task (defined only where celery-once is
 installed: `pip install -e '.[bench]'`): its lock per job key lives in the broker's Redis, taken by the
@@ -269,10 +269,10 @@ def bench_cachedup(run: str, i: int) -> Any:
     return _stats_client().get(f"bench:cache:{run}:{i}")
 
 
-# -- what-if experiments (benchmark worker only): bench/what_if.py --------------------------------
+# -- what-if experiments (benchmark worker only): bench/support/what_if.py --------------------------------
 
 if WHAT_IF:
-    from bench.what_if import apply_what_if
+    from bench.support.what_if import apply_what_if
 
     apply_what_if(WHAT_IF)
 

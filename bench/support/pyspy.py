@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from bench.harness import children_of
+from bench.support.harness import children_of
 
 PY_SPY_RATE = 200  # samples per second per worker child
 
