@@ -1,8 +1,8 @@
 """What a claim is and what it decides: the claim, the decision, the row seen, and the values they carry.
 
-The data of the claim protocol (oncelery.claims runs it): a `Claim` held, a `ClaimResult`, an entity version,
-a death sentence, and the helpers that shape what is written (a bounded error text, a JSON-checked result,
-the completion's counter parameters, the one LeaseLost factory).
+The data of the claim protocol (oncelery.claims runs it): a `ClaimRequest` asked, a `Claim` held, a
+`ClaimResult`, an entity version, a death sentence, and the helpers that shape what is written (a bounded error
+text, a JSON-checked result, the completion's counter parameters, the one LeaseLost factory).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 from oncelery.errors import LeaseLost, ResultNotJSON
 from oncelery.models import Outcome
-from oncelery.runs.outcomes import outcome_params
+from oncelery.runs.keys import Identity
+from oncelery.runs.outcomes import counter_shard, outcome_params
 from oncelery.runs.views import RunView
 
 # Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
@@ -54,6 +55,71 @@ class Claim:
     takeover: bool
     tenant: str = ""
     retries: int = 0  # Celery retries already spent on this run (by any message)
+
+    @classmethod
+    def inserted(cls, run_id: int, request: ClaimRequest) -> Claim:
+        """The claim `request` holds on the run its INSERT created: token 1, first attempt, no takeover."""
+        return cls(
+            run_id=run_id,
+            task_name=request.task_name,
+            key=request.ident.key,
+            token=1,
+            owner=request.owner,
+            lease=request.lease,
+            attempts=1,
+            takeover=False,
+            tenant=request.ident.tenant,
+        )
+
+    @classmethod
+    def from_row(cls, row: Any, request: ClaimRequest) -> Claim:
+        """The claim `request` holds after its takeover returned `row` (id, fencing_token, attempts, retries)."""
+        return cls(
+            run_id=row.id,
+            task_name=request.task_name,
+            key=request.ident.key,
+            token=row.fencing_token,
+            owner=request.owner,
+            lease=request.lease,
+            attempts=row.attempts,
+            takeover=True,
+            tenant=request.ident.tenant,
+            retries=row.retries,
+        )
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """One `RunStore.claim` call's arguments: who claims which run, and what decides a lost one's fate."""
+
+    task_name: str
+    ident: Identity
+    lease: float
+    owner: str  # this claimant (one per delivery)
+    concurrency_key: str | None = None
+    celery_task_id: str | None = None
+    message: Any = None
+    max_deliveries: int | None = None
+    letter: Any = None
+    abandoned: str | None = None  # the owner of this message's earlier delivery, given up on a database fault
+
+    def params(self, lease: dict[str, Any]) -> dict[str, Any]:
+        """The claim statements' parameters, with `lease` (p_lease) and a fresh counter shard per call."""
+        ident = self.ident
+        return {
+            "p_task": self.task_name,
+            "p_tenant": ident.tenant,
+            "p_key": ident.key,
+            "p_fingerprint": ident.fingerprint,
+            "p_digests": ident.field_digests,
+            "p_owner": self.owner,
+            "p_entity": self.concurrency_key,
+            "p_task_id": self.celery_task_id,
+            "p_message": self.message,
+            "p_abandoned": self.abandoned or "",
+            "p_shard": counter_shard(),  # the replayed counter's row, if one is counted
+            **lease,
+        }
 
 
 @dataclass(frozen=True)
