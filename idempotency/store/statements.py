@@ -64,127 +64,36 @@ class Statements:
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect
         dia = get_dialect(dialect)
-        insert = dia.insert
-        now = dia.now()
-        until = dia.lease_until()
+        insert, now, until = dia.insert, dia.now(), dia.lease_until()
+        one_trip = dia.dml_in_cte  # PostgreSQL: two statements as one, through data-modifying CTEs
+        # The claim: a new key, a takeover, an expired entity holder demoted (and PostgreSQL's one trip).
         self.insert_claim = self._insert_claim(insert, until)
         self.takeover = self._takeover(now, until)
-        self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
-        self.complete = (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.COMPLETED,
-                result=bindparam("p_result", type_=JSON),
-                finished_at=now,
-                updated_at=now,
-                lease_expires_at=None,
-                not_before=None,
-                message=None,  # kept only until the run completes (G9): it was there for recovery
-            )
-        )
-        first_failed = func.coalesce(RUNS.c.first_failed_at, now)
-        self.fail = (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.FAILED,
-                error=bindparam("p_error"),
-                updated_at=now,
-                lease_expires_at=None,
-                first_failed_at=first_failed,
-            )
-        )
-        # A failure that can never succeed, or the last retry's: DEAD until `oncelery dlq replay`.
-        self.fail_dead = (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.DEAD,
-                error=bindparam("p_error"),
-                updated_at=now,
-                finished_at=now,
-                lease_expires_at=None,
-                not_before=None,
-                first_failed_at=first_failed,
-            )
-        )
-        # A poison message: the run lost its holder max_deliveries times (the worker died on every delivery).
-        # Guarded by the token the claimant saw and the expiry, so a live holder or a taker is never killed.
-        self.kill_lost = (
-            update(RUNS)
-            .where(
-                RUNS.c.id == bindparam("p_run_id"),
-                RUNS.c.fencing_token == bindparam("p_token"),
-                still_running(),
-                lease_expired(now),
-            )
-            .values(
-                status=RunStatus.DEAD,
-                error=bindparam("p_error"),
-                lost=RUNS.c.lost + 1,
-                updated_at=now,
-                finished_at=now,
-                lease_expires_at=None,
-                first_failed_at=first_failed,
-            )
-        )
-        self.letter = self._letter(insert, now)
-        self.advance_version = self._advance_version(insert, now)
-        # A failure Celery will retry after a countdown: no duplicate may take the run over before then
-        # (database clock), and the retry is counted on the run, whichever message carries it.
-        self.fail_for_retry = (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.FAILED,
-                error=bindparam("p_error"),
-                updated_at=now,
-                lease_expires_at=None,
-                not_before=dia.lease_until("p_delay"),
-                retries=RUNS.c.retries + 1,
-                first_failed_at=first_failed,
-            )
-        )
         self.demote_expired_entity = self._demote_expired_entity(now)
+        self.claim_or_replay = claim_or_replay(self.insert_claim, now) if one_trip else None
+        # The holder's fenced writes: the lease renewed, the run completed (with its count, in one trip).
+        self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
+        self.complete = self._complete(now)
+        self.complete_and_count = complete_and_count(self.complete) if one_trip else None
+        # Failure: FAILED, FAILED until Celery's retry, DEAD (a holder's or a poison run's) and its dead letter.
+        first_failed = func.coalesce(RUNS.c.first_failed_at, now)
+        self.fail = self._fail(now, first_failed)
+        self.fail_for_retry = self._fail_for_retry(now, first_failed, dia.lease_until("p_delay"))
+        self.fail_dead = self._fail_dead(now, first_failed)
+        self.kill_lost = self._kill_lost(now, first_failed)
+        self.letter = self._letter(insert, now)
+        # Counting: one delivery's outcome, a batch of cached replays, a replay on its run.
         self.count_outcome = count_statement(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
         # `p_count` deliveries at once: the replays the replay cache answered, written by its flusher.
         self.count_outcomes = count_statement(
             insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS}, count=bindparam("p_count", type_=Integer)
         )
-        self.complete_and_count = complete_and_count(self.complete) if dia.dml_in_cte else None
-        # A duplicate answered from a COMPLETED run's stored result: one more replay on that run (fenced by its
-        # id and status), counted with the `replayed` outcome in the same transaction, with what it saved.
-        self.count_replay_on_run = (
-            update(RUNS)
-            # By id alone: the run was read COMPLETED, which is final (see one_trip.claim_or_replay's `bumped`).
-            .where(RUNS.c.id == bindparam("p_run_id"))
-            .values(replays=RUNS.c.replays + 1)
-            .returning(*(RUNS.c[column] for column in SAVED_FROM.values()))
-        )
-        self.count_replay = count_replay(self.count_replay_on_run, insert) if dia.dml_in_cte else None
-        self.claim_or_replay = claim_or_replay(self.insert_claim, now) if dia.dml_in_cte else None
+        self.count_replay_on_run = self._count_replay_on_run()
+        self.count_replay = count_replay(self.count_replay_on_run, insert) if one_trip else None
+        # Entity versions: applied only forward.
+        self.advance_version = self._advance_version(insert, now)
 
-    @staticmethod
-    def _demote_expired_entity(now: ColumnElement[Any]) -> Any:
-        # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
-        # holder's fenced writes now fail, and its own redelivery can take it over later).
-        return (
-            update(RUNS)
-            .where(
-                RUNS.c.tenant == bindparam("p_tenant"),
-                RUNS.c.concurrency_key == bindparam("p_entity"),
-                RUNS.c.status == RunStatus.RUNNING,
-                lease_expired(now),
-            )
-            .values(
-                status=RunStatus.FAILED,
-                error="lease expired while another run of its entity waited; demoted so the entity is not blocked",
-                updated_at=now,
-                lease_expires_at=None,
-                lost=RUNS.c.lost + 1,  # its holder vanished: a lost delivery, as for a takeover
-            )
-        )
+    # -- claim -------------------------------------------------------------------------------------
 
     @staticmethod
     def _insert_claim(insert: Any, until: ColumnElement[Any]) -> Any:
@@ -251,6 +160,121 @@ class Statements:
         )
 
     @staticmethod
+    def _demote_expired_entity(now: ColumnElement[Any]) -> Any:
+        # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
+        # holder's fenced writes now fail, and its own redelivery can take it over later).
+        return (
+            update(RUNS)
+            .where(
+                RUNS.c.tenant == bindparam("p_tenant"),
+                RUNS.c.concurrency_key == bindparam("p_entity"),
+                RUNS.c.status == RunStatus.RUNNING,
+                lease_expired(now),
+            )
+            .values(
+                status=RunStatus.FAILED,
+                error="lease expired while another run of its entity waited; demoted so the entity is not blocked",
+                updated_at=now,
+                lease_expires_at=None,
+                lost=RUNS.c.lost + 1,  # its holder vanished: a lost delivery, as for a takeover
+            )
+        )
+
+    # -- completion ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _complete(now: ColumnElement[Any]) -> Any:
+        # The holder's fenced completion, with the result it returned.
+        return (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.COMPLETED,
+                result=bindparam("p_result", type_=JSON),
+                finished_at=now,
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=None,
+                message=None,  # kept only until the run completes (G9): it was there for recovery
+            )
+        )
+
+    # -- failure -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _fail(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:
+        # The holder's fenced failure: a duplicate may take the run over at once.
+        return (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.FAILED,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                first_failed_at=first_failed,
+            )
+        )
+
+    @staticmethod
+    def _fail_for_retry(now: ColumnElement[Any], first_failed: ColumnElement[Any], delayed: ColumnElement[Any]) -> Any:
+        # A failure Celery will retry after a countdown: no duplicate may take the run over before then
+        # (database clock), and the retry is counted on the run, whichever message carries it.
+        return (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.FAILED,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=delayed,
+                retries=RUNS.c.retries + 1,
+                first_failed_at=first_failed,
+            )
+        )
+
+    @staticmethod
+    def _fail_dead(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:
+        # A failure that can never succeed, or the last retry's: DEAD until `oncelery dlq replay`.
+        return (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.DEAD,
+                error=bindparam("p_error"),
+                updated_at=now,
+                finished_at=now,
+                lease_expires_at=None,
+                not_before=None,
+                first_failed_at=first_failed,
+            )
+        )
+
+    @staticmethod
+    def _kill_lost(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:
+        # A poison message: the run lost its holder max_deliveries times (the worker died on every delivery).
+        # Guarded by the token the claimant saw and the expiry, so a live holder or a taker is never killed.
+        return (
+            update(RUNS)
+            .where(
+                RUNS.c.id == bindparam("p_run_id"),
+                RUNS.c.fencing_token == bindparam("p_token"),
+                still_running(),
+                lease_expired(now),
+            )
+            .values(
+                status=RunStatus.DEAD,
+                error=bindparam("p_error"),
+                lost=RUNS.c.lost + 1,
+                updated_at=now,
+                finished_at=now,
+                lease_expires_at=None,
+                first_failed_at=first_failed,
+            )
+        )
+
+    @staticmethod
     def _letter(insert: Any, now: ColumnElement[Any]) -> Any:
         # The dead letter of a run, written in the transaction that makes it DEAD: one row per run, its
         # first failure kept and the rest refreshed if it dies again after a replay. INSERT ... SELECT takes
@@ -297,6 +321,22 @@ class Statements:
                 "replayed_at": None,
             },
         )
+
+    # -- counting ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _count_replay_on_run() -> Any:
+        # A duplicate answered from a COMPLETED run's stored result: one more replay on that run (fenced by its
+        # id and status), counted with the `replayed` outcome in the same transaction, with what it saved.
+        return (
+            update(RUNS)
+            # By id alone: the run was read COMPLETED, which is final (see one_trip.claim_or_replay's `bumped`).
+            .where(RUNS.c.id == bindparam("p_run_id"))
+            .values(replays=RUNS.c.replays + 1)
+            .returning(*(RUNS.c[column] for column in SAVED_FROM.values()))
+        )
+
+    # -- versions ------------------------------------------------------------------------------------
 
     @staticmethod
     def _advance_version(insert: Any, now: ColumnElement[Any]) -> Any:
