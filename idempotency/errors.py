@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = [
+    "ClaimError",
+    "ConfigurationError",
+    "IdempotencyConflict",
+    "InProgress",
+    "InvalidKey",
+    "LeaseLost",
+    "OnceleryError",
+    "PayloadNotJSON",
+    "ResultNotJSON",
+    "RunIsDead",
+    "SchemaMissing",
+    "ServiceUnreachable",
+    "StaleVersion",
+    "StepMismatch",
+    "StoreError",
+    "StoreUnavailable",
+]
+
 
 class OnceleryError(Exception):
     """Root of every error Oncelery raises."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 from celery import Celery
+from celery.app.utils import find_app
 
 from oncelery.errors import ConfigurationError
 from oncelery.ops.reach import check_app, check_database
@@ -86,8 +87,6 @@ def celery_app_of(ctx: click.Context) -> Any:
 def resolve_app(ctx: click.Context, app_path: str | None) -> Celery:
     """The Celery app that publishes: --app, else `celery -A`'s, else one on Oncelery's celeryconfig."""
     if app_path:
-        from celery.app.utils import find_app
-
         try:
             return find_app(app_path)
         except Exception as exc:

@@ -11,6 +11,12 @@ import click
 
 from oncelery.models import Outcome, RunStatus
 
+__all__ = [
+    "echo_json",
+    "format_table",
+    "to_json",
+]
+
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Return `rows` as a left-aligned plain-text table under `headers` (None shows as "-")."""

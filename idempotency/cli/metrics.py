@@ -13,6 +13,11 @@ from oncelery.cli.context import resolve_database_url
 from oncelery.ops.metrics import claims_registry
 from oncelery.store.database import Database, safe_url
 
+__all__ = [
+    "DEFAULT_PORT",
+    "metrics",
+]
+
 DEFAULT_PORT = 9808  # registered for no other exporter on the Prometheus default-port list
 
 

@@ -5,3 +5,5 @@ Reading order: `decision_table` (the `Delivery`: one small method per row of wha
 runs), `steps` (checkpoints), `effects` (the fenced writes), `resend` (sending a delivery back after a store
 fault or a wait).
 """
+
+__all__: list[str] = []  # a room: its modules are imported by their own paths

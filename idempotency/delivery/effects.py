@@ -25,6 +25,10 @@ from oncelery.store.database import translated
 if TYPE_CHECKING:
     from oncelery.runs.claims import RunStore
 
+__all__ = [
+    "EffectsScope",
+]
+
 logger = logging.getLogger("oncelery.effects")  # a stable name (users filter on it)
 
 

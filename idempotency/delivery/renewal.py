@@ -24,6 +24,10 @@ from oncelery.settings import HEARTBEATS_PER_LEASE
 if TYPE_CHECKING:
     from oncelery.runs.claims import Claim, RunStore
 
+__all__ = [
+    "Heartbeat",
+]
+
 logger = logging.getLogger("oncelery.leases")  # a stable name (users filter on it)
 
 

@@ -43,6 +43,18 @@ from oncelery.settings import (
 )
 from oncelery.store.database import Database, safe_url
 
+__all__ = [
+    "COOLDOWN",
+    "DEFAULT_TTL",
+    "MAX_ENTRY_BYTES",
+    "SOCKET_TIMEOUT",
+    "CachedRun",
+    "ReplayCache",
+    "configured_cache",
+    "purge_forgetter",
+    "replay_cache",
+]
+
 logger = logging.getLogger("oncelery.replay_cache")  # a stable name (users filter on it)
 
 # Results larger than this are not cached (the database answers them): Redis is for the common small answer.

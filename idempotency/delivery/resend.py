@@ -14,6 +14,15 @@ from typing import Any
 from oncelery.errors import SchemaMissing, StoreError
 from oncelery.settings import WAIT_BACKOFF_BASE, WAIT_BACKOFF_CAP
 
+__all__ = [
+    "SendAgain",
+    "after_store_fault",
+    "can_resend",
+    "direct_backoff",
+    "seconds_until",
+    "wait_backoff",
+]
+
 # The logger these lines have always been written to: a store fault is part of a delivery's story.
 logger = logging.getLogger("oncelery.delivery")
 

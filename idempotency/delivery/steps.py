@@ -23,6 +23,20 @@ from oncelery.runs.faults import fault_point
 from oncelery.store.database import rowcount
 from oncelery.store.tables import STEPS
 
+__all__ = [
+    "MAX_STEP_NAME",
+    "SEED_BITS",
+    "Checkpoint",
+    "StepInfo",
+    "StepRunner",
+    "args_digest",
+    "current_step",
+    "load_checkpoints",
+    "save_checkpoint_txn",
+    "step_seed",
+    "validate_step_name",
+]
+
 MAX_STEP_NAME = 255  # the width of step_results.step_name
 SEED_BITS = 31  # fits every LLM API's seed parameter (OpenAI, vLLM, Ollama take int32 or wider)
 

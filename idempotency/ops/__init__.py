@@ -5,3 +5,5 @@ broker), `relay` (publishes committed rows), `sweeper` (re-sends lost runs), `de
 replay), `retention` (purge in bounded batches), `metrics` (Prometheus, read at scrape time), `costs` (the
 ledger's read side), `reach` (up-front reachability of a command's services).
 """
+
+__all__: list[str] = []  # a room: its modules are imported by their own paths

@@ -24,6 +24,12 @@ from oncelery.ops.relay import Relay
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, RUNS
 
+__all__ = [
+    "DeadLetters",
+    "LetterView",
+    "ReplayReport",
+]
+
 
 @dataclass(frozen=True)
 class LetterView:

@@ -26,6 +26,12 @@ from oncelery.settings import require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import OUTBOX, RUNS
 
+__all__ = [
+    "Relay",
+    "RelayRound",
+    "install_relay_task",
+]
+
 # The outbox's logger, as before the relay had a module of its own.
 logger = logging.getLogger("oncelery.outbox")
 

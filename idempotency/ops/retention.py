@@ -23,6 +23,15 @@ from oncelery.models import OutboxStatus, RunStatus
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS, STEPS
 
+__all__ = [
+    "DEFAULT_BATCH",
+    "DEFAULT_RETENTION_SECONDS",
+    "LEDGER_TABLES",
+    "PurgeReport",
+    "parse_age",
+    "purge",
+]
+
 logger = logging.getLogger("oncelery.retention")  # a stable name (users filter on it)
 
 #: Tables that hold rows per run (by a `run_id` column) without a foreign key: the model-call cost ledger.

@@ -22,6 +22,11 @@ from oncelery.store.clock import lease_expired
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS
 
+__all__ = [
+    "stored_message",
+    "sweep_lost_runs",
+]
+
 logger = logging.getLogger("oncelery.sweeper")  # a stable name (users filter on it)
 
 

@@ -5,3 +5,5 @@ Reading order: `keys` (idempotency keys and fingerprints), `decisions` (what a c
 change), `outcomes` (exact outcome counts, and cached replays' counts), `views` (the read side), `faults`
 (named fault points on a delivery's path, for tests). Imports no celery, kombu, redis or click.
 """
+
+__all__: list[str] = []  # a room: its modules are imported by their own paths

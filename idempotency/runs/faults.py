@@ -13,6 +13,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+__all__ = [
+    "POINTS",
+    "fault_injected",
+    "fault_point",
+]
+
 #: Every point, in delivery order.
 POINTS = (
     "version_check",  # before a versioned event reads its entity's applied version

@@ -25,6 +25,18 @@ from urllib.parse import quote
 from oncelery.errors import ConfigurationError, InvalidKey, PayloadNotJSON
 from oncelery.settings import MAX_KEY_LENGTH
 
+__all__ = [
+    "FingerprintSpec",
+    "Identity",
+    "KeyBuilder",
+    "KeySpec",
+    "canonical_json",
+    "differing_fields",
+    "encode_key_value",
+    "sha256_hex",
+    "validate_key",
+]
+
 KeySpec = str | Callable[..., str] | None
 FingerprintSpec = Sequence[str] | None
 

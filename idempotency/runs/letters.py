@@ -19,6 +19,12 @@ from oncelery.store.database import Database, rowcount
 from oncelery.store.statements import Statements
 from oncelery.store.tables import LETTERS
 
+__all__ = [
+    "kill_lost",
+    "letter_without_run",
+    "write_letter",
+]
+
 
 def write_letter(conn: Connection, sql: Statements, run_id: int, error: str, death: Death) -> None:
     """Insert the dead letter of run `run_id` in the caller's transaction (its DEAD state commits with it)."""

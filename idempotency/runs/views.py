@@ -20,6 +20,14 @@ from oncelery.store.clock import lease_live
 from oncelery.store.database import Database
 from oncelery.store.tables import CALLS, RUNS, SECRETS, STEPS
 
+__all__ = [
+    "CallView",
+    "RunView",
+    "Runs",
+    "StepView",
+    "run_view",
+]
+
 
 @dataclass(frozen=True)
 class RunView:

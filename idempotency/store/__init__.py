@@ -6,3 +6,5 @@ and SQLite differences as small overrides), `clock` (THE lease-liveness rule on 
 one-round-trip statements), `driver` (the hot statements straight through the driver), `schema` (revision
 check and upgrade). Imports no celery, kombu, redis or click.
 """
+
+__all__: list[str] = []  # a room: its modules are imported by their own paths

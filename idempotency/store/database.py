@@ -20,6 +20,22 @@ from oncelery.errors import SchemaMissing, StoreUnavailable
 from oncelery.store.dialects import MODE_AUTOCOMMIT, MODE_DEFAULT, MODE_FAST, MODE_READ, Dialect, dialect_of
 from oncelery.store.driver import DriverTransaction, driver_transaction, run_on_driver
 
+__all__ = [
+    "Database",
+    "T",
+    "dispose_engines",
+    "first_and_count",
+    "get_engine",
+    "is_transient",
+    "normalize_url",
+    "on_sqlite3",
+    "raise_translated",
+    "rowcount",
+    "safe_url",
+    "translate_error",
+    "translated",
+]
+
 T = TypeVar("T")
 
 _engines: dict[tuple[str, int, str], Engine] = {}

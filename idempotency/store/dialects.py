@@ -17,6 +17,19 @@ from sqlalchemy.sql.elements import ColumnElement
 from oncelery.errors import ConfigurationError
 from oncelery.settings import sqlite_busy_timeout_ms
 
+__all__ = [
+    "MODE_AUTOCOMMIT",
+    "MODE_DEFAULT",
+    "MODE_FAST",
+    "MODE_READ",
+    "SQLITE_TIME_FORMAT",
+    "Dialect",
+    "PostgreSQL",
+    "SQLite",
+    "dialect",
+    "dialect_of",
+]
+
 # Engine modes: the default (transactions), "read" (never takes SQLite's writer lock), and "fast"
 # (autocommit claims and renewals that need not wait for a WAL flush on PostgreSQL).
 MODE_DEFAULT = ""
@@ -91,7 +104,7 @@ class PostgreSQL(Dialect):
 
     def create_engine(self, url: str, mode: str) -> Engine:
         try:
-            import psycopg  # noqa: F401
+            import psycopg  # noqa: F401  (an optional extra: oncelery[postgres]; absent, one line names it)
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'oncelery[postgres]'") from exc
         # No pre-ping: it costs a round trip per checkout. A connection found dead raises a disconnect

@@ -20,6 +20,19 @@ from typing import Any, cast
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, StatementError
 
+__all__ = [
+    "DriverResult",
+    "DriverStatement",
+    "DriverTransaction",
+    "as_sqlalchemy_error",
+    "driver_statement",
+    "driver_transaction",
+    "give_back",
+    "prepared",
+    "run_on_driver",
+    "statement_listeners",
+]
+
 
 class DriverStatement:
     """A statement compiled once for an engine's dialect: its text, its parameter converters, its row type."""
@@ -126,8 +139,8 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
     `connection_invalidated` set, and the pool emptied, when the connection was lost: the caller's error
     handling is the same as for any other statement.
     """
-    import psycopg
-    from psycopg.pq import ExecStatus
+    import psycopg  # an optional extra (oncelery[postgres]): imported only on PostgreSQL
+    from psycopg.pq import ExecStatus  # the same optional extra
 
     compiled, values = prepared(stmt, engine, params)
     try:

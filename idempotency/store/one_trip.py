@@ -18,6 +18,15 @@ from oncelery.models import Outcome, RunStatus
 from oncelery.store.clock import lease_live
 from oncelery.store.tables import OUTCOME_KEY, OUTCOME_TOTALS, OUTCOMES, RUN_VIEW_COLUMNS, RUNS, SAVED_FROM
 
+__all__ = [
+    "NOT_DECIDING",
+    "added",
+    "claim_or_replay",
+    "complete_and_count",
+    "count_replay",
+    "count_statement",
+]
+
 # RunView columns the claim statement leaves NULL: no decision of a claim reads them, and decoding them (JSON,
 # timestamps) was most of a duplicate's client time. A ClaimResult's run holds what the decisions read (id,
 # names, key, fingerprint, status, token, owner, result, task id, lost, lease_live, retry_wait): RunStore.get

@@ -12,6 +12,12 @@ from oncelery.errors import SchemaMissing, StoreError
 from oncelery.models.migrate import FRAMEWORK, Branch, current_revision, head_revision, upgrade
 from oncelery.store.database import Database, safe_url, translated
 
+__all__ = [
+    "check_schema",
+    "schema_revision",
+    "upgrade_schema",
+]
+
 
 def schema_revision(url: str, branch: Branch = FRAMEWORK) -> str | None:
     """Return the revision `branch` is at in `url` (None if never upgraded); creates nothing."""

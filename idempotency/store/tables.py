@@ -18,6 +18,23 @@ from oncelery.models import (
     TaskRun,
 )
 
+__all__ = [
+    "CALLS",
+    "LETTERS",
+    "OUTBOX",
+    "OUTCOMES",
+    "OUTCOME_KEY",
+    "OUTCOME_SHARDS",
+    "OUTCOME_TOTALS",
+    "RUNS",
+    "RUN_VIEW_COLUMNS",
+    "SAVED_FROM",
+    "SECRETS",
+    "STEPS",
+    "TOTALS",
+    "VERSIONS",
+]
+
 RUNS = cast(Table, TaskRun.__table__)
 OUTCOMES = cast(Table, DeliveryOutcome.__table__)
 LETTERS = cast(Table, DeadLetter.__table__)

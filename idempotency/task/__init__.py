@@ -6,3 +6,5 @@ declares, checked at decoration time), `body` (the API a body calls on `self`: s
 side: `model_call`), `pipeline` (one key through a chain), `embedded_broker` (the serverless default's
 transport), `startup` (the worker's refusal to start without a ready claims database).
 """
+
+__all__: list[str] = []  # a room: its modules are imported by their own paths

@@ -12,6 +12,10 @@ from oncelery.runs.keys import Identity
 from oncelery.task.caller import tell_caller
 from oncelery.task.options import TaskOptions
 
+__all__ = [
+    "Announcing",
+]
+
 # The task's logger: this class is a part of IdempotentTask.
 logger = logging.getLogger("oncelery.task")
 

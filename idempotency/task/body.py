@@ -21,6 +21,10 @@ from oncelery.settings import require_database_url
 from oncelery.store.database import Database
 from oncelery.task.announce import Announcing
 
+__all__ = [
+    "RunBody",
+]
+
 # The task's logger: this class is a part of IdempotentTask.
 logger = logging.getLogger("oncelery.task")
 

@@ -51,6 +51,16 @@ from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
 from kombu.utils.json import dumps, loads
 
+__all__ = [
+    "SCHEME",
+    "TRANSPORT",
+    "URL",
+    "Channel",
+    "QoS",
+    "Transport",
+    "is_embedded_broker",
+]
+
 logger = logging.getLogger("oncelery.embedded_broker")  # a stable name (users filter on it)
 
 #: The transport, and its URL: `broker_url = "oncelery-fs://"` (with the filesystem transport's options).

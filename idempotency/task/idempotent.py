@@ -37,6 +37,10 @@ from oncelery.settings import (
 from oncelery.task.body import RunBody
 from oncelery.task.startup import watch_worker_start
 
+__all__ = [
+    "IdempotentTask",
+]
+
 logger = logging.getLogger("oncelery.task")  # a stable name (users filter on it)
 
 # Headers a call's options travel in, kept with a run's message so a replay or a sweep sends them again.

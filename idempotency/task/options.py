@@ -33,6 +33,10 @@ from oncelery.settings import (
 )
 from oncelery.task.embedded_broker import is_embedded_broker
 
+__all__ = [
+    "TaskOptions",
+]
+
 # The task's logger: this class is a part of IdempotentTask.
 logger = logging.getLogger("oncelery.task")
 

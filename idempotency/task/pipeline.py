@@ -10,6 +10,12 @@ from celery.canvas import Signature, _chain
 from oncelery.runs.keys import validate_key
 from oncelery.settings import HEADER_KEY, HEADER_PIPELINE
 
+__all__ = [
+    "Pipeline",
+    "link_key",
+    "pipeline",
+]
+
 
 def link_key(pipeline_key: str, position: int, task_name: str) -> str:
     """Return the idempotency key of link `position` of a pipeline: stable across re-enqueues."""

@@ -20,6 +20,12 @@ from oncelery.store.database import Database
 from oncelery.store.schema import check_schema
 from oncelery.store.tables import SECRETS
 
+__all__ = [
+    "check_worker_app",
+    "note_pass_through",
+    "watch_worker_start",
+]
+
 logger = logging.getLogger("oncelery.startup")  # a stable name (users filter on it)
 
 

@@ -12,6 +12,14 @@ from oncelery.models import RunStatus
 from oncelery.runs.views import Runs, RunView
 from oncelery.store.database import Database
 
+__all__ = [
+    "OnceleryDb",
+    "assert_ledger",
+    "assert_outcomes",
+    "assert_ran_once",
+    "assert_steps",
+]
+
 
 @dataclass
 class OnceleryDb:

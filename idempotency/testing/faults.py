@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import update
 
 from oncelery.errors import ConfigurationError
@@ -26,6 +27,20 @@ from oncelery.settings import ENV_DATABASE_URL
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS
 from oncelery.testing.db import OnceleryDb, _name
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "StepFailedOnce",
+    "WorkerProcess",
+    "deliver_concurrently",
+    "expire_lease",
+    "fail_step_once",
+    "flush_broker",
+    "frozen_past_lease",
+    "kill_holder",
+    "poll",
+    "wait_until",
+]
 
 DEFAULT_TIMEOUT = 60.0  # seconds any helper waits for an observable condition before failing the test
 
@@ -184,8 +199,6 @@ def frozen_past_lease(
 
 def flush_broker(app: Any) -> None:
     """Empty the app's Redis broker database (FLUSHDB), as a failover or a lost Redis would."""
-    import redis
-
     url = str(app.conf.broker_url or "")
     if not url.startswith(("redis://", "rediss://")):
         raise ConfigurationError(f"flush_broker needs a Redis broker, not {url.split(':')[0]}://")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.contrib.testing.worker import start_worker
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
@@ -98,8 +99,6 @@ def in_process_worker(app: Any, concurrency: int = 4, pool: str = "threads", **o
     1 s timeout: every worker of a test suite costs that second at its end. For the block, the transport's
     `polling_interval` (kombu's BRPOP timeout on Redis) is 0.1 s unless the app sets one itself.
     """
-    from celery.contrib.testing.worker import start_worker
-
     app.finalize()
     before = app.conf.broker_transport_options
     on_redis = str(app.conf.broker_url or "").startswith(("redis://", "rediss://"))
