@@ -278,6 +278,45 @@ def table_rows(out: str) -> dict[str, str]:
     return {cells[0]: cells[1] for cells in (line.split() for line in out.splitlines()) if len(cells) == 2}
 
 
+ROOM_PROBE = """\
+import importlib, json, pkgutil, sys
+import oncelery
+rooms = sys.argv[1:]
+seen = {}
+for room in rooms:
+    package = importlib.import_module("oncelery." + room)
+    names = [m.name for m in pkgutil.iter_modules(package.__path__, package.__name__ + ".")]
+    seen[room] = {"file": package.__file__, "modules": {n: importlib.import_module(n).__file__ for n in names}}
+print(json.dumps(seen))
+"""
+
+
+def source_rooms(source: Path) -> list[str]:
+    """The framework's subpackages in the repository: every folder of idempotency/ with an __init__.py."""
+    return sorted(p.parent.name for p in (source / "idempotency").glob("*/__init__.py"))
+
+
+def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_path: Path) -> None:
+    """Each subpackage of the framework (task, delivery, runs, store, ops, cli, testing, and any room added
+    later) and every module in it imports from the installed wheel, not from the repository: a room missing
+    from pyproject's `packages` fails here."""
+    rooms = source_rooms(built.source)
+    assert {"task", "delivery", "runs", "store", "ops", "cli", "testing"} <= set(rooms), rooms
+    neutral = tmp_path / "elsewhere"
+    neutral.mkdir()
+    probed = run([fresh_venv.python, "-c", ROOM_PROBE, *rooms], cwd=neutral, env=fresh_venv.env)
+    assert probed.code == 0, f"a room does not import from the wheel:\n{probed.err[-3000:]}"
+    seen = json.loads(probed.out)
+    installed = fresh_venv.site_packages / "oncelery"
+    for room in rooms:
+        assert Path(seen[room]["file"]) == installed / room / "__init__.py", seen[room]
+        expected = {f"oncelery.{room}.{p.stem}" for p in (built.source / "idempotency" / room).glob("*.py")}
+        expected.discard(f"oncelery.{room}.__init__")
+        assert set(seen[room]["modules"]) == expected, (room, sorted(seen[room]["modules"]), sorted(expected))
+        for module, file in seen[room]["modules"].items():
+            assert Path(file).is_relative_to(installed), f"{module} imported from {file}, not the wheel"
+
+
 def test_a_user_project_runs_on_the_installed_wheel(fresh_venv: Venv, tmp_path: Path) -> None:
     """In a fresh virtualenv with only the wheel installed: no top-level models/tasks/idempotency/celeryconfig,
     `import oncelery` is the wheel's copy, a project's own models.py/tasks.py/celeryconfig.py are the ones
