@@ -195,6 +195,14 @@ def _call(call: CallView) -> dict[str, Any]:
 def _echo_run(
     run: RunView, steps: Sequence[StepView], calls: Sequence[CallView] = (), show_payload: bool = False
 ) -> None:
+    """Print one run as `runs show` does: its fields, result, error, message, steps and model calls."""
+    _echo_fields(run)
+    _echo_stored(run, show_payload)
+    _echo_steps(run, steps)
+    _echo_calls(calls)
+
+
+def _echo_fields(run: RunView) -> None:
     fields = [
         ("id", run.run_id),
         ("task", run.task_name),
@@ -220,6 +228,10 @@ def _echo_run(
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         click.echo(f"{name.ljust(width)}  {_cell(value)}")
+
+
+def _echo_stored(run: RunView, show_payload: bool) -> None:
+    # The run's stored JSON and text: its result, its error, and the message kept for its recovery.
     click.echo("result:")
     click.echo(_indent(json.dumps(run.result, indent=2, sort_keys=True, ensure_ascii=False)))
     click.echo("error:")
@@ -227,9 +239,12 @@ def _echo_run(
     click.echo("message:")
     if run.message is not None and not show_payload:
         # Arguments may hold prompts, personal data or secrets: shown only when asked for.
-        click.echo(_indent("<kept for recovery until the run completes; --show-payload prints it>"))
+        click.echo(_indent(_PAYLOAD_KEPT))
     else:
         click.echo(_indent(json.dumps(run.message, sort_keys=True, ensure_ascii=False)))
+
+
+def _echo_steps(run: RunView, steps: Sequence[StepView]) -> None:
     click.echo(f"steps ({len(steps)}):")
     if steps:
         rows = [
@@ -237,6 +252,9 @@ def _echo_run(
             for s in _step_timeline(run, steps)
         ]
         click.echo(_indent(format_table(("position", "step", "token", "created_at", "seconds", "last attempt"), rows)))
+
+
+def _echo_calls(calls: Sequence[CallView]) -> None:
     click.echo(f"model calls ({len(calls)}):")
     if calls:
         call_headers = ("step", "model", "prompt", "tokens in", "tokens out", "latency ms", "ok", "cost USD", "token")
