@@ -137,7 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="kombu's own filesystem transport instead of the embedded default's (oncelery.embedded_broker)",
     )
     parser.add_argument(
-        "--prefetch", type=int, help="override worker_prefetch_multiplier (an experiment: see docs/benchmarks.md)"
+        "--prefetch",
+        type=int,
+        help="override worker_prefetch_multiplier (an experiment: see docs/benchmarks-history.md)",
     )
     parser.add_argument("--spawn-redis", type=int, default=6398, metavar="PORT", help="private Redis for the counters")
     parser.add_argument("--stats-url", help="use this Redis for the bench's counters instead of spawning one")
