@@ -19,6 +19,15 @@ from oncelery.models.migrate import JOBS, upgrade
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.testing import in_process_worker
 from tests import services
+from tests.pg_cluster import pg_cluster  # noqa: F401  (one throwaway cluster per session, for every module)
+from tests.services import close_app
+
+# The store-fault tests' helpers assert too: rewritten like a test module's asserts (before the import below).
+pytest.register_assert_rewrite("tests.store_faults")
+
+# The store-fault fixtures (a fresh database on the throwaway cluster, or a SQLite file; an app on it; the
+# worker's log lines), for tests/test_store_fault_*.py and any other module that breaks the database.
+from tests.store_faults import logs, pg_app, pg_db, sqlite_app, sqlite_db  # noqa: E402, F401
 
 ORDERED_TABLES = [
     "article_scores",
@@ -106,18 +115,6 @@ def app(db_url: str, redis_url: str) -> Iterator[Celery]:
     )
     yield celery_app
     close_app(celery_app)
-
-
-def close_app(celery_app: Celery) -> None:
-    """Close the app's broker pool and result-backend sockets (unclosed sockets are errors here)."""
-    backend = celery_app.__dict__.get("backend")
-    client = getattr(backend, "client", None)
-    if client is not None:
-        client.close()
-        pool = getattr(client, "connection_pool", None)
-        if pool is not None:
-            pool.disconnect()
-    celery_app.close()
 
 
 @contextmanager

@@ -3,7 +3,10 @@
 Never the shared server on 5432: `initdb` makes a cluster in a temporary folder owned by the `postgres`
 user (initdb and postgres refuse to run as root), `pg_ctl` starts it on 127.0.0.1 on a free port, with its
 unix socket inside that folder, trust authentication and `fsync=off` (a test cluster need not survive a
-power cut). The `pg_cluster` fixture always stops the server (by its PID) and removes the folder.
+power cut). The `pg_cluster` fixture (registered in tests/conftest.py) is one cluster for the whole test
+session, started when a test first asks for it; a test that stops, restarts or kills it leaves it running for
+the next one (`ensure_running`). At the session's end the fixture stops the server (by its PID) and removes
+the folder.
 """
 
 from __future__ import annotations
@@ -205,6 +208,11 @@ class PgCluster:
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def ensure_running(self) -> None:
+        """Start the server again if a test left it stopped or killed (the session's next test needs it)."""
+        if not self.running():
+            self.start()
+
     def restart(self, mode: str = "fast") -> None:
         """Stop the server (`mode`) and start it again on the same port and data."""
         self.stop(mode)
@@ -302,9 +310,12 @@ def postgres_runnable() -> bool:
     return postgres_bindir() is not None and (os.geteuid() != 0 or postgres_user_exists())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pg_cluster() -> Iterator[PgCluster]:
-    """A throwaway PostgreSQL cluster for this module's tests: always stopped (by PID) and removed after."""
+    """One throwaway PostgreSQL cluster for the test session: always stopped (by PID) and removed at its end.
+
+    Tests share it, never a database: each takes a fresh one (`create_database`) and drops it after.
+    """
     bindir = postgres_bindir()
     services.need(
         "PostgreSQL binaries",

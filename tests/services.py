@@ -18,7 +18,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -27,6 +27,9 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, 
 from sqlalchemy.engine import Engine, make_url
 
 from oncelery.testing import wait_until
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 PG_ADMIN_URL = os.environ.get("ONCELERY_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 # One database per test session (inherited by worker subprocesses), so concurrent sessions never collide.
@@ -125,6 +128,18 @@ def count_rows(engine: Engine, table: Table, key: str | None = None) -> int:
 
 # The kit's poller (oncelery.testing.wait_until): the project's tests use the kit where it fits.
 wait_for = wait_until
+
+
+def close_app(celery_app: Celery) -> None:
+    """Close the app's broker pool and result-backend sockets (unclosed sockets are errors here)."""
+    backend = celery_app.__dict__.get("backend")
+    client = getattr(backend, "client", None)
+    if client is not None:
+        client.close()
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            pool.disconnect()
+    celery_app.close()
 
 
 def unique_queue() -> str:

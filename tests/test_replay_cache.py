@@ -1,4 +1,4 @@
-"""The replay cache (issue 12): duplicates of finished runs answered from Redis, never deciding a claim.
+"""The replay cache: duplicates of finished runs answered from Redis, never deciding a claim.
 
 A real in-process worker on the real Redis broker; the cache is a redis-server of the test's own (started and
 stopped by its PID), so flushing or killing it touches nobody else. Over SQLite and PostgreSQL.
@@ -29,10 +29,9 @@ from oncelery.store.driver import statement_listeners
 from oncelery.testing.faults import wait_until
 from tests.chaos.procs import RedisServer, Sessions
 from tests.conftest import ON_POSTGRESQL, running_worker
-from tests.pg_cluster import pg_cluster  # noqa: F401  (the module's throwaway cluster)
 from tests.services import stop_sessions
+from tests.store_faults import Db, app_on, fault_of
 from tests.test_crash import EFFECT_TASK, JOB_TIMEOUT, STOP_GRACE, cluster, run_key
-from tests.test_store_faults import Db, app_on, fault_of, pg_db  # noqa: F401  (fixtures are used by name)
 
 TIMEOUT = 60
 
@@ -262,7 +261,7 @@ def test_a_bad_cache_setting_is_refused_with_what_to_give(app: Celery, db_url: s
 
 @pytest.mark.parametrize("fault", ["terminate", "restart"])
 def test_replay_counts_survive_a_database_fault_at_their_flush(
-    pg_db: Db,  # noqa: F811
+    pg_db: Db,
     redis_url: str,
     cache_redis: RedisServer,
     fault: str,
