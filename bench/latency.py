@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.metrics_scrape import FILL_RUNS, TASKS
 from bench.support.harness import admin_engine, create_database, drop_database, p50_p99
 from oncelery.models import Outcome
-from oncelery.runs.claims import Decision, RunStore
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import Decision
 from oncelery.runs.keys import Identity
 from oncelery.store.database import get_engine
 from oncelery.store.schema import upgrade_schema

@@ -19,8 +19,8 @@ from oncelery import LeaseLost, SchemaMissing, StoreError, testing
 from oncelery.delivery import renewal
 from oncelery.delivery.renewal import Heartbeat
 from oncelery.models import Outcome, RunStatus, TaskRun
-from oncelery.runs.claims import Claim, Decision, RunStore
-from oncelery.runs.decisions import completion_counts
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import Claim, Decision, completion_counts
 from oncelery.runs.keys import Identity
 from oncelery.store.driver import DriverStatement, driver_statement, statement_listeners
 from oncelery.store.tables import OUTCOME_TOTALS

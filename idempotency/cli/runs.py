@@ -14,6 +14,12 @@ from oncelery.models import RunStatus
 from oncelery.runs.views import CallView, Runs, RunView, StepView
 from oncelery.store.database import safe_url
 
+__all__ = [
+    "runs",
+    "runs_list",
+    "runs_show",
+]
+
 _KEY_WIDTH = 48  # `runs list` shortens longer keys; `runs show` prints them whole
 _OWNER_WIDTH = 8
 

@@ -25,33 +25,30 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from celery.exceptions import Retry
 
+from oncelery.delivery.call import UNFIXABLE_ERRORS, Call, DeliveredTask, RunContext, max_retries
 from oncelery.delivery.effects import EffectsScope
 from oncelery.delivery.renewal import Heartbeat
 from oncelery.delivery.replay_cache import ReplayCache
 from oncelery.delivery.resend import SendAgain, after_store_fault, can_resend, direct_backoff, seconds_until
 from oncelery.delivery.steps import StepRunner, load_checkpoints
 from oncelery.errors import (
-    ConfigurationError,
     IdempotencyConflict,
     InProgress,
     LeaseLost,
-    ResultNotJSON,
     RunIsDead,
     StaleVersion,
-    StepMismatch,
     StoreError,
 )
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import (
-    CONFLICT,
-    NEVER_SUCCEEDS,
-    RETRIES_EXHAUSTED,
+    REASON_CONFLICT,
+    REASON_NEVER_SUCCEEDS,
+    REASON_RETRIES_EXHAUSTED,
     Claim,
     ClaimResult,
     Death,
@@ -60,76 +57,12 @@ from oncelery.runs.decisions import (
     encode_result,
 )
 from oncelery.runs.faults import fault_point
-from oncelery.runs.keys import Identity, differing_fields
-from oncelery.settings import DEFAULT_LEASE_SECONDS, DIRECT_WAIT_TIMEOUT
+from oncelery.runs.keys import differing_fields
+from oncelery.settings import DIRECT_WAIT_TIMEOUT
 
-__all__ = ["UNFIXABLE_ERRORS", "Call", "DeliveredTask", "Delivery", "RunContext"]
+__all__ = ["Delivery"]
 
 logger = logging.getLogger("oncelery.delivery")  # a stable name (users filter on it)
-
-# Errors that no retry of the same message can fix: the run goes DEAD at once (with a dead letter).
-UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (StepMismatch, ResultNotJSON, ConfigurationError)
-
-
-@dataclass
-class RunContext:
-    """The live claim of the run executing on this thread: heartbeat, step runner, effects scope."""
-
-    claim: Claim
-    heartbeat: Heartbeat
-    steps: StepRunner
-    effects: EffectsScope
-
-
-@dataclass(frozen=True)
-class Call:
-    """What one delivery carries: its identity, entity and version, its message, and this call's options.
-
-    `message` is what a dead letter keeps to replay (the arguments and key headers); it reaches `task_runs`
-    only where `keep_message` says so (the task's `store_message`, or the embedded broker).
-    """
-
-    ident: Identity
-    message: dict[str, Any]
-    keep_message: bool = False
-    entity: str | None = None
-    version: EntityVersionOf | None = None
-    direct: bool = False
-    abandoned: str | None = None
-    lease: float = DEFAULT_LEASE_SECONDS  # its own option, else the task's, else the app's
-    policy: str = "retry"  # on_in_progress, resolved the same way
-
-
-class DeliveredTask(Protocol):
-    """What a delivery asks of its task (the Celery glue implements it: `IdempotentTask`)."""
-
-    name: str
-    request: Any
-    max_deliveries: int | None
-    max_retries: int | None
-    dead_on: tuple[type[BaseException], ...]
-
-    @property
-    def store(self) -> RunStore:
-        """The claims database of this task."""
-
-    def replay_cache(self) -> ReplayCache | None:
-        """The app's replay cache, or None."""
-
-    def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None, note: str = "") -> None:
-        """Tell the caller and Flower which outcome this delivery had."""
-
-    def max_lease_seconds(self) -> float | None:
-        """How long renewals may keep a hung body's lease."""
-
-    def attach(self, ctx: RunContext) -> None:
-        """Make `ctx` the live run of this thread (the body's step() and effects() use it)."""
-
-    def detach(self, ctx: RunContext) -> None:
-        """Undo `attach`."""
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        """The task's body."""
 
 
 class Delivery:
@@ -247,7 +180,7 @@ class Delivery:
         )
         fault_point("dead_letter", task=self.task.name, key=self.ident.key)
         self.store.letter_without_run(
-            self.task.name, self.ident.tenant, CONFLICT, str(conflict), self.call.message, self.ident.key
+            self.task.name, self.ident.tenant, REASON_CONFLICT, str(conflict), self.call.message, self.ident.key
         )  # the letter and the `conflict` count, in one transaction
         self.task.tell_caller(Outcome.CONFLICT, self.ident)
         raise conflict
@@ -420,10 +353,10 @@ class Delivery:
         """A Death if this final failure can never succeed or spent the last retry, else None (FAILED)."""
         task = self.task
         if isinstance(exc, UNFIXABLE_ERRORS + tuple(task.dead_on)):
-            reason = NEVER_SUCCEEDS
-        elif (limit := _max_retries(task)) is not None and int(task.request.retries or 0) >= limit:
+            reason = REASON_NEVER_SUCCEEDS
+        elif (limit := max_retries(task)) is not None and int(task.request.retries or 0) >= limit:
             # Celery re-raises the error of the last allowed retry (or MaxRetriesExceededError): it is final.
-            reason = RETRIES_EXHAUSTED
+            reason = REASON_RETRIES_EXHAUSTED
         else:
             return None
         tb = traceback.format_exc(limit=50)
@@ -459,12 +392,3 @@ _ROWS: dict[Decision, Callable[[Delivery, ClaimResult, tuple[Any, ...], dict[str
     Decision.IN_PROGRESS: Delivery._busy,
     Decision.ENTITY_BUSY: Delivery._busy,
 }
-
-
-def _max_retries(task: DeliveredTask) -> int | None:
-    """The retry limit Celery enforces: autoretry's retry_kwargs["max_retries"] wins over the task's."""
-    retry_kwargs = getattr(task, "retry_kwargs", None) or {}
-    if "max_retries" in retry_kwargs:
-        value = retry_kwargs["max_retries"]
-        return None if value is None else int(value)
-    return None if task.max_retries is None else int(task.max_retries)

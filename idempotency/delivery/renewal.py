@@ -22,7 +22,8 @@ from oncelery.runs.faults import fault_point
 from oncelery.settings import HEARTBEATS_PER_LEASE
 
 if TYPE_CHECKING:
-    from oncelery.runs.claims import Claim, RunStore
+    from oncelery.runs.claims import RunStore
+    from oncelery.runs.decisions import Claim
 
 __all__ = [
     "Heartbeat",

@@ -18,7 +18,8 @@ from typing import Any
 from sqlalchemy import Connection, delete, select
 
 from oncelery.errors import ConfigurationError, StepMismatch
-from oncelery.runs.claims import Claim, RunStore, encode_result, lease_lost
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import Claim, encode_result, lease_lost
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import rowcount
 from oncelery.store.tables import STEPS

@@ -33,12 +33,6 @@ from sqlalchemy.orm import Session
 from oncelery.errors import StaleVersion, StoreError
 from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
 from oncelery.runs.decisions import (
-    BAD_MESSAGE,
-    CONFLICT,
-    MAX_DELIVERIES,
-    MAX_ERROR_CHARS,
-    NEVER_SUCCEEDS,
-    RETRIES_EXHAUSTED,
     Claim,
     ClaimRequest,
     ClaimResult,
@@ -47,7 +41,6 @@ from oncelery.runs.decisions import (
     EntityVersionOf,
     clean_error,
     completion_counts,
-    encode_result,
     lease_lost,
 )
 from oncelery.runs.faults import fault_point
@@ -60,25 +53,7 @@ from oncelery.store.driver import DriverTransaction
 from oncelery.store.statements import Statements, statements
 from oncelery.store.tables import SECRETS, VERSIONS
 
-# The claim types are re-exported: oncelery.claims is where callers import them from.
-__all__ = [
-    "BAD_MESSAGE",
-    "CONFLICT",
-    "MAX_DELIVERIES",
-    "MAX_ERROR_CHARS",
-    "NEVER_SUCCEEDS",
-    "RETRIES_EXHAUSTED",
-    "Claim",
-    "ClaimResult",
-    "Death",
-    "Decision",
-    "EntityVersionOf",
-    "RunStore",
-    "clean_error",
-    "completion_counts",
-    "encode_result",
-    "lease_lost",
-]
+__all__ = ["RunStore"]
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8

@@ -18,6 +18,25 @@ from oncelery.runs.keys import Identity
 from oncelery.runs.outcomes import counter_shard, outcome_params
 from oncelery.runs.views import RunView
 
+__all__ = [
+    "MAX_ERROR_CHARS",
+    "REASON_BAD_MESSAGE",
+    "REASON_CONFLICT",
+    "REASON_MAX_DELIVERIES",
+    "REASON_NEVER_SUCCEEDS",
+    "REASON_RETRIES_EXHAUSTED",
+    "Claim",
+    "ClaimRequest",
+    "ClaimResult",
+    "Death",
+    "Decision",
+    "EntityVersionOf",
+    "clean_error",
+    "completion_counts",
+    "encode_result",
+    "lease_lost",
+]
+
 # Bounded error text in task_runs.error: enough for a traceback, never a megabyte of repr.
 MAX_ERROR_CHARS = 10_000
 
@@ -157,12 +176,12 @@ class Death:
     error: str | None = None  # the letter's one-line error (default: the run's error)
 
 
-# Dead-letter reasons (dead_letters.reason).
-RETRIES_EXHAUSTED = "retries_exhausted"
-NEVER_SUCCEEDS = "never_succeeds"
-MAX_DELIVERIES = "max_deliveries"
-CONFLICT = "conflict"
-BAD_MESSAGE = "bad_message"
+# Dead-letter reasons: the values stored in dead_letters.reason (stable; `oncelery dlq list` shows them).
+REASON_RETRIES_EXHAUSTED = "retries_exhausted"
+REASON_NEVER_SUCCEEDS = "never_succeeds"
+REASON_MAX_DELIVERIES = "max_deliveries"
+REASON_CONFLICT = "conflict"
+REASON_BAD_MESSAGE = "bad_message"
 
 
 def encode_result(value: Any, what: str) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from oncelery.models import Outcome
-from oncelery.runs.decisions import CONFLICT, MAX_DELIVERIES, Death, clean_error
+from oncelery.runs.decisions import REASON_CONFLICT, REASON_MAX_DELIVERIES, Death, clean_error
 from oncelery.runs.faults import fault_point
 from oncelery.runs.outcomes import record_outcome_txn
 from oncelery.runs.views import RunView
@@ -50,7 +50,7 @@ def kill_lost(db: Database, sql: Statements, run: RunView, max_deliveries: int, 
     with db.begin() as conn:
         if rowcount(conn.execute(sql.kill_lost, params)) != 1:
             return False
-        write_letter(conn, sql, run.run_id, error, Death(MAX_DELIVERIES, None, letter))
+        write_letter(conn, sql, run.run_id, error, Death(REASON_MAX_DELIVERIES, None, letter))
     return True
 
 
@@ -72,5 +72,5 @@ def letter_without_run(
         # Counted with its letter, in one transaction: a fault between the two can neither leave a letter
         # uncounted nor, once the copy is re-sent, write the letter twice. A conflict is counted as such
         # (the first payload's run stands); any other reason as `dead`.
-        outcome = Outcome.CONFLICT if reason == CONFLICT else Outcome.DEAD
+        outcome = Outcome.CONFLICT if reason == REASON_CONFLICT else Outcome.DEAD
         record_outcome_txn(conn, db.dialect.name, task_name, outcome, tenant)

@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from oncelery.delivery.decision_table import RunContext
+from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import step_seed
 from oncelery.errors import ConfigurationError
 from oncelery.settings import require_database_url

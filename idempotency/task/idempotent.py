@@ -16,10 +16,11 @@ from celery.exceptions import Ignore, Retry
 from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from oncelery.delivery.decision_table import UNFIXABLE_ERRORS, Call, Delivery
+from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
+from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.errors import ConfigurationError, OnceleryError, StoreError
-from oncelery.runs.claims import BAD_MESSAGE, EntityVersionOf
+from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity, validate_key
 from oncelery.settings import (
@@ -170,7 +171,9 @@ class IdempotentTask(RunBody):
             # No run can hold a delivery without an identity; it can never succeed: dead-letter it, say why.
             logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
             fault_point("dead_letter", task=self.name, key=None)
-            self.store.letter_without_run(self.name, explicit.get(HEADER_TENANT, ""), BAD_MESSAGE, str(exc), message)
+            self.store.letter_without_run(
+                self.name, explicit.get(HEADER_TENANT, ""), REASON_BAD_MESSAGE, str(exc), message
+            )
             raise
         return ident, entity, version
 

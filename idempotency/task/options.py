@@ -15,7 +15,8 @@ from celery import Task
 
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
 from oncelery.errors import ConfigurationError
-from oncelery.runs.claims import EntityVersionOf, RunStore
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import EntityVersionOf
 from oncelery.runs.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec
 from oncelery.settings import (
     CONF_LEASE,
