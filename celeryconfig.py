@@ -2,7 +2,7 @@
 an environment variable.
 
 With no broker or result backend configured it needs no server: kombu's filesystem transport (through
-oncelery.embedded_broker, `oncelery-fs://`) as the broker
+oncelery.task.embedded_broker, `oncelery-fs://`) as the broker
 and a SQLite result backend under ./.oncelery. The claims database is set only from ONCELERY_DATABASE_URL:
 the demo app (`oncelery.tasks.app`) falls back to its embedded SQLite file itself, and any other app that
 loads this module must configure one. Production sets ONCELERY_BROKER_URL=redis://... and

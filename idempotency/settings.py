@@ -83,7 +83,7 @@ CONF_STORE_MESSAGE = "oncelery_store_message"  # bool
 # task with no tenant option of its own; the tenant travels with the message as a header.
 CONF_TENANT = "oncelery_tenant"
 CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output": USD per 1M tokens}}
-# The replay cache (oncelery.replay_cache): a Redis URL; duplicates of finished runs are answered there.
+# The replay cache (oncelery.delivery.replay_cache): a Redis URL; duplicates of finished runs are answered there.
 CONF_REPLAY_CACHE = "oncelery_replay_cache"
 ENV_REPLAY_CACHE = "ONCELERY_REPLAY_CACHE"
 CONF_REPLAY_CACHE_TTL = "oncelery_replay_cache_ttl"  # seconds an entry lives (default 600)

@@ -2,8 +2,8 @@
 
 Runs standalone (`oncelery ...`) or as a Celery subcommand (`celery -A proj oncelery ...`, through the
 `celery.commands` entry point); under Celery the database is the app's (`oncelery_database_url`).
-This module holds the group, how a command finds its database, `db upgrade` and `outcomes`; the other
-commands live in `cli_runs.py`, `cli_ops.py`, `cli_costs.py`, `cli_metrics.py`; printing in `cli_format.py`.
+This module holds the group, `db upgrade` and `outcomes`; the other commands live in `runs.py`, `ops.py`,
+`costs.py` and `metrics.py`; printing in `format.py`; how a command finds its database in `context.py`.
 """
 
 from __future__ import annotations

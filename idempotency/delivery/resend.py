@@ -1,6 +1,6 @@
 """Sending a delivery back to the broker instead of acking it: whether it can, after a store fault, how soon.
 
-The delivery decides when to re-send (`delivery.py`); the task supplies how (`IdempotentTask._send_again`).
+The delivery decides when to re-send (`decision_table.py`); the task supplies how (`IdempotentTask._send_again`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a claim is and what it decides: the claim, the decision, the row seen, and the values they carry.
 
-The data of the claim protocol (oncelery.claims runs it): a `ClaimRequest` asked, a `Claim` held, a
+The data of the claim protocol (oncelery.runs.claims runs it): a `ClaimRequest` asked, a `Claim` held, a
 `ClaimResult`, an entity version, a death sentence, and the helpers that shape what is written (a bounded error
 text, a JSON-checked result, the completion's counter parameters, the one LeaseLost factory).
 """

@@ -3,7 +3,7 @@
 The task decides *what happens* on each claim decision; `RunStore` decides *how* a claim is written.
 This module is the Celery glue: sending a call and receiving a delivery. The class is built in layers, one
 module each: `options` (what a task declares, resolved per call) <- `announce` (outcomes for the caller and
-Flower) <- `body` (the API a body calls on `self`) <- `task`.
+Flower) <- `body` (the API a body calls on `self`) <- `idempotent` (this one).
 """
 
 from __future__ import annotations
