@@ -14,7 +14,7 @@ from celery.signals import before_task_publish
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from oncelery import CELERY_DELIVERY_DEFAULTS
+from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask
 from oncelery.models.migrate import JOBS, upgrade
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.testing import in_process_worker
@@ -122,6 +122,17 @@ def running_worker(app: Celery, concurrency: int = 4, pool: str = "threads") -> 
     """Run a real in-process Celery worker consuming `app`'s queue until the block exits."""
     with in_process_worker(app, concurrency=concurrency, pool=pool) as worker:
         yield worker
+
+
+def offline_job(app: Celery, name: str, **options: Any) -> Any:
+    """An IdempotentTask `name` of `app` (with `options`) that returns its argument as text: for the tests that
+    only build or call a task in the caller (no worker, no database)."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name=name, **options)
+    def job(self: IdempotentTask, doc: Any) -> str:
+        return str(doc)
+
+    return job
 
 
 @pytest.fixture

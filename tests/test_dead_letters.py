@@ -519,6 +519,26 @@ def test_bad_message_is_a_run_less_dead_letter(app: Celery, worker_factory: Any,
     assert "no run to replay" in report.skipped[0][1]
 
 
+def test_a_worker_records_an_outcome_for_a_message_without_an_identity(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    """A message the caller-side check never saw (sent by name) with a key too long: counted, with the reason."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_noident", idempotency_key="k:{doc}")
+    def job(self: IdempotentTask, doc: str) -> str:
+        return doc
+
+    with worker_factory(app):
+        result = app.send_task("oncelery.t_noident", args=["x" * 300])
+        with pytest.raises(Exception, match="255"):
+            result.get(timeout=60)
+    # It can never succeed: dead-lettered without a run (nothing to replay until the message is fixed).
+    assert job.outcome_counts() == {"dead": 1}
+    assert Runs(db_url).list(task_name="oncelery.t_noident") == []
+    letters = DeadLetters(db_url).list(task_name="oncelery.t_noident")
+    assert [(x.reason, x.run_id, x.message["args"]) for x in letters] == [("bad_message", None, ["x" * 300])]
+
+
 def test_autoretry_max_retries_in_retry_kwargs_is_the_limit_that_makes_a_run_dead(
     app: Celery, worker_factory: Any, db_url: str
 ) -> None:

@@ -1,0 +1,85 @@
+"""A run's retries belong to the run: its countdown holds off duplicates, and its retry budget is not reset.
+
+A duplicate that arrives during self.retry(countdown=...) waits for it; a new message for a run that spent
+its retries does not get a fresh allowance. On SQLite and PostgreSQL, through a real worker on Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from celery import Celery
+
+from oncelery import IdempotentTask, Runs, RunStatus
+from oncelery.runs.claims import RunStore
+from tests.services import wait_for
+
+
+def test_a_retry_countdown_holds_off_duplicates(app: Celery, worker_factory: Any, db_url: str) -> None:
+    """self.retry(countdown=4): a duplicate arriving meanwhile waits; the body runs again only after it."""
+    runs: list[float] = []
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_countdown",
+        idempotency_key="c:{n}",
+        max_retries=3,
+    )
+    def paid(self: IdempotentTask, n: int) -> int:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            raise self.retry(countdown=4)
+        return n
+
+    with worker_factory(app, concurrency=4):
+        first = paid.delay(5)
+        wait_for(lambda: runs, timeout=60, what="the first attempt")
+        run = wait_for(
+            lambda: (
+                (r := Runs(db_url).get("oncelery.t_countdown", "c:5")) is not None
+                and r.status is RunStatus.FAILED
+                and r
+            ),
+            timeout=60,
+            what="the run recorded FAILED with its countdown",
+        )
+        assert run.retry_wait and run.retries == 1
+        duplicates = [paid.delay(5) for _ in range(3)]
+        assert [d.get(timeout=90) for d in duplicates] == [5, 5, 5]
+        assert first.get(timeout=90) == 5
+
+    assert len(runs) == 2  # two paid calls in all, not one per waiting copy
+    assert runs[1] - runs[0] >= 3.5  # the countdown held (database clock; a little slack for clock reads)
+    counts = paid.outcome_counts()
+    assert counts.get("executed", 0) + counts.get("resumed", 0) == 1
+
+
+def test_retries_are_counted_per_run_not_per_message(db_url: str) -> None:
+    """A new message for a run that spent its retries does not get a fresh allowance."""
+    app = Celery("per-run-retries")
+    app.conf.oncelery_database_url = db_url
+    app.conf.task_always_eager = False
+    attempts: list[int] = []
+    barrier = threading.Event()
+
+    @app.task(
+        shared=False, base=IdempotentTask, bind=True, name="oncelery.t_budget", idempotency_key="b:{n}", max_retries=1
+    )
+    def flaky(self: IdempotentTask, n: int) -> int:
+        attempts.append(self.request.retries)
+        barrier.set()
+        return n
+
+    app.finalize()
+    store = RunStore(db_url)
+    ident = flaky.identity_of((1,))
+    claimed = store.claim("oncelery.t_budget", ident, lease=30)
+    assert claimed.claim is not None
+    assert store.fail(claimed.claim, "retry requested", retry_in=0.0)
+    # The run has spent one retry; a fresh message (request.retries == 0) runs with the run's count.
+    assert flaky(1) == 1
+    assert attempts == [1]
