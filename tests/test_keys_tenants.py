@@ -1,4 +1,4 @@
-"""Keys mean one thing, tenants namespace them, and payloads are not kept in clear (issue items 1-5)."""
+"""Keys mean one thing, tenants namespace them, and payloads are not kept in clear."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`oncelery metrics`: a scrape returns exactly what the database holds, on both stores, across worker processes.
 
-The issue's proof (test_scrape_counts_what_two_workers_and_a_restart_did): 100 deliveries, 70 executed and 30
+The end-to-end proof (test_scrape_counts_what_two_workers_and_a_restart_did): 100 deliveries, 70 executed and 30
 replayed, by two `celery worker` processes one of which restarts, read back over HTTP from the real CLI.
 """
 
@@ -165,7 +165,7 @@ def test_unreadable_database_reports_down(tmp_path: Path) -> None:
     assert got == {("oncelery_database_up", ()): 0}
 
 
-# -- the issue's proof: real workers, a restart, the real CLI over HTTP ---------------------------------------
+# -- the end-to-end proof: real workers, a restart, the real CLI over HTTP ------------------------------------
 
 
 def _free_port() -> int:
