@@ -8,7 +8,7 @@ failure record, the dead letters, the relay, SQLite's write lock, and a soak).
 
 A real in-process Celery worker (threads pool, real Redis broker) runs the jobs against the session's
 throwaway PostgreSQL cluster (tests/pg_cluster.py), which the tests restart, stop and kill the backends of,
-never the shared server; each test has a fresh database on it. A named fault point (`oncelery.faults`)
+never the shared server; each test has a fresh database on it. A named fault point (`oncelery.runs.faults`)
 injects each fault the FIRST time a delivery reaches that stage; then the test waits for the run to complete
 and counts: one effect row, a COMPLETED run, executed-or-resumed counted once, nothing counted as failed, and
 the caller gets the job's value.
