@@ -145,9 +145,8 @@ class DeadLetters:
                 report.skipped.append((letter, _why_not(letter)))
                 continue
             message = dict(letter.message)
-            options: dict[str, Any] = {"idempotency_key": letter.key}
-            if letter.tenant:
-                options["tenant"] = letter.tenant
+            # The stored tenant, "" included: a replay from the CLI has no caller to resolve one from.
+            options: dict[str, Any] = {"idempotency_key": letter.key, "tenant": letter.tenant}
             if queue or message.get("queue"):
                 options["queue"] = queue or message["queue"]
             for option in CONTINUATION:

@@ -68,7 +68,8 @@ def enqueue(session: Session | Connection, task: Any, *args: Any, **kwargs: Any)
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     call_args, call_kwargs = list(sig.args), dict(sig.kwargs)
     _require_json(name, {"args": call_args, "kwargs": call_kwargs, "options": options})
-    key, tenant = _key_of(sig, name, task_id, call_args, call_kwargs, key, tenant)
+    headers = options.get("headers")
+    key, tenant = _key_of(sig, name, task_id, call_args, call_kwargs, key, tenant, headers)
     row = {
         "task_name": name,
         "args": call_args,
@@ -91,6 +92,7 @@ def _key_of(
     kwargs: dict[str, Any],
     key: str | None,
     tenant: str | None,
+    headers: Any,
 ) -> tuple[str | None, str | None]:
     """The key and tenant every publish carries (checked now: a bad one never reaches the table)."""
     target = sig.type if name in sig.app.tasks else None
@@ -99,6 +101,8 @@ def _key_of(
         return (validate_key(key) if key is not None else None), tenant
     if key is None and target.idempotency_key is None:
         key = KEY_PREFIX + task_id  # the row's identity
+    # Resolved here, in the caller's context, once: the relay (no caller) sends the row's stored tenant.
+    tenant = target.entry_tenant(args, kwargs, tenant, headers)
     ident = target.identity_of(args, kwargs, key, tenant, digests=False)
     target.version_of(args, kwargs)
     return ident.key, ident.tenant

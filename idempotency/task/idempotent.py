@@ -24,7 +24,6 @@ from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity, validate_key
 from oncelery.settings import (
-    CONF_TENANT,
     HEADER_ABANDONED,
     HEADER_KEY,
     HEADER_LEASE,
@@ -63,19 +62,12 @@ class IdempotentTask(RunBody):
         policy = options.pop("on_in_progress", None)
         lease = options.pop("lease", None)
         headers = dict(options.get("headers") or {})
-        conf = self.settings()  # a misspelt oncelery_* setting is refused here, at the first call
-        if tenant is None and self.tenant is None and not headers.get(HEADER_TENANT):
-            resolver = conf.get(CONF_TENANT)
-            if resolver is not None:
-                if not callable(resolver):
-                    raise ConfigurationError(
-                        f"app.conf.{CONF_TENANT}={resolver!r}: give a callable (task_name, args, kwargs) -> tenant"
-                    )
-                tenant = resolver(self.name, tuple(args or ()), dict(kwargs or {})) or None
+        self.settings()  # a misspelt oncelery_* setting is refused here, at the first call
+        tenant = self.entry_tenant(args, kwargs, tenant, headers)
         if key is not None:
             headers[HEADER_KEY] = validate_key(key)
         if tenant is not None:
-            headers[HEADER_TENANT] = validate_key(tenant, "tenant")
+            headers[HEADER_TENANT] = validate_key(tenant, "tenant") if tenant else tenant
         if policy is not None:
             headers[HEADER_ON_IN_PROGRESS] = check_policy(policy, f"{self.name} (this call)")
         if lease is not None:

@@ -22,10 +22,12 @@ from oncelery.settings import (
     CONF_LEASE,
     CONF_ON_IN_PROGRESS,
     CONF_STORE_MESSAGE,
+    CONF_TENANT,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_DELIVERIES,
     HEADER_LEASE,
     HEADER_ON_IN_PROGRESS,
+    HEADER_TENANT,
     check_lease,
     check_policy,
     check_settings,
@@ -212,6 +214,28 @@ class TaskOptions(Task):  # type: ignore[misc]
             seen = (conf, configured_cache(conf, require_database_url(conf, f"Task {self.name}")))
             self.__dict__["_replay_cache"] = seen
         return seen[1]  # type: ignore[no-any-return]
+
+    def entry_tenant(self, args: Any, kwargs: Any, tenant: str | None, headers: Any = None) -> str | None:
+        """The tenant a job carries from the door it enters by, resolved once: the per-call option, else one the
+        message already carries, else None where the task derives its own (its `tenant` option), else the app's
+        resolver (`app.conf.oncelery_tenant`). Re-sends carry what was resolved here and never call this again.
+        """
+        if tenant is not None:
+            return tenant
+        carried = (headers or {}).get(HEADER_TENANT)
+        if carried is not None:
+            return str(carried)
+        if self.tenant is not None:
+            return None  # the task's own template or callable derives it from the arguments, in every delivery
+        resolver = self.settings().get(CONF_TENANT)
+        if resolver is None:
+            return None
+        if not callable(resolver):
+            raise ConfigurationError(
+                f"app.conf.{CONF_TENANT}={resolver!r}: give a callable (task_name, args, kwargs) -> tenant"
+            )
+        # "" (no tenant) is an answer too: carried as such, a re-send (a retry) never asks the resolver again.
+        return resolver(self.name, tuple(args or ()), dict(kwargs or {})) or ""
 
     def identity_of(
         self,

@@ -8,7 +8,8 @@ from celery import chain
 from celery.canvas import Signature, _chain
 
 from oncelery.runs.keys import validate_key
-from oncelery.settings import HEADER_KEY, HEADER_PIPELINE
+from oncelery.settings import HEADER_KEY, HEADER_PIPELINE, HEADER_TENANT
+from oncelery.task.idempotent import IdempotentTask
 
 __all__ = [
     "Pipeline",
@@ -31,12 +32,34 @@ class Pipeline(_chain):  # type: ignore[misc]
     """
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Enqueue a copy of the pipeline with new task ids; its links keep their idempotency keys."""
+        """Enqueue a copy of the pipeline with new task ids; its links keep their idempotency keys, and every link
+        carries the tenant resolved here, once (the later links are sent by a worker, with no caller to ask)."""
         fresh = self.clone()
         for link in fresh.tasks:
             link.options.pop("task_id", None)
         fresh.options.pop("task_id", None)
+        tenant = options.pop("tenant", None)
+        _carry_tenant(fresh.tasks, fresh.options.pop("tenant", None) if tenant is None else tenant, args, kwargs)
         return _chain.apply_async(fresh, args, kwargs, **options)
+
+
+def _carry_tenant(links: list[Signature], tenant: str | None, args: Any, kwargs: Any) -> None:
+    """Stamp the pipeline's tenant (the call's, else the first link's task resolves it) on every idempotent link
+    that has no tenant of its own: a link's own option, or its task's own `tenant`, wins."""
+    first = links[0]
+    task = first.type
+    if isinstance(task, IdempotentTask):
+        first_args = (*(args or ()), *first.args)
+        first_kwargs = {**(kwargs or {}), **first.kwargs}
+        tenant = task.entry_tenant(first_args, first_kwargs, tenant, first.options.get("headers"))
+    if tenant is None:
+        return
+    for link in links:
+        headers = {**(link.options.get("headers") or {})}
+        own = link.options.get("tenant") is not None or HEADER_TENANT in headers
+        if isinstance(link.type, IdempotentTask) and not own and link.type.tenant is None:
+            headers[HEADER_TENANT] = validate_key(tenant, "tenant") if tenant else tenant
+            link.set(headers=headers)
 
 
 def pipeline(key: str, *signatures: Signature, **options: Any) -> chain:
