@@ -137,6 +137,8 @@ class Delivery:
         applied = self.store.applied_version(self.task.name, self.ident.tenant, version.entity)
         if applied is None or version.version > applied:
             return False
+        # Settled before it is counted: a fault between the two re-sends the job, which then counts it once.
+        self.store.settle_stale(self.task.name, self.ident)
         self._count(Outcome.STALE)
         stale = StaleVersion.of(version.entity, version.version, applied)
         logger.info("%s[%s]: %s", self.task.name, self.ident.key, stale)

@@ -3,7 +3,9 @@
 On the embedded (filesystem) broker a SIGKILLed worker's in-flight messages are gone; on Redis they come back
 only after the visibility timeout. A run that kept its message (embedded broker, or `store_message=True`)
 and is RUNNING with a lease expired by the database clock is sent again by the sweeper, at most once per
-`interval` (its `swept_at`). The claim absorbs the copy if the broker redelivers the original as well. The
+`interval` (its `swept_at`). So is a FAILED run whose retry has been due for an `interval` with no delivery
+taking it: a run demoted because its entity's holder vanished, or a retry whose message the broker lost. The
+claim absorbs the copy if the broker redelivers the original as well. The
 sweeper runs inside `oncelery relay` (and `oncelery process`), never inside a worker: a worker that is down
 cannot sweep, and one sweeper is enough for any number of workers.
 """
@@ -36,15 +38,21 @@ def stored_message(column: Any) -> Any:
 
 
 def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100) -> int:
-    """Re-send the stored messages of up to `batch` lost runs (RUNNING, lease expired); return how many."""
+    """Re-send the stored messages of up to `batch` lost runs (RUNNING with its lease expired, or FAILED with a
+    retry due for `interval` that no delivery took); return how many."""
     r = RUNS.c
     dia = db.dialect
     now = dia.now()
+    past_interval = dia.lease_until("p_age")  # the database clock, `interval` ago
     due = and_(
-        r.status == RunStatus.RUNNING,
-        lease_expired(now),
+        or_(
+            and_(r.status == RunStatus.RUNNING, lease_expired(now)),  # its holder vanished
+            # A retry due for an interval that nobody took: demoted for an entity (its message died with its
+            # holder), or a retry whose message the broker lost.
+            and_(r.status == RunStatus.FAILED, r.not_before.is_not(None), r.not_before < past_interval),
+        ),
         stored_message(r.message),
-        or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
+        or_(r.swept_at.is_(None), r.swept_at < past_interval),
     )
     params = {"p_age": dia.lease_param(-interval)}
     with db.read() as conn:  # an idle sweep never takes SQLite's writer lock (workers are writing)

@@ -262,6 +262,12 @@ class RunStore:
             value = conn.execute(stmt).scalar_one_or_none()
         return None if value is None else int(value)
 
+    def settle_stale(self, task_name: str, ident: Identity) -> int:
+        """Complete with no result the run of a stale delivery that waits to be run again (a retry due, or an
+        expired holder), so nothing re-sends it for ever; return how many runs were settled (0 or 1)."""
+        params = {"p_task": task_name, "p_tenant": ident.tenant, "p_key": ident.key}
+        return int(self.db.one(self.sql.settle_stale, params)[1])
+
     # -- holder's writes (all fenced) ----------------------------------------------------------------
 
     def heartbeat(self, claim: Claim) -> bool:

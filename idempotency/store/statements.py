@@ -75,6 +75,7 @@ class Statements:
         self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
         self.complete = self._complete(now)
         self.complete_and_count = complete_and_count(self.complete) if one_trip else None
+        self.settle_stale = self._settle_stale(now)
         # Failure: FAILED, FAILED until Celery's retry, DEAD (a holder's or a poison run's) and its dead letter.
         first_failed = func.coalesce(RUNS.c.first_failed_at, now)
         self.fail = self._fail(now, first_failed)
@@ -161,8 +162,8 @@ class Statements:
 
     @staticmethod
     def _demote_expired_entity(now: ColumnElement[Any]) -> Any:
-        # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED (its old
-        # holder's fenced writes now fail, and its own redelivery can take it over later).
+        # An entity's RUNNING run whose holder stopped renewing blocks nobody: demote it to FAILED with a retry
+        # due (its old holder's fenced writes now fail, and a re-send or its own redelivery takes it over later).
         return (
             update(RUNS)
             .where(
@@ -177,6 +178,9 @@ class Statements:
                 updated_at=now,
                 lease_expires_at=None,
                 lost=RUNS.c.lost + 1,  # its holder vanished: a lost delivery, as for a takeover
+                # Due for a retry now, not failed for good: the relay re-publishes its outbox row and the sweeper
+                # re-sends its kept message (its own message died with its holder).
+                not_before=now,
             )
         )
 
@@ -196,6 +200,33 @@ class Statements:
                 lease_expires_at=None,
                 not_before=None,
                 message=None,  # kept only until the run completes (G9): it was there for recovery
+            )
+        )
+
+    @staticmethod
+    def _settle_stale(now: ColumnElement[Any]) -> Any:
+        # A run waiting to be run again (a retry due, or a holder that vanished) whose delivery is now stale: it
+        # completes with no result, as a stale completion does, instead of being re-sent for ever.
+        c = RUNS.c
+        return (
+            update(RUNS)
+            .where(
+                c.task_name == bindparam("p_task"),
+                c.tenant == bindparam("p_tenant"),
+                c.idempotency_key == bindparam("p_key"),
+                or_(
+                    and_(c.status == RunStatus.FAILED, c.not_before.is_not(None)),
+                    and_(c.status == RunStatus.RUNNING, lease_expired(now)),
+                ),
+            )
+            .values(
+                status=RunStatus.COMPLETED,
+                result=None,
+                finished_at=now,
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=None,
+                message=None,
             )
         )
 

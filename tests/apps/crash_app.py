@@ -123,3 +123,41 @@ def crash_steps(self: IdempotentTask, key: str, seconds: float) -> dict[str, Any
     with self.effects() as session:
         session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
     return {"key": key, "steps": done, "pid": os.getpid()}
+
+
+def _entity_body(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
+    key = f"entity:{doc}:v{version}"
+    record_execution(key)
+    time.sleep(seconds)
+    with self.effects() as session:
+        session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"doc": doc, "version": version, "pid": os.getpid()}
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    name="oncelery.crash_entity",
+    idempotency_key="entity:{doc}:v{version}",
+    concurrency_key="entity:{doc}",
+    store_message=True,
+    lease=LEASE,
+)
+def crash_entity(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
+    """One run per (doc, version), one RUNNING run per doc; its message is kept for the sweeper."""
+    return _entity_body(self, doc, version, seconds)
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    name="oncelery.crash_entity_versioned",
+    idempotency_key="entity:{doc}:v{version}",
+    concurrency_key="entity:{doc}",
+    entity_version="version",
+    store_message=True,
+    lease=LEASE,
+)
+def crash_entity_versioned(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
+    """As crash_entity, and a version not newer than the doc's applied one is stale (never applied)."""
+    return _entity_body(self, doc, version, seconds)
