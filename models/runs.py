@@ -225,6 +225,9 @@ class OutboxMessage(Base):
         DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
     )
     sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The delivery outcome that closed the row when its worker refused it before any run (stale, conflict);
+    # NULL when the relay closed it because its run finished.
+    outcome: Mapped[str | None] = mapped_column(String(32))
 
     __table_args__ = (Index("ix_outbox_status_next_attempt_at", "status", "next_attempt_at"),)
 
@@ -242,7 +245,7 @@ class DeadLetter(Base):
     task_name: Mapped[str] = mapped_column(String(255), nullable=False)
     tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
-    # retries_exhausted | never_succeeds | max_deliveries | conflict | bad_message
+    # retries_exhausted | never_succeeds | max_deliveries | conflict | bad_message | republish_cap
     reason: Mapped[str] = mapped_column(String(32), nullable=False)
     error: Mapped[str | None] = mapped_column(Text)
     traceback: Mapped[str | None] = mapped_column(Text)

@@ -16,7 +16,7 @@ from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.errors import ConfigurationError
 from oncelery.ops.dead_letters import DeadLetters, LetterView
 from oncelery.ops.reach import check_app
-from oncelery.ops.relay import Relay
+from oncelery.ops.relay import DEFAULT_MAX_PUBLISHES, Relay
 from oncelery.ops.retention import parse_age, purge
 from oncelery.store.database import Database
 
@@ -67,6 +67,13 @@ def _age(value: str | None, allow_off: bool = False) -> float | None:
     help="Failed publishes before a row is DEAD.",
 )
 @click.option(
+    "--max-publishes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_PUBLISHES,
+    show_default=True,
+    help="Publishes of a row whose run never finishes before it is DEAD, with a dead letter.",
+)
+@click.option(
     "--retention",
     metavar="AGE",
     default="7d",
@@ -83,6 +90,7 @@ def relay(
     republish_after: str,
     sweep_interval: str,
     max_attempts: int,
+    max_publishes: int,
     retention: str,
 ) -> None:
     """Publish the outbox, re-publish what a broker lost, re-send lost runs; until SIGTERM/Ctrl-C."""
@@ -96,6 +104,7 @@ def relay(
         republish_after=_age(republish_after) or 0.0,
         max_attempts=max_attempts,
         sweep_interval=_age(sweep_interval, allow_off=True),
+        max_publishes=max_publishes,
     )
     keep = _age(retention, allow_off=True)
     if once:

@@ -137,8 +137,9 @@ class Delivery:
         applied = self.store.applied_version(self.task.name, self.ident.tenant, version.entity)
         if applied is None or version.version > applied:
             return False
-        # Settled before it is counted: a fault between the two re-sends the job, which then counts it once.
+        # Settled before it is counted: a fault between them re-sends the job, which then counts it once.
         self.store.settle_stale(self.task.name, self.ident)
+        self.store.close_outbox_row(self.request.id, Outcome.STALE)
         self._count(Outcome.STALE)
         stale = StaleVersion.of(version.entity, version.version, applied)
         logger.info("%s[%s]: %s", self.task.name, self.ident.key, stale)
@@ -181,6 +182,7 @@ class Delivery:
             fields=fields,
         )
         fault_point("dead_letter", task=self.task.name, key=self.ident.key)
+        self.store.close_outbox_row(self.request.id, Outcome.CONFLICT)  # before the count: it is idempotent
         self.store.letter_without_run(
             self.task.name, self.ident.tenant, REASON_CONFLICT, str(conflict), self.call.message, self.ident.key
         )  # the letter and the `conflict` count, in one transaction

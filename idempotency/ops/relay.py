@@ -21,16 +21,21 @@ from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
 from oncelery.ops.retention import purge
 from oncelery.ops.sweeper import sweep_lost_runs
+from oncelery.runs.decisions import REASON_REPUBLISH_CAP
 from oncelery.runs.faults import fault_point
 from oncelery.settings import require_database_url
 from oncelery.store.database import Database
-from oncelery.store.tables import OUTBOX, RUNS
+from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 
 __all__ = [
+    "DEFAULT_MAX_PUBLISHES",
     "Relay",
     "RelayRound",
     "install_relay_task",
 ]
+
+# Re-publishes of one outbox row whose run never finishes, before the row is given up (DEAD, with a letter).
+DEFAULT_MAX_PUBLISHES = 20
 
 # The outbox's logger, as before the relay had a module of its own.
 logger = logging.getLogger("oncelery.outbox")
@@ -70,12 +75,14 @@ class Relay:
         republish_after: float = 300.0,
         max_attempts: int = 10,
         sweep_interval: float | None = 60.0,
+        max_publishes: int = DEFAULT_MAX_PUBLISHES,
     ) -> None:
         self.app = app
         self.db = Database(url)
         self.batch = batch
         self.republish_after = republish_after
         self.max_attempts = max_attempts
+        self.max_publishes = max_publishes
         self.sweep_interval = sweep_interval
         dia = self.db.dialect
         self._now = dia.now()
@@ -157,7 +164,7 @@ class Relay:
                     break
             fault_point("relay_published", rows=len(sent))
             if sent:
-                conn.execute(self._sent(), [{"p_id": i} for i in sent])
+                conn.execute(self._sent(), [self._sent_params(row) for row in rows if row.id in sent])
         done.published += len(sent)
         return done
 
@@ -178,11 +185,17 @@ class Relay:
             .values(
                 status=OutboxStatus.SENT,
                 sent_at=self._now,
+                # When the job is due on the broker (its countdown): not re-published before that.
+                next_attempt_at=self.db.dialect.lease_until("p_eta"),
                 attempts=o.attempts + 1,
                 publishes=o.publishes + 1,
                 last_error=None,
             )
         )
+
+    def _sent_params(self, row: Any) -> dict[str, Any]:
+        countdown = float((row.options or {}).get("countdown") or 0)
+        return {"p_id": row.id, "p_eta": self.db.dialect.lease_param(max(0.0, countdown))}
 
     def _back_off(self, conn: Connection, row: Any, error: str) -> int:
         """Record a failed publish: try again after an exponential delay, or mark the row DEAD after N."""
@@ -203,6 +216,38 @@ class Relay:
             {"p_delay": self.db.dialect.lease_param(delay)} if not dead else {},
         )
         return int(dead)
+
+    def _republished(self) -> Any:
+        o = OUTBOX.c
+        return (
+            update(OUTBOX)
+            .where(o.id == bindparam("p_id"))
+            .values(sent_at=self._now, next_attempt_at=self.db.dialect.lease_until("p_eta"), publishes=o.publishes + 1)
+        )
+
+    def _give_up(self, conn: Connection, rows: list[Any]) -> int:
+        """Mark rows published `max_publishes` times with no run finishing DEAD, each with a dead letter."""
+        why = f"published {self.max_publishes} times and its run never finished; see `oncelery dlq show`"
+        conn.execute(
+            update(OUTBOX)
+            .where(OUTBOX.c.id.in_([row.id for row in rows]))
+            .values(status=OutboxStatus.DEAD, last_error=why)
+        )
+        for row in rows:
+            message = {"args": row.args, "kwargs": row.kwargs, "headers": {}, "options": row.options}
+            conn.execute(
+                LETTERS.insert().values(
+                    task_name=row.task_name,
+                    tenant=row.tenant,
+                    idempotency_key=row.idempotency_key,
+                    reason=REASON_REPUBLISH_CAP,
+                    error=why,
+                    attempts=row.publishes,
+                    message=message,
+                )
+            )
+            logger.error("outbox row %s (%s[%s]): %s", row.id, row.task_name, row.idempotency_key, why)
+        return len(rows)
 
     def _publish(self, row: Any) -> Exception | None:
         """Send one row's job; return the error if the broker refused it (the row stays, backed off)."""
@@ -231,7 +276,8 @@ class Relay:
                     and_(r.task_name == o.task_name, r.tenant == o.tenant, r.idempotency_key == o.idempotency_key),
                 )
             )
-            .where(o.status == OutboxStatus.SENT, o.sent_at < cutoff)
+            # Published over `republish_after` ago, and due on the broker (its countdown) over that long ago too.
+            .where(o.status == OutboxStatus.SENT, o.sent_at < cutoff, o.next_attempt_at < cutoff)
             .order_by(o.id)
             .limit(self.batch)
         )
@@ -251,11 +297,15 @@ class Relay:
             closed = [row.id for row in rows if row.idempotency_key is None or row.finished]
             open_rows = [row for row in rows if not (row.idempotency_key is None or row.finished)]
             later = [row.id for row in open_rows if row.live or row.waiting]
-            sent = [row.id for row in open_rows if not (row.live or row.waiting) and self._publish(row) is None]
+            lost = [row for row in open_rows if not (row.live or row.waiting)]
+            capped = [row for row in lost if row.publishes >= self.max_publishes]
+            sent = [row for row in lost if row not in capped and self._publish(row) is None]
             if closed:
                 conn.execute(update(OUTBOX).where(o.id.in_(closed)).values(status=OutboxStatus.DONE))
+            if capped:
+                done.dead += self._give_up(conn, capped)
             if sent:
-                conn.execute(update(OUTBOX).where(o.id.in_(sent)).values(sent_at=self._now, publishes=o.publishes + 1))
+                conn.execute(self._republished(), [self._sent_params(row) for row in sent])
             if later:  # a live holder or a pending retry: look again after another interval
                 conn.execute(update(OUTBOX).where(o.id.in_(later)).values(sent_at=self._now))
         if sent:

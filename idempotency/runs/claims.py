@@ -268,6 +268,12 @@ class RunStore:
         params = {"p_task": task_name, "p_tenant": ident.tenant, "p_key": ident.key}
         return int(self.db.one(self.sql.settle_stale, params)[1])
 
+    def close_outbox_row(self, celery_task_id: str | None, outcome: Outcome) -> None:
+        """Close the outbox row that published this delivery (if any) with the outcome that settled it without
+        a run, so the relay never re-publishes it; idempotent (only a SENT row changes)."""
+        if celery_task_id:
+            self.db.one(self.sql.close_outbox_row, {"p_task_id": celery_task_id, "p_outcome": outcome.value})
+
     # -- holder's writes (all fenced) ----------------------------------------------------------------
 
     def heartbeat(self, claim: Claim) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "REASON_CONFLICT",
     "REASON_MAX_DELIVERIES",
     "REASON_NEVER_SUCCEEDS",
+    "REASON_REPUBLISH_CAP",
     "REASON_RETRIES_EXHAUSTED",
     "Claim",
     "ClaimRequest",
@@ -182,6 +183,7 @@ REASON_NEVER_SUCCEEDS = "never_succeeds"
 REASON_MAX_DELIVERIES = "max_deliveries"
 REASON_CONFLICT = "conflict"
 REASON_BAD_MESSAGE = "bad_message"
+REASON_REPUBLISH_CAP = "republish_cap"  # an outbox row published too often with no run finishing
 
 
 def encode_result(value: Any, what: str) -> Any:

@@ -12,12 +12,13 @@ from typing import Any
 from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
-from oncelery.models import RunStatus
+from oncelery.models import OutboxStatus, RunStatus
 from oncelery.store.clock import lease_expired
 from oncelery.store.dialects import dialect as get_dialect
 from oncelery.store.one_trip import claim_or_replay, complete_and_count, count_replay, count_statement
 from oncelery.store.tables import (
     LETTERS,
+    OUTBOX,
     OUTCOME_TOTALS,
     RUNS,
     SAVED_FROM,
@@ -76,6 +77,12 @@ class Statements:
         self.complete = self._complete(now)
         self.complete_and_count = complete_and_count(self.complete) if one_trip else None
         self.settle_stale = self._settle_stale(now)
+        # A published outbox row whose delivery was refused before any run (stale, conflict): closed for good.
+        self.close_outbox_row = (
+            update(OUTBOX)
+            .where(OUTBOX.c.celery_task_id == bindparam("p_task_id"), OUTBOX.c.status == OutboxStatus.SENT)
+            .values(status=OutboxStatus.DONE, outcome=bindparam("p_outcome", type_=String))
+        )
         # Failure: FAILED, FAILED until Celery's retry, DEAD (a holder's or a poison run's) and its dead letter.
         first_failed = func.coalesce(RUNS.c.first_failed_at, now)
         self.fail = self._fail(now, first_failed)
