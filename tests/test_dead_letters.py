@@ -565,3 +565,26 @@ def test_autoretry_max_retries_in_retry_kwargs_is_the_limit_that_makes_a_run_dea
     run = Runs(db_url).get(name, "rk:5")
     assert run is not None and run.status is RunStatus.DEAD and run.attempts == 2
     assert only_letter(db_url, name).reason == "retries_exhausted"
+
+
+def test_a_replay_keeps_the_calls_own_options(app: Celery, worker_factory: Any, db_url: str) -> None:
+    """A job sent with lease=7 and on_in_progress='skip' that went DEAD is replayed with both options, as
+    well as its key: the replayed delivery sees the same per-call headers as the first."""
+    seen: list[dict[str, Any]] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_replay_options", dead_on=(KeyError,))
+    def job(self: IdempotentTask, n: int) -> int:
+        headers = self.request.headers or {}
+        seen.append({name: headers.get(name) for name in ("oncelery_lease", "oncelery_on_in_progress")})
+        if len(seen) == 1:
+            raise KeyError("dead on purpose: replayed below")
+        return n
+
+    app.finalize()
+    with worker_factory(app):
+        with pytest.raises(KeyError):
+            job.apply_async((4,), lease=7, on_in_progress="skip").get(timeout=60)
+        letters = DeadLetters(db_url).list(task_name=job.name, limit=None)
+        assert len(DeadLetters(db_url).replay(app, letters).replayed) == 1
+        wait_for(lambda: len(seen) == 2, timeout=60, what="the replayed delivery")
+    assert seen[1] == seen[0] == {"oncelery_lease": 7.0, "oncelery_on_in_progress": "skip"}, seen

@@ -21,6 +21,7 @@ from sqlalchemy import Select, delete, select, update
 from oncelery.models import RunStatus
 from oncelery.ops.outbox import CONTINUATION, enqueue
 from oncelery.ops.relay import Relay
+from oncelery.settings import HEADER_LEASE, HEADER_ON_IN_PROGRESS
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, RUNS
 
@@ -29,6 +30,9 @@ __all__ = [
     "LetterView",
     "ReplayReport",
 ]
+
+# The per-call option headers a replay sends again (the key and tenant go as the outbox's own options).
+_REPLAYED_HEADERS = (HEADER_LEASE, HEADER_ON_IN_PROGRESS)
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,10 @@ class DeadLetters:
             for option in CONTINUATION:
                 if message.get(option):
                     options[option] = message[option]
+            # The call's own options travel as headers: a replay keeps its lease and on_in_progress too.
+            headers = {name: v for name, v in (message.get("headers") or {}).items() if name in _REPLAYED_HEADERS}
+            if headers:
+                options["headers"] = headers
             sig = app.signature(letter.task_name, list(message.get("args") or ()), dict(message.get("kwargs") or {}))
             sig = sig.set(**options)
             now = self.db.dialect.now()
