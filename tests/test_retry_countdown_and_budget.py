@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from celery import Celery
 
 from oncelery import IdempotentTask, Runs, RunStatus
 from oncelery.runs.claims import RunStore
+from tests.conftest import ON_SQLITE
 from tests.services import wait_for
 
 
@@ -83,3 +86,31 @@ def test_retries_are_counted_per_run_not_per_message(db_url: str) -> None:
     # The run has spent one retry; a fresh message (request.retries == 0) runs with the run's count.
     assert flaky(1) == 1
     assert attempts == [1]
+
+
+@ON_SQLITE
+def test_a_naive_retry_eta_means_utc_to_the_run_as_to_celery(app: Celery, worker_factory: Any, db_url: str) -> None:
+    """Suspected: with enable_utc=False a naive `eta` shifts the run's not_before by the UTC offset. Refuted:
+    Celery's worker reads a naive ETA as UTC (celery.utils.time.maybe_make_aware, naive_as_utc), and so does the
+    run. With timezone=America/New_York, a naive ETA of local time + 60 s is 5 h in the past for Celery: its retry
+    arrives at once, and the run's not_before is that same moment (read as UTC), so no duplicate waits longer."""
+    app.conf.update(enable_utc=False, timezone="America/New_York")
+    zone = ZoneInfo("America/New_York")
+    etas: list[datetime] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_naive_eta", max_retries=3)
+    def later(self: IdempotentTask, n: int) -> int:
+        if not etas:
+            etas.append(datetime.now(zone).replace(tzinfo=None) + timedelta(seconds=60))  # naive, local time
+            raise self.retry(eta=etas[0])
+        return n
+
+    with worker_factory(app):
+        started = time.monotonic()
+        assert later.delay(1).get(timeout=60) == 1
+        took = time.monotonic() - started
+        run = Runs(db_url).list(task_name=later.name)[0]
+    assert took < 30, f"the retry waited {took:.0f} s: Celery read the naive ETA as local time"
+    assert run.status is RunStatus.COMPLETED and run.retries == 1
+    waited_until = datetime.now(UTC) - timedelta(hours=4)  # New York is 4-5 h behind UTC
+    assert etas[0].replace(tzinfo=UTC) < waited_until, "the naive ETA was read in local time, not UTC"
