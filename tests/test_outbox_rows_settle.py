@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from oncelery import DeadLetters, IdempotentTask, Relay, Runs, outbox
 from oncelery.models import OutboxMessage, OutboxStatus
+from oncelery.runs.faults import fault_injected
 from oncelery.store.database import get_engine
 from tests.services import delete_queue_keys, wait_for
 
@@ -116,3 +117,34 @@ def test_re_publishes_are_capped_and_the_row_is_dead_lettered(app: Celery, db_ur
         ("republish_cap", "job:3", [3])
     ]
     assert relay.republish_unfinished().republished == 0
+
+
+def test_a_plain_task_through_the_outbox_is_published_at_least_once(
+    app: Celery, worker_factory: Any, db_url: str, queue: str
+) -> None:
+    """Suspected: a plain (not idempotent) task is published twice if the relay dies between publishing and
+    marking its row sent. Confirmed, and documented as at-least-once: the row's transaction rolls back, so the
+    next round publishes it again, and a plain task has no claim to absorb the copy. (An IdempotentTask's copy
+    is absorbed: tests/test_outbox.py.) Marking the row first would lose the job instead."""
+    ran: list[int] = []
+
+    @app.task(shared=False, name="oncelery.t_settle_plain")
+    def plain(n: int) -> int:
+        ran.append(n)
+        return n
+
+    app.finalize()
+    task_id = enqueue(db_url, plain, 9)
+    relay = Relay(app, db_url, sweep_interval=None)
+
+    def die(_name: str, _context: dict[str, Any]) -> None:
+        raise RuntimeError("the relay dies after publishing, before marking the row sent")
+
+    with fault_injected("relay_published", die), pytest.raises(RuntimeError):
+        relay.run_once(republish=False)
+    assert row_of(db_url, task_id).status is OutboxStatus.PENDING  # rolled back: not marked sent
+    assert relay.run_once(republish=False).published == 1
+    with worker_factory(app):
+        wait_for(lambda: len(ran) == 2, timeout=TIMEOUT, what="both copies of the plain job")
+    assert ran == [9, 9] and row_of(db_url, task_id).status is OutboxStatus.SENT
+    assert relay.republish_unfinished().republished == 0  # no key: published, never re-published for a lost run

@@ -97,7 +97,8 @@ def _key_of(
     """The key and tenant every publish carries (checked now: a bad one never reaches the table)."""
     target = sig.type if name in sig.app.tasks else None
     if not isinstance(target, IdempotentTask):
-        # A plain task has no claim to absorb a re-publish: published once, never re-published.
+        # A plain task has no claim to absorb a copy: it is never re-published for a lost run, but a relay killed
+        # between publishing and marking its row sent publishes it again (at least once, never lost).
         return (validate_key(key) if key is not None else None), tenant
     if key is None and target.idempotency_key is None:
         key = KEY_PREFIX + task_id  # the row's identity
