@@ -36,6 +36,10 @@ from oncelery import (
     parse_age,
     purge,
 )
+from oncelery.ops.retention import MAX_BATCH_SECONDS
+from oncelery.runs.claims import RunStore
+from oncelery.runs.faults import fault_injected
+from oncelery.runs.keys import Identity
 from oncelery.store.database import get_engine
 from oncelery.store.dialects import dialect_of
 from oncelery.tasks.commands.local_worker import LocalWorker
@@ -293,7 +297,7 @@ def bulk_insert_runs(engine: Engine) -> None:
                 {"task": BULK_TASK, "like": f"{prefix}:%", "n": n, "last": STEPS_PER_RUN - 1},
             )
         # Dead letters: on DEAD runs (kept with them), on FAILED runs replayed earlier (purged with them), and
-        # run-less ones (a bad message; only `oncelery dlq purge` removes those).
+        # run-less ones (a bad message), purged by their own age: 5 ten days old, 2 written an hour ago.
         for prefix, n in (("d-old", 20), ("f-old", 10)):
             conn.execute(
                 text(
@@ -314,7 +318,9 @@ def bulk_insert_runs(engine: Engine) -> None:
                 INSERT INTO dead_letters (run_id, task_name, tenant, idempotency_key, reason, error, attempts,
                     first_failed_at, last_failed_at)
                 SELECT NULL, :task, '', NULL, 'bad_message', 'no identity', 1, ts, ts
-                FROM generate_series(1, 5), LATERAL (SELECT clock_timestamp() - interval '10 days' AS ts) AS t
+                FROM generate_series(1, 7) AS g,
+                     LATERAL (SELECT clock_timestamp() - CASE WHEN g <= 5 THEN interval '10 days'
+                                                              ELSE interval '1 hour' END AS ts) AS t
                 """
             ),
             {"task": BULK_TASK},
@@ -459,7 +465,7 @@ def test_purge_of_100k_runs_in_batches_while_a_worker_serves(
 
     purged_runs = 60_000 + 10_000 + 1
     assert report.runs == purged_runs, report
-    assert report.steps == 20_000 and report.dead_letters == 10 and report.outbox == 40, report
+    assert report.steps == 20_000 and report.dead_letters == 10 + 5 and report.outbox == 40, report
     assert report.ledger == 0 and report.kept_referenced == 0, report
     assert report.batches >= 14 and report.batches == len(batches) == -(-purged_runs // PURGE_BATCH), report
     assert all(0 < n <= PURGE_BATCH for n in batches) and sum(batches) == purged_runs, batches
@@ -490,7 +496,7 @@ def test_purge_of_100k_runs_in_batches_while_a_worker_serves(
             ),
             {"t": LIVE_TASK},
         ).one()
-    assert runless == 5 and orphans == 0
+    assert runless == 2 and orphans == 0  # the recent ones stay
     assert outbox == {"SENT-old": 10, "DONE-new": 10}, outbox
     # Every live job was claimed and completed between the purge's start and its end (database clock).
     assert started_at < live_finished[0] and live_finished[1] < ended_at, (started_at, live_finished, ended_at)
@@ -539,3 +545,31 @@ def test_a_purged_key_sent_again_executes_again(app: Celery, worker_factory: Any
     assert live.outcome_counts() == {"executed": 3, "replayed": 1}
     run = Runs(db_url).get(LIVE_TASK, "live:1")
     assert run is not None and run.status is RunStatus.COMPLETED and run.token == 1
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_slow_purge_batch_halves_the_next_one(db_url: str) -> None:
+    """A batch that holds its transaction past MAX_BATCH_SECONDS (SQLite's one writer lock, which workers'
+    lease renewals wait for) halves the next batch; quick batches grow back to the size asked for. SQLite only:
+    the writer lock is what makes a long batch dangerous there."""
+    store = RunStore(db_url)
+    for n in range(48):
+        held = store.claim("oncelery.t_purge_slow", Identity(f"s:{n}", "f", {}), lease=30).claim
+        assert held is not None
+        store.complete(held, n)
+    sizes: list[int] = []
+    seen = [0]
+
+    def slow_first(_name: str, context: dict[str, Any]) -> None:
+        sizes.append(int(context["runs"]))
+        if len(sizes) == 1:
+            time.sleep(MAX_BATCH_SECONDS * 1.5)  # a slow disk: the first batch holds the lock too long
+
+    def counted(report: PurgeReport) -> None:
+        seen[0] = report.runs
+
+    with fault_injected("purge_batch", slow_first):
+        report = purge(Database(db_url), older_than=0, batch=16, on_batch=counted)
+    assert report.runs == seen[0] == 48
+    assert sizes[:2] == [16, 8], sizes  # halved after the slow one
+    assert max(sizes[2:]) == 16, sizes  # and grown back to the size asked for

@@ -4,13 +4,15 @@ Only COMPLETED runs and FAILED ones with no retry pending are deleted, never RUN
 on it) and never DEAD ones (they wait in the dead-letter queue for a person: `oncelery dlq purge`). Each
 batch is its own short transaction, walking the primary key, so workers keep claiming meanwhile. A key whose
 run was purged executes again if it is sent again. Entity versions are kept: purging them would let a stale
-event apply.
+event apply. Letters without a run (a conflict, a bad message, a capped re-publish) and closed outbox rows go
+by the same age.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus, RunStatus
+from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS, STEPS
 
@@ -27,6 +30,7 @@ __all__ = [
     "DEFAULT_BATCH",
     "DEFAULT_RETENTION_SECONDS",
     "LEDGER_TABLES",
+    "MAX_BATCH_SECONDS",
     "PurgeReport",
     "parse_age",
     "purge",
@@ -37,6 +41,9 @@ logger = logging.getLogger("oncelery.retention")  # a stable name (users filter 
 #: Tables that hold rows per run (by a `run_id` column) without a foreign key: the model-call cost ledger.
 LEDGER_TABLES = ("model_calls",)
 DEFAULT_BATCH = 1000
+#: The longest a purge batch should hold its transaction (SQLite's one writer lock, PostgreSQL's row locks):
+#: a batch that took longer halves the next one, so workers' lease renewals never wait past their lease.
+MAX_BATCH_SECONDS = 0.25
 #: The relay's default retention (`oncelery relay --retention`): a week, above Stripe's 24 hours.
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 
@@ -89,14 +96,15 @@ def purge(
     )
     with db.read() as conn:
         ledgers = [name for name in LEDGER_TABLES if inspect(conn).has_table(name)]
-    last_id = 0
+    last_id, size = 0, batch
     while True:
         query = (
             select(r.id, r.task_name, r.tenant, r.idempotency_key)
             .where(r.id > last_id, finished, func.coalesce(r.finished_at, r.updated_at) < cutoff)
             .order_by(r.id)
-            .limit(batch)
+            .limit(size)
         )
+        started = time.monotonic()
         with db.begin() as conn:
             found = conn.execute(query, params).all()
             if not found:
@@ -104,17 +112,37 @@ def purge(
             ids = [row.id for row in found]
             last_id = ids[-1]
             _delete_runs(conn, ids, ledgers, report)
+            fault_point("purge_batch", runs=len(ids))
+        size = next_batch_size(size, batch, time.monotonic() - started)
         if forget is not None:
             # All found runs, kept ones included: an entry dropped for a run that stays is only a cache miss.
             forget([(row.task_name, row.tenant, row.idempotency_key) for row in found])
         report.batches += 1
         if on_batch is not None:
             on_batch(report)
+    _purge_runless(db, cutoff, params, report)
+    return report
+
+
+def next_batch_size(size: int, most: int, took: float) -> int:
+    """The next purge batch's size: halved after a batch held its transaction over MAX_BATCH_SECONDS, grown
+    back (doubled, up to `most`) after one that took under a quarter of it."""
+    if took > MAX_BATCH_SECONDS:
+        return max(1, size // 2)
+    if took < MAX_BATCH_SECONDS / 4:
+        return min(most, size * 2)
+    return size
+
+
+def _purge_runless(db: Database, cutoff: Any, params: dict[str, Any], report: PurgeReport) -> None:
+    """Delete what has no run to go with: closed outbox rows, and letters without a run (a conflict, a bad
+    message, a capped re-publish) last written before the cut-off."""
+    o, d = OUTBOX.c, LETTERS.c
     with db.begin() as conn:
-        o = OUTBOX.c
         done = o.status.in_([OutboxStatus.DONE, OutboxStatus.DEAD])
         report.outbox += conn.execute(delete(OUTBOX).where(done, o.created_at < cutoff), params).rowcount or 0
-    return report
+        runless = and_(d.run_id.is_(None), d.last_failed_at < cutoff)
+        report.dead_letters += conn.execute(delete(LETTERS).where(runless), params).rowcount or 0
 
 
 def _delete_runs(conn: Connection, ids: list[int], ledgers: list[str], report: PurgeReport) -> None:

@@ -37,6 +37,7 @@ POINTS = (
     "dead_letter",  # before a poison run is made DEAD, or a run-less message (conflict, bad) is dead-lettered
     "flush_replays",  # inside the transaction that writes the replay cache's counted replays, before its writes
     "relay_published",  # after the relay published a batch, before it marks the rows sent
+    "purge_batch",  # inside a purge batch's transaction, after its deletes, before it commits
 )
 
 _hooks: dict[str, Callable[[str, dict[str, Any]], None]] = {}
