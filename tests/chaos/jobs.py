@@ -9,6 +9,9 @@ visibility timeout, delivery defaults all from ONCELERY_* variables), then adds 
     CHAOS_STEP_SECONDS  the fake model call's latency in seconds (a long job passes its own, in its arguments)
     CHAOS_COMMIT_PAUSE  seconds between staging the effect and writing it (default 0.1)
 
+Every third job belongs to tenant `acme`: the app's tenant resolver (`oncelery_tenant`) reads who is sending
+from `sender_tenant`, which the runner sets around every copy it sends (outbox or direct); workers never ask it.
+
 One job: three checkpointed steps (the second one a fake "LLM call" metered through `oncelery.model_call`), then
 one effect row written through the fenced `self.effects()` session and staged in the runner's ledger first.
 """
@@ -19,6 +22,7 @@ import hashlib
 import os
 import time
 import uuid
+from contextvars import ContextVar
 from typing import Any
 
 from celery import Celery, signals
@@ -38,6 +42,20 @@ STEP_SECONDS = float(os.environ.get("CHAOS_STEP_SECONDS") or 0.02)
 # in which a fault can freeze or cut off a holder that is about to commit (its late completion is then refused).
 COMMIT_PAUSE = float(os.environ.get("CHAOS_COMMIT_PAUSE") or 0.1)
 
+# Who is sending (set by the runner around each copy of a job); the app-wide resolver answers with it.
+sender_tenant: ContextVar[str | None] = ContextVar("chaos_sender_tenant", default=None)
+TENANT = "acme"
+
+
+def tenant_for(job: int) -> str:
+    """The tenant job `job` belongs to: every third job is acme's, the others have none ("")."""
+    return TENANT if job % 3 == 0 else ""
+
+
+def _tenant_of(task_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    return sender_tenant.get()
+
+
 app = Celery("oncelery_chaos")
 app.config_from_object("oncelery.celeryconfig")
 app.conf.update(
@@ -46,6 +64,7 @@ app.conf.update(
     task_send_sent_event=False,
     # Oncelery's prices table: the ledger summary shows model calls made and saved, with a cost.
     oncelery_prices={MODEL: {"input": 0.15, "output": 0.60}},
+    oncelery_tenant=_tenant_of,
 )
 
 metadata = MetaData()

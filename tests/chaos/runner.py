@@ -170,17 +170,22 @@ class Run:
         self.ledger.submitted(job, copy, via)
         self.sent[via] += 1
         args = (job, self.seconds[job])
-        if via != "outbox":
-            self.jobs.chaos_job.apply_async(args)
-            return
-        while not self.stopping.is_set():
-            try:
-                with Session(self.sut.engine) as session, session.begin():
-                    outbox.enqueue(session, self.jobs.chaos_job, *args)
+        # Sent as the job's tenant: the app's resolver reads it here, in the sender, once per copy.
+        sending = self.jobs.sender_tenant.set(self.jobs.tenant_for(job))
+        try:
+            if via != "outbox":
+                self.jobs.chaos_job.apply_async(args)
                 return
-            except Exception as exc:  # a killed backend or a restart: the row was not written, write it again
-                self.errors.append(f"enqueue {job}: {type(exc).__name__}")
-                time.sleep(0.2)
+            while not self.stopping.is_set():
+                try:
+                    with Session(self.sut.engine) as session, session.begin():
+                        outbox.enqueue(session, self.jobs.chaos_job, *args)
+                    return
+                except Exception as exc:  # a killed backend or a restart: the row was not written, write it again
+                    self.errors.append(f"enqueue {job}: {type(exc).__name__}")
+                    time.sleep(0.2)
+        finally:
+            self.jobs.sender_tenant.reset(sending)
 
     def ask_burst(self) -> None:
         """Send the next BURST originals at once (a backlog for the flush to lose)."""
