@@ -19,6 +19,7 @@ __all__ = [
     "CONF_REPLAY_CACHE_TTL",
     "CONF_STORE_MESSAGE",
     "CONF_TENANT",
+    "CONTENT_KEY_PREFIX",
     "DEFAULT_DATABASE_FILE",
     "DEFAULT_DATA_DIR",
     "DEFAULT_LEASE_SECONDS",
@@ -41,8 +42,12 @@ __all__ = [
     "HEADER_TENANT",
     "HEADER_WAITS",
     "HEARTBEATS_PER_LEASE",
+    "IDENTITY_KEY_SECRET",
     "IN_PROGRESS_POLICIES",
     "KNOWN_SETTINGS",
+    "LEGACY_CONTENT_KEY_PREFIX",
+    "LEGACY_RECHECK_SECONDS",
+    "LEGACY_RUNS_SECRET",
     "MAX_KEY_LENGTH",
     "MIN_LEASE_SECONDS",
     "PASS_THROUGH_SEEN",
@@ -74,6 +79,17 @@ CONF_DATABASE_URL = "oncelery_database_url"
 # name the differing fields). Rotating it only makes older runs' conflicts name no fields.
 ENV_DIGEST_KEY = "ONCELERY_DIGEST_KEY"
 CONF_DIGEST_KEY = "oncelery_digest_key"
+# The secret that keys every fingerprint and content-addressed key (HMAC-SHA256): generated in the claims database
+# (its oncelery_secrets row) by the first process that needs it, and never rotated, so the same arguments always
+# find their run. Beside it, the highest run id when it was generated: runs up to it may hold the forms stored
+# before keyed digests and injective key encoding (a legacy lookup finds them; 0: none can).
+IDENTITY_KEY_SECRET = "identity_key"
+LEGACY_RUNS_SECRET = "legacy_runs_upto"
+# How often a process asks again whether runs stored before the upgrade remain (once none does, never again).
+LEGACY_RECHECK_SECONDS = 300.0
+# A content-addressed key: HMAC-SHA256 of all arguments under the identity key; runs stored before have sha256.
+CONTENT_KEY_PREFIX = "hmac-sha256:"
+LEGACY_CONTENT_KEY_PREFIX = "sha256:"
 
 # App-wide defaults (app.conf.<name>); a task's own option, then a call's, overrides each.
 CONF_LEASE = "oncelery_lease"  # seconds

@@ -24,32 +24,39 @@ def score(article_id: str, version: int, text: str, lang: str = "en") -> None:
     """A stand-in task signature."""
 
 
+# The claims database's identity key, as a builder receives it (IdempotentTask.identity_of reads it).
+IDENTITY_KEY = b"k" * 64
+
+
 def test_template_key_uses_bound_arguments_and_defaults() -> None:
     kb = KeyBuilder(score, "oncelery.score", "article:{article_id}:v{version}:{lang}", None)
-    ident = kb.identity(("a1",), {"version": 3, "text": "hi"})
+    ident = kb.identity(("a1",), {"version": 3, "text": "hi"}, identity_key=IDENTITY_KEY)
     assert ident.key == "article:a1:v3:en"
 
 
 def test_fingerprint_is_canonical_and_limited_to_chosen_fields() -> None:
     kb = KeyBuilder(score, "oncelery.score", "a:{article_id}", ("article_id", "text"))
-    a = kb.identity(("a1", 1, "hello"), {}, digest_key=b"secret")
-    b = kb.identity((), {"text": "hello", "version": 99, "article_id": "a1"}, digest_key=b"secret")
+    a = kb.identity(("a1", 1, "hello"), {}, digest_key=b"secret", identity_key=IDENTITY_KEY)
+    b = kb.identity(
+        (), {"text": "hello", "version": 99, "article_id": "a1"}, digest_key=b"secret", identity_key=IDENTITY_KEY
+    )
     assert a.fingerprint == b.fingerprint  # version is not fingerprinted, kwarg order is irrelevant
-    c = kb.identity(("a1", 1, "other"), {}, digest_key=b"secret")
+    c = kb.identity(("a1", 1, "other"), {}, digest_key=b"secret", identity_key=IDENTITY_KEY)
     assert differing_fields(a.field_digests, c.field_digests) == ["text"]
 
 
 def test_default_key_is_content_addressed_not_random() -> None:
     kb = KeyBuilder(score, "oncelery.score", None, None)
-    k1 = kb.identity(("a1", 1, "x"), {}).key
-    assert k1 == kb.identity(("a1", 1, "x"), {}).key
-    assert k1 != kb.identity(("a1", 2, "x"), {}).key
-    assert k1.startswith("sha256:")
+    k1 = kb.identity(("a1", 1, "x"), {}, identity_key=IDENTITY_KEY).key
+    assert k1 == kb.identity(("a1", 1, "x"), {}, identity_key=IDENTITY_KEY).key
+    assert k1 != kb.identity(("a1", 2, "x"), {}, identity_key=IDENTITY_KEY).key
+    assert k1.startswith("hmac-sha256:")  # keyed (runs stored before hold "sha256:"; a legacy lookup finds them)
+    assert kb.call_key(("a1", 1, "x"), {}).key is None  # a producer, with no database, leaves it to the worker
 
 
 def test_callable_key() -> None:
     kb = KeyBuilder(score, "oncelery.score", lambda article_id, version, text: f"{article_id}/{version}", None)
-    assert kb.identity(("a9", 4, "t"), {}).key == "a9/4"
+    assert kb.identity(("a9", 4, "t"), {}, identity_key=IDENTITY_KEY).key == "a9/4"
 
 
 def test_bad_options_fail_at_decoration_time() -> None:
@@ -82,9 +89,7 @@ def test_invalid_keys_are_rejected_at_call_time(key: str) -> None:
         with pytest.raises(InvalidKey):
             job.delay(key)
     elif key:  # a control character in a value is percent-encoded into the key, never refused or smuggled
-        assert job.identity_of((key,), digests=False).key == "doc:" + "".join(
-            ch if ch.isalnum() else f"%{ord(ch):02X}" for ch in key
-        )
+        assert job.key_of((key,)).key == "doc:" + "".join(ch if ch.isalnum() else f"%{ord(ch):02X}" for ch in key)
 
 
 def test_non_json_payload_is_a_typed_error() -> None:

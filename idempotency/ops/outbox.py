@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus
 from oncelery.runs.keys import validate_key
+from oncelery.runs.legacy import stored_names
 from oncelery.settings import HEADER_KEY, HEADER_TENANT
 from oncelery.store.tables import OUTBOX
 from oncelery.task.idempotent import IdempotentTask
@@ -69,7 +70,7 @@ def enqueue(session: Session | Connection, task: Any, *args: Any, **kwargs: Any)
     call_args, call_kwargs = list(sig.args), dict(sig.kwargs)
     _require_json(name, {"args": call_args, "kwargs": call_kwargs, "options": options})
     headers = options.get("headers")
-    key, tenant = _key_of(sig, name, task_id, call_args, call_kwargs, key, tenant, headers)
+    key, tenant = _key_of(session, sig, name, task_id, call_args, call_kwargs, key, tenant, headers)
     row = {
         "task_name": name,
         "args": call_args,
@@ -85,6 +86,7 @@ def enqueue(session: Session | Connection, task: Any, *args: Any, **kwargs: Any)
 
 
 def _key_of(
+    session: Session | Connection,
     sig: Signature,
     name: str,
     task_id: str,
@@ -94,7 +96,11 @@ def _key_of(
     tenant: str | None,
     headers: Any,
 ) -> tuple[str | None, str | None]:
-    """The key and tenant every publish carries (checked now: a bad one never reaches the table)."""
+    """The key and tenant every publish carries (checked now: a bad one never reaches the table).
+
+    The key the worker claims under, so the relay's join finds its run: the task's own derivation (no digest: a
+    content-addressed task's rows carry `outbox:<task id>`), or the old form a run stored before the upgrade holds.
+    """
     target = sig.type if name in sig.app.tasks else None
     if not isinstance(target, IdempotentTask):
         # A plain task has no claim to absorb a copy: it is never re-published for a lost run, but a relay killed
@@ -104,9 +110,9 @@ def _key_of(
         key = KEY_PREFIX + task_id  # the row's identity
     # Resolved here, in the caller's context, once: the relay (no caller) sends the row's stored tenant.
     tenant = target.entry_tenant(args, kwargs, tenant, headers)
-    ident = target.identity_of(args, kwargs, key, tenant, digests=False)
+    call = target.key_of(args, kwargs, key, tenant)
     target.version_of(args, kwargs)
-    return ident.key, ident.tenant
+    return stored_names(session, name, call)
 
 
 def _require_json(name: str, value: Any) -> None:

@@ -1,6 +1,8 @@
 """How a run row is claimed, renewed, completed, failed and read (room 3): the protocol, without Celery.
 
-Reading order: `keys` (idempotency keys and fingerprints), `decisions` (what a claim is and decides),
+Reading order: `encoding` (canonical JSON, keyed digests, a value's text in a key), `keys` (idempotency keys and
+fingerprints), `secrets` (the keys a database generates for itself), `legacy` (runs stored in the forms before
+keyed digests and injective keys), `decisions` (what a claim is and decides),
 `claims` (each transition as one token-guarded statement), `letters` (dead letters written with their state
 change), `outcomes` (exact outcome counts, and cached replays' counts), `views` (the read side), `faults`
 (named fault points on a delivery's path, for tests). Imports no celery, kombu, redis or click.

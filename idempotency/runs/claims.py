@@ -31,7 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from oncelery.errors import StaleVersion, StoreError
-from oncelery.models import DIGEST_KEY_SECRET, Outcome, RunStatus
+from oncelery.models import Outcome, RunStatus
 from oncelery.runs.decisions import (
     Claim,
     ClaimRequest,
@@ -45,13 +45,15 @@ from oncelery.runs.decisions import (
 )
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity
+from oncelery.runs.legacy import LegacyRuns
 from oncelery.runs.letters import kill_lost, letter_without_run, write_letter
 from oncelery.runs.outcomes import flush_replays, outcome_counts, record_outcome, record_outcome_txn
+from oncelery.runs.secrets import Secrets
 from oncelery.runs.views import Runs, RunView, run_view
 from oncelery.store.database import rowcount, translated
 from oncelery.store.driver import DriverTransaction
 from oncelery.store.statements import Statements, statements
-from oncelery.store.tables import SECRETS, VERSIONS
+from oncelery.store.tables import VERSIONS
 
 __all__ = ["RunStore"]
 
@@ -72,7 +74,9 @@ class RunStore:
         self.url = url
         self.runs = Runs(url)
         self.db = self.runs.db  # one handle: the reads and the claims share its dialect and engines
-        self._digest_key: bytes | None = None
+        self.secrets = Secrets(self.db)
+        # Runs stored before keyed digests and injective keys: found by a lookup only while they may remain.
+        self.legacy = LegacyRuns(self.db, self.secrets)
 
     @property
     def engine(self) -> Engine:
@@ -175,7 +179,7 @@ class RunStore:
             return ClaimResult(Decision.COMPLETED, run=run, counted=True)
         if row.new_id is not None:
             return ClaimResult(Decision.CLAIMED, claim=Claim.inserted(row.new_id, request))
-        if run is not None and run.fingerprint != request.ident.fingerprint:
+        if run is not None and not request.ident.same_payload(run.fingerprint):
             # Its answer holds no field digests (one_trip.NOT_DECIDING): read them for the error.
             ident = request.ident
             fault_point("conflict_read", task=request.task_name, key=ident.key)
@@ -195,7 +199,10 @@ class RunStore:
     def _decide_on(self, request: ClaimRequest, params: dict[str, Any], run: RunView) -> ClaimResult | None:
         """What an existing run means for this claim: answered, waited for, killed, or taken over."""
         if run.fingerprint != request.ident.fingerprint:
-            return ClaimResult(Decision.CONFLICT, run=run)
+            if not request.ident.same_payload(run.fingerprint):
+                return ClaimResult(Decision.CONFLICT, run=run)
+            # The same payload, fingerprinted before digests were keyed: the takeover's guard compares that form.
+            params = {**params, "p_fingerprint": run.fingerprint}
         if run.status is RunStatus.COMPLETED:
             return ClaimResult(Decision.COMPLETED, run=run)
         if run.status is RunStatus.DEAD:
@@ -373,12 +380,11 @@ class RunStore:
 
     def digest_key(self) -> bytes | None:
         """The secret this database generated for per-field digests (read once), or None if it has none."""
-        if self._digest_key is None:
-            stmt = select(SECRETS.c.value).where(SECRETS.c.name == DIGEST_KEY_SECRET)
-            with self.db.read() as conn:
-                value = conn.execute(stmt).scalar_one_or_none()
-            self._digest_key = str(value).encode("utf-8") if value else b""
-        return self._digest_key or None
+        return self.secrets.digest_key()
+
+    def identity_key(self) -> bytes:
+        """The key of every fingerprint and content-addressed key: this database's, generated once, never rotated."""
+        return self.secrets.identity().key
 
     def get(self, task_name: str, key: str, tenant: str = "") -> RunView | None:
         """Return the run for (task, tenant, key), with whether its lease is live by the database clock."""

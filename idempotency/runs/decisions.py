@@ -161,6 +161,8 @@ class EntityVersionOf:
 
     entity: str
     version: int
+    # The entity's name in the encoding before injective keys, where it differs (runs/legacy.py looks it up).
+    before: str | None = None
 
     def params(self) -> dict[str, Any]:
         """The statement parameters of this entity and version."""

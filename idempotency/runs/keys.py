@@ -1,38 +1,49 @@
-"""Idempotency keys from business data and payload fingerprints (canonical JSON, sha256).
+"""Idempotency keys from business data, and payload fingerprints: what a call is, for the claim.
 
-Keys mean one thing (G9): every value substituted into a key template is encoded so that distinct
-arguments never give the same key — strings are NFC-normalised and percent-encoded (so a ":" inside a
-value cannot pass for the template's own separator), integers (and integral floats: 3 == 3.0) are written
-in decimal, and anything else (bool, None, lists, dicts, other floats) as "~" + canonical JSON, encoded.
-A tenant namespaces keys: the run's row carries it, so one tenant never replays, conflicts with or blocks
-another's key.
+A key is explicit, a template over the bound arguments (each value encoded one-to-one: runs/encoding.py), a
+callable, or content addressed. A tenant namespaces keys: the run's row carries it, so one tenant never replays,
+conflicts with or blocks another's key.
+
+The fingerprint and a content-addressed key (`hmac-sha256:<hex>`) are HMAC-SHA256 under the database's identity
+key, which never rotates (the same arguments always find their run); per-field digests are HMAC-SHA256 under the
+digest key (ONCELERY_DIGEST_KEY), which may rotate. Runs stored before (an unkeyed `sha256:` key and fingerprint,
+the old encoding of "42" and "~") are found through `Identity.stored_before` (runs/legacy.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import inspect
-import json
-import math
 import string
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
-from oncelery.errors import ConfigurationError, InvalidKey, PayloadNotJSON
-from oncelery.settings import MAX_KEY_LENGTH
+from oncelery.errors import ConfigurationError, InvalidKey
+from oncelery.runs.encoding import (
+    canonical_json,
+    encode_key_value,
+    encode_key_value_before,
+    encoded_differently_before,
+    jsonable,
+    keyed_digest,
+    printable,
+    refuse_unencodable,
+    sha256_hex,
+)
+from oncelery.settings import CONTENT_KEY_PREFIX, LEGACY_CONTENT_KEY_PREFIX, MAX_KEY_LENGTH
 
 __all__ = [
+    "CallKey",
     "FingerprintSpec",
     "Identity",
     "KeyBuilder",
     "KeySpec",
+    "StoredBefore",
     "canonical_json",
     "differing_fields",
     "encode_key_value",
+    "keyed_digest",
     "sha256_hex",
     "validate_key",
 ]
@@ -40,21 +51,9 @@ __all__ = [
 KeySpec = str | Callable[..., str] | None
 FingerprintSpec = Sequence[str] | None
 
-
-def canonical_json(value: Any) -> str:
-    """Encode `value` as canonical JSON (sorted keys, no spaces, no NaN), raising PayloadNotJSON if it can't."""
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise PayloadNotJSON(
-            f"Cannot fingerprint a non-JSON value ({exc}); pass JSON types (str, int, float, bool, None, "
-            f"list, dict) as task arguments",
-        ) from exc
-
-
-def sha256_hex(text: str) -> str:
-    """Return the hex sha256 of `text` encoded as UTF-8 (stable across processes, unlike hash())."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+# What HMAC-SHA256 under the identity key is computed for: one payload never gives its fingerprint as its key.
+PURPOSE_FINGERPRINT = "fingerprint"
+PURPOSE_CONTENT_KEY = "content-key"
 
 
 def validate_key(key: Any, what: str = "idempotency key") -> str:
@@ -72,35 +71,67 @@ def validate_key(key: Any, what: str = "idempotency key") -> str:
     if bad:
         raise InvalidKey(
             f"The {what} {key!r} contains control characters or lone surrogates {bad!r}: use printable text only",
-            key=key.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace"),
+            key=printable(key),
         )
     return key
 
 
-# Characters a substituted string keeps as they are; every other one is percent-encoded ("%" included, so
-# the encoding is one-to-one, and "~", which marks a JSON-encoded value).
-_KEY_SAFE = "-._"
+@dataclass(frozen=True)
+class StoredBefore:
+    """A call's identity in the forms stored before keyed digests and injective keys (a legacy lookup's)."""
 
-
-def encode_key_value(value: Any) -> str:
-    """Return `value` as it stands in a key: distinct values give distinct text (see the module's doc)."""
-    if isinstance(value, str):
-        return quote(unicodedata.normalize("NFC", value), safe=_KEY_SAFE)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return str(int(value))
-    return "~" + quote(canonical_json(value), safe=_KEY_SAFE)
+    tenant: str
+    key: str
+    fingerprint: str
 
 
 @dataclass(frozen=True)
 class Identity:
-    """What the claim engine needs about one call: its key, tenant, payload fingerprint and field digests."""
+    """What the claim engine needs about one call: its key, tenant, payload fingerprint and field digests.
+
+    `stored_before`: the same call as a run stored before the upgrade holds it (None: not derived).
+    """
 
     key: str
     fingerprint: str
     field_digests: dict[str, str]
     tenant: str = ""
+    stored_before: StoredBefore | None = None
+
+    def same_payload(self, fingerprint: str) -> bool:
+        """Whether a stored `fingerprint` is this call's payload: keyed, or the unkeyed form stored before."""
+        before = self.stored_before
+        return fingerprint == self.fingerprint or (before is not None and fingerprint == before.fingerprint)
+
+    def renamed_before(self) -> bool:
+        """Whether a run stored before the upgrade has another (tenant, key): then only a lookup finds it."""
+        before = self.stored_before
+        return before is not None and (before.tenant, before.key) != (self.tenant, self.key)
+
+    def as_stored_before(self) -> Identity:
+        """This call as a run stored before the upgrade holds it (its tenant, key and unkeyed fingerprint)."""
+        before = self.stored_before
+        if before is None:
+            return self
+        return Identity(before.key, before.fingerprint, self.field_digests, before.tenant)
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """A call's key and tenant, checked with no secret and no database (a producer's view).
+
+    `key` is None for a content-addressed key: keyed with the database's identity key, it is derived in the worker.
+    `key_before` and `tenant_before`: the text the encoding before injective keys gave them, where it differs.
+    """
+
+    key: str | None
+    tenant: str
+    key_before: str | None = None
+    tenant_before: str | None = None
+
+    def renamed_before(self) -> bool:
+        """Whether a run stored before the upgrade may have another (tenant, key)."""
+        return self.key_before is not None or self.tenant_before is not None
 
 
 class KeyBuilder:
@@ -129,9 +160,12 @@ class KeyBuilder:
                     f"{task_name}: fingerprint names {unknown} that are not parameters of the task {params}"
                 )
         self.fields: tuple[str, ...] | None = tuple(fields) if fields is not None else None
+        # The parameters each template uses: only they are encoded (a long text outside the key is not).
+        self.used: dict[str, tuple[str, ...]] = {}
         for option, spec in ((what, key), ("tenant", tenant)):
             if isinstance(spec, str):
                 names = _template_fields(task_name, option, spec, params)
+                self.used[spec] = tuple(sorted(names))
                 missing = sorted(n for n in names if self.fields is not None and n not in self.fields)
                 if missing and option == what:
                     # A key field outside the fingerprint would let two payloads that differ there share a
@@ -150,7 +184,31 @@ class KeyBuilder:
         except TypeError as exc:
             raise ConfigurationError(f"{self.task_name}: arguments do not match the task: {exc}") from exc
         bound.apply_defaults()
-        return {name: _jsonable(value) for name, value in bound.arguments.items()}
+        return {name: jsonable(value) for name, value in bound.arguments.items()}
+
+    def call_key(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        explicit_key: str | None = None,
+        explicit_tenant: str | None = None,
+    ) -> CallKey:
+        """Return the call's key and tenant, refusing what every worker would (bad key or tenant, non-JSON or
+        unencodable payload); needs no secret: a content-addressed key (None here) is derived in the worker."""
+        arguments = self.bind(args, kwargs)
+        call = self._call_key(args, kwargs, arguments, explicit_key, explicit_tenant)
+        refuse_unencodable(canonical_json(self._chosen(arguments)))
+        if call.key is None and self.fields is not None:
+            refuse_unencodable(canonical_json(arguments))
+        return call
+
+    def named(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
+        """Return the key a template or callable names (an entity's), and the text it had before, if other."""
+        arguments = self.bind(args, kwargs)
+        call = self._call_key(args, kwargs, arguments, None, None)
+        if call.key is None:
+            raise ConfigurationError(f"{self.task_name}: no template or callable names this key; give one")
+        return call.key, call.key_before
 
     def identity(
         self,
@@ -159,43 +217,88 @@ class KeyBuilder:
         explicit_key: str | None = None,
         explicit_tenant: str | None = None,
         digest_key: bytes | None = None,
+        identity_key: bytes | None = None,
     ) -> Identity:
         """Return the key (explicit, template, callable, or content-addressed), tenant and fingerprint of a call.
 
-        Per-field digests (they name the fields of a conflict) are HMAC-SHA256 under `digest_key`, so a
-        low-entropy field cannot be brute-forced from the table; without a key no field digests are kept.
+        The fingerprint and a content-addressed key are HMAC-SHA256 under `identity_key` (required: the claims
+        database's, which never rotates); per-field digests (they name the fields of a conflict) are HMAC-SHA256
+        under `digest_key`, and without it none are kept. `stored_before` holds the forms of runs stored before.
         """
+        if not identity_key:
+            raise ConfigurationError(
+                f"{self.task_name}: a fingerprint is keyed with the claims database's identity key; call the "
+                f"task's identity_of() (it reads the key), or key_of() for the key and tenant alone"
+            )
         arguments = self.bind(args, kwargs)
-        chosen = arguments if self.fields is None else {f: arguments[f] for f in self.fields}
-        digests = (
-            {name: hmac.digest(digest_key, canonical_json(v).encode(), "sha256").hex() for name, v in chosen.items()}
-            if digest_key
-            else {}
-        )
-        fingerprint = sha256_hex(canonical_json(chosen))
-        key = self._render(self.key_spec, explicit_key, args, kwargs, arguments)
+        call = self._call_key(args, kwargs, arguments, explicit_key, explicit_tenant)
+        chosen = self._chosen(arguments)
+        payload = canonical_json(chosen)
+        fingerprint = keyed_digest(identity_key, payload, PURPOSE_FINGERPRINT)
+        digests = {n: keyed_digest(digest_key, canonical_json(v)) for n, v in chosen.items()} if digest_key else {}
+        key, key_before = call.key, call.key_before
         if key is None:
             # Content addressed: never a random UUID and never Celery's task id (retry() reuses it).
-            key = "sha256:" + sha256_hex(canonical_json(arguments))
+            everything = payload if chosen is arguments else canonical_json(arguments)
+            key = CONTENT_KEY_PREFIX + keyed_digest(identity_key, everything, PURPOSE_CONTENT_KEY)
+            key_before = LEGACY_CONTENT_KEY_PREFIX + sha256_hex(everything)
+        before = StoredBefore(call.tenant_before or call.tenant, key_before or key, sha256_hex(payload))
+        return Identity(validate_key(key), fingerprint, digests, call.tenant, before)
+
+    def _chosen(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        return arguments if self.fields is None else {f: arguments[f] for f in self.fields}
+
+    def _call_key(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        arguments: dict[str, Any],
+        explicit_key: str | None,
+        explicit_tenant: str | None,
+    ) -> CallKey:
+        key = self._render(self.key_spec, explicit_key, args, kwargs, arguments)
         tenant = self._render(self.tenant_spec, explicit_tenant, args, kwargs, arguments) or ""
         if tenant:
             validate_key(tenant, "tenant")
-        return Identity(key=validate_key(key), fingerprint=fingerprint, field_digests=digests, tenant=tenant)
+        if key is not None:
+            validate_key(key)
+        key_before = self._before(self.key_spec, explicit_key, key, arguments)
+        tenant_before = self._before(self.tenant_spec, explicit_tenant, tenant, arguments)
+        return CallKey(key, tenant, key_before, tenant_before)
 
-    @staticmethod
     def _render(
-        spec: KeySpec, explicit: str | None, args: Sequence[Any], kwargs: Mapping[str, Any], arguments: dict[str, Any]
+        self,
+        spec: KeySpec,
+        explicit: str | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        arguments: dict[str, Any],
     ) -> str | None:
         if explicit is not None:
             return explicit
         if isinstance(spec, str):
-            return spec.format(**{name: encode_key_value(value) for name, value in arguments.items()})
+            return spec.format(**{name: encode_key_value(arguments[name]) for name in self.used[spec]})
         if callable(spec):
             try:
                 return str(spec(*args, **kwargs))
             except Exception as exc:  # a user's callable: its failure becomes a typed error naming it
                 raise ConfigurationError(f"The key callable {spec!r} failed on these arguments: {exc!r}") from exc
         return None
+
+    def _before(self, spec: KeySpec, explicit: str | None, text: str | None, arguments: dict[str, Any]) -> str | None:
+        """The text a template gave these arguments before injective keys, if other than `text` (else None).
+
+        An explicit key or tenant counts as the template's when it is the template's text (the outbox stores it).
+        """
+        if not isinstance(spec, str) or not text:
+            return None
+        used = self.used[spec]
+        if not any(encoded_differently_before(arguments[name]) for name in used):
+            return None
+        if explicit is not None and explicit != spec.format(**{n: encode_key_value(arguments[n]) for n in used}):
+            return None
+        before = spec.format(**{name: encode_key_value_before(arguments[name]) for name in used})
+        return before if before != text and len(before) <= MAX_KEY_LENGTH else None
 
 
 def differing_fields(stored: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
@@ -216,19 +319,3 @@ def _template_fields(task_name: str, option: str, template: str, params: list[st
             )
         names.add(name)
     return names
-
-
-def _jsonable(value: Any) -> Any:
-    # One JSON form per value, so a retried message fingerprints as the first one did: tuples are lists,
-    # strings are NFC (café typed two ways is one value), integral floats are ints (3.0 is version 3).
-    if isinstance(value, str):
-        return unicodedata.normalize("NFC", value)
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value

@@ -93,7 +93,9 @@ class IdempotentTask(RunBody):
         except ConfigurationError:
             # A chain link gets its first argument from the previous link, in the worker: checked there.
             return
-        self.identity_of(seen_args, seen_kwargs, key, tenant, digests=False)
+        # No database here (producers need none): a content-addressed key is keyed in the worker, so the key and
+        # tenant are checked, and the payload's JSON, but no digest is computed.
+        self.key_of(seen_args, seen_kwargs, key, tenant)
         self.version_of(seen_args, seen_kwargs)
 
     # -- worker side -----------------------------------------------------------------------------
@@ -152,11 +154,17 @@ class IdempotentTask(RunBody):
     def _identify(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any
     ) -> tuple[Identity, str | None, EntityVersionOf | None]:
-        """The delivery's identity, entity and version; a message without them is dead-lettered, with why."""
+        """The delivery's identity, entity and version; a message without them is dead-lettered, with why.
+
+        A run (or entity version) stored before keyed digests and injective keys is found in its old forms, and
+        the delivery is then that run's (runs/legacy.py: a lookup only while such runs may remain).
+        """
         try:
             ident = self.identity_of(args, kwargs, explicit.get(HEADER_KEY), explicit.get(HEADER_TENANT))
-            entity = self._concurrency_keys.identity(args, kwargs).key if self._concurrency_keys else None
+            entity = self._concurrency_keys.named(args, kwargs)[0] if self._concurrency_keys else None
             version = self.version_of(args, kwargs)
+            ident = self.store.legacy.identity(self.name, ident)
+            version = self.store.legacy.entity(self.name, ident.tenant, version)
         except StoreError:
             raise
         except OnceleryError as exc:

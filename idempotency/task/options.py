@@ -17,7 +17,7 @@ from oncelery.delivery.replay_cache import ReplayCache, configured_cache
 from oncelery.errors import ConfigurationError
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import EntityVersionOf
-from oncelery.runs.keys import FingerprintSpec, Identity, KeyBuilder, KeySpec
+from oncelery.runs.keys import CallKey, FingerprintSpec, Identity, KeyBuilder, KeySpec
 from oncelery.settings import (
     CONF_LEASE,
     CONF_ON_IN_PROGRESS,
@@ -48,7 +48,8 @@ class TaskOptions(Task):  # type: ignore[misc]
     """The options of an IdempotentTask, validated when the task is defined and resolved for each call."""
 
     #: Template over the bound arguments ("article:{article_id}:v{version}"), a callable taking the
-    #: task's arguments, or None for a content-addressed key (task arguments' sha256).
+    #: task's arguments, or None for a content-addressed key (HMAC-SHA256 of the task's arguments under the claims
+    #: database's identity key).
     idempotency_key: KeySpec = None
     #: Argument names whose values make the payload fingerprint; None means all arguments.
     fingerprint: FingerprintSpec = None
@@ -158,7 +159,8 @@ class TaskOptions(Task):  # type: ignore[misc]
             raise ConfigurationError(
                 f"{self.name}: entity_version argument {self.entity_version!r} must be an int, got {version!r}"
             )
-        return EntityVersionOf(self._entity_keys.identity(args, kwargs).key, version)
+        entity, before = self._entity_keys.named(args, kwargs)
+        return EntityVersionOf(entity, version, before)
 
     def _option(self, name: str) -> Any:
         # Celery keeps task options as class attributes, so a function given as an option (a callable key)
@@ -237,6 +239,15 @@ class TaskOptions(Task):  # type: ignore[misc]
         # "" (no tenant) is an answer too: carried as such, a re-send (a retry) never asks the resolver again.
         return resolver(self.name, tuple(args or ()), dict(kwargs or {})) or ""
 
+    def key_of(
+        self, args: Any = (), kwargs: Any = None, idempotency_key: str | None = None, tenant: str | None = None
+    ) -> CallKey:
+        """Return the key and tenant of a call, refusing what a worker would; needs no database (a producer's check).
+
+        A content-addressed key is None here: it is keyed with the claims database's identity key, in the worker.
+        """
+        return self._keys.call_key(tuple(args or ()), dict(kwargs or {}), idempotency_key, tenant)
+
     def identity_of(
         self,
         args: Any = (),
@@ -248,11 +259,14 @@ class TaskOptions(Task):  # type: ignore[misc]
     ) -> Identity:
         """Return the key, tenant and payload fingerprint this task derives for the given call.
 
-        Per-field digests are keyed with ONCELERY_DIGEST_KEY, else with the secret the claims database
-        generated (`digests=False` skips them, and the database).
+        The fingerprint and a content-addressed key are keyed with the claims database's identity key (read from
+        the database, generated there once). Per-field digests are keyed with ONCELERY_DIGEST_KEY, else with the
+        secret the claims database generated (`digests=False` skips them). Without a database, see key_of().
         """
-        digest_key = (digest_secret(self.app.conf) or self.store.digest_key()) if digests else None
-        return self._keys.identity(tuple(args or ()), dict(kwargs or {}), idempotency_key, tenant, digest_key)
+        store = self.store
+        digest_key = (digest_secret(self.app.conf) or store.digest_key()) if digests else None
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        return self._keys.identity(args, kwargs, idempotency_key, tenant, digest_key, store.identity_key())
 
     def _keeps_messages(self) -> bool:
         if self.store_message is not None:

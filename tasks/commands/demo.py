@@ -139,7 +139,7 @@ def demo(
 
     docs = sample_documents(jobs)
     calls = [(doc_id, doc_version, text, work_seconds) for doc_id, text in docs]
-    keys = [demo_score.identity_of(args, digests=False).key for args in calls]
+    keys = [str(demo_score.key_of(args).key) for args in calls]
     order = plan_deliveries(jobs, duplicates)
     runs = Runs(url)
     before = runs.outcome_counts(demo_score.name)

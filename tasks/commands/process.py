@@ -178,7 +178,7 @@ def _prepare(
     """Check every key, migrate the database, refuse reused keys with other arguments; return (url, keys)."""
     # Keys first (a bad article id is reported before any database is touched), then, with the database
     # ready, the full identities whose keyed field digests name a conflict's fields.
-    keys = [_identity(task, a, args, digests=False).key for a, args in zip(articles, calls, strict=True)]
+    keys = [_key(task, a, args) for a, args in zip(articles, calls, strict=True)]
     url = resolve_database_url(ctx, app, embedded=True)
     for line in prepare_database(url):
         click.echo(line)
@@ -232,9 +232,17 @@ def _deliver(
             watch.close()
 
 
-def _identity(task: Any, article: Article, args: tuple[Any, ...], digests: bool = True) -> Identity:
+def _key(task: Any, article: Article, args: tuple[Any, ...]) -> str:
+    # The task's key template, checked with no database (the database is prepared after every key is good).
     try:
-        return cast(Identity, task.identity_of(args, digests=digests))
+        return str(task.key_of(args).key)
+    except InvalidKey as exc:
+        raise click.ClickException(f"line {article.line}: article id {article.id!r} makes a bad key: {exc}") from exc
+
+
+def _identity(task: Any, article: Article, args: tuple[Any, ...]) -> Identity:
+    try:
+        return cast(Identity, task.identity_of(args))
     except InvalidKey as exc:
         raise click.ClickException(f"line {article.line}: article id {article.id!r} makes a bad key: {exc}") from exc
 
@@ -243,7 +251,7 @@ def _refuse_conflicts(runs: Runs, task_name: str, articles: list[Article], ident
     """Stop before sending if an article's key was used with other arguments (G5 would refuse every delivery)."""
     for article, ident in zip(articles, idents, strict=True):
         run = runs.get(task_name, ident.key)
-        if run is None or run.fingerprint == ident.fingerprint:
+        if run is None or ident.same_payload(run.fingerprint):
             continue
         fields = differing_fields(run.field_digests, ident.field_digests)
         raise click.ClickException(
