@@ -25,6 +25,7 @@ from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.outcomes import flush_replays
 from oncelery.store.database import Database
+from oncelery.store.dialects import PostgreSQL
 from oncelery.store.driver import statement_listeners
 from oncelery.testing.faults import wait_until
 from tests.chaos.procs import RedisServer, Sessions
@@ -56,24 +57,32 @@ def counts_written() -> Iterator[None]:
 
 
 class Statements:
-    """Counts the SQL statements this process sends (SQLAlchemy's and the driver path's) while active."""
+    """Counts the SQL statements this process sends (SQLAlchemy's and the driver path's) while active, but the
+    reads of the database's identity: at most one per process every few seconds, never one per delivery."""
 
     def __init__(self) -> None:
         self.n = 0
         self.lock = threading.Lock()
 
-    def _count(self, *_args: Any) -> None:
-        with self.lock:
-            self.n += 1
+    def _count(self, statement: str) -> None:
+        if statement not in PostgreSQL.identity_queries:
+            with self.lock:
+                self.n += 1
+
+    def _on_engine(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        self._count(statement)
+
+    def _on_driver(self, statement: str, _params: Any) -> None:
+        self._count(statement)
 
     def __enter__(self) -> Statements:
-        event.listen(Engine, "before_cursor_execute", self._count)
-        statement_listeners.append(self._count)
+        event.listen(Engine, "before_cursor_execute", self._on_engine)
+        statement_listeners.append(self._on_driver)
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        event.remove(Engine, "before_cursor_execute", self._count)
-        statement_listeners.remove(self._count)
+        event.remove(Engine, "before_cursor_execute", self._on_engine)
+        statement_listeners.remove(self._on_driver)
 
 
 def cached_job(app: Celery, server: RedisServer, name: str) -> tuple[Any, list[int]]:

@@ -13,6 +13,7 @@ from typing import Any
 import click
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from oncelery.cli.cache import cache
 from oncelery.cli.context import (
     EXIT_CONFIGURATION,
     URL_META,
@@ -87,6 +88,7 @@ def build_group() -> click.Group:
     group.add_command(purge_command)
     group.add_command(costs)
     group.add_command(metrics)
+    group.add_command(cache)
     return group
 
 

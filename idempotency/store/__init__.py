@@ -4,7 +4,8 @@ Reading order: `database` (the `Database` handle and THE translation of driver e
 and SQLite differences as small overrides), `clock` (THE lease-liveness rule on the database clock), `tables`
 (table handles), `statements` (the claim protocol's SQL, built once per dialect), `one_trip` (PostgreSQL's
 one-round-trip statements), `driver` (the hot statements straight through the driver), `schema` (revision
-check and upgrade). Imports no celery, kombu, redis or click.
+check and upgrade), `identity` (what names the database's contents: a restore or a failover changes it).
+Imports no celery, kombu, redis or click.
 """
 
 __all__: list[str] = []  # a room: its modules are imported by their own paths

@@ -92,6 +92,11 @@ class Dialect:
     #: Modes that get an engine (and pool) of their own; the others share the default engine.
     own_engine_modes: frozenset[str] = frozenset({MODE_DEFAULT})
 
+    #: Queries of one text value naming this database's contents, which a restore or a replacement changes
+    #: (store.identity), most precise first: a later one serves where the server refuses an earlier one.
+    #: Empty (SQLite): the identity never changes; after a restore, `oncelery cache flush`.
+    identity_queries: tuple[str, ...] = ()
+
 
 class PostgreSQL(Dialect):
     """PostgreSQL through psycopg 3."""
@@ -153,6 +158,19 @@ class PostgreSQL(Dialect):
         return postgresql.insert
 
     own_engine_modes = frozenset({MODE_DEFAULT, MODE_FAST, MODE_AUTOCOMMIT})
+
+    # The cluster (initdb: a restore into a new cluster), its timeline (a promoted replica, a point-in-time
+    # recovery), this database (a dump restored into the same cluster as a new database) and the server's start
+    # as epoch seconds, whatever the session's TimeZone (any start: a file-level restore in place keeps the
+    # other three). pg_control_* may be refused to an application's role (revoked on some managed services);
+    # then the second: without the cluster and timeline, every restore and failover still restarts a server.
+    identity_queries = (
+        "SELECT s.system_identifier::text || '/' || c.timeline_id::text || '/' || d.oid::text || '/' || "
+        "extract(epoch FROM pg_postmaster_start_time())::text "
+        "FROM pg_control_system() s, pg_control_checkpoint() c, pg_database d WHERE d.datname = current_database()",
+        "SELECT 'no-control/' || d.oid::text || '/' || extract(epoch FROM pg_postmaster_start_time())::text "
+        "FROM pg_database d WHERE d.datname = current_database()",
+    )
 
 
 # Millisecond text in the layout SQLAlchemy stores DateTime in on SQLite, so comparisons hold.
