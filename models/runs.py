@@ -260,8 +260,22 @@ class DeadLetter(Base):
     )
     replayed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     replays: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # A conflict's payload fingerprint: one letter per (task, tenant, key, fingerprint), counted in `attempts`.
+    fingerprint: Mapped[str | None] = mapped_column(String(64))
 
-    __table_args__ = (Index("ix_dead_letters_task_name_last_failed_at", "task_name", "last_failed_at"),)
+    __table_args__ = (
+        Index("ix_dead_letters_task_name_last_failed_at", "task_name", "last_failed_at"),
+        Index(
+            "uq_dead_letters_conflict",
+            "task_name",
+            "tenant",
+            "idempotency_key",
+            "fingerprint",
+            unique=True,
+            postgresql_where=text("reason = 'conflict'"),
+            sqlite_where=text("reason = 'conflict'"),
+        ),
+    )
 
 
 class EntityVersion(Base):

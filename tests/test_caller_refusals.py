@@ -120,3 +120,12 @@ def test_eager_call_on_a_held_key_raises_in_progress_at_once(app: Celery, db_url
         run = Runs(db_url).get(task.name, "e:1")
         # Still the test's claim, its 60 s lease live (database clock): the calls answered without waiting it out.
         assert run is not None and run.status is RunStatus.RUNNING and run.token == 1 and run.lease_live
+
+
+def test_a_key_over_the_limit_once_encoded_is_refused_at_call_time_saying_so(app: Celery, published: list[str]) -> None:
+    """28 CJK characters are 252 characters of the key once percent-encoded: `.delay()` refuses it in the caller,
+    and the message says the length counts the encoded values (not the 28 characters the caller typed)."""
+    job = offline_job(app, "oncelery.t_cjk_key", idempotency_key="doc:{doc}")
+    with pytest.raises(InvalidKey, match="counted as encoded"):
+        job.delay("漢" * 28)
+    assert published == []

@@ -28,12 +28,16 @@ from sqlalchemy import select, text
 from oncelery import (
     CELERY_DELIVERY_DEFAULTS,
     ConfigurationError,
+    Database,
     DeadLetters,
+    IdempotencyConflict,
     IdempotentTask,
+    InvalidKey,
     LetterView,
     RunIsDead,
     Runs,
     RunStatus,
+    purge,
 )
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.store.database import get_engine
@@ -588,3 +592,50 @@ def test_a_replay_keeps_the_calls_own_options(app: Celery, worker_factory: Any, 
         assert len(DeadLetters(db_url).replay(app, letters).replayed) == 1
         wait_for(lambda: len(seen) == 2, timeout=60, what="the replayed delivery")
     assert seen[1] == seen[0] == {"oncelery_lease": 7.0, "oncelery_on_in_progress": "skip"}, seen
+
+
+def test_conflicts_are_counted_with_one_redacted_letter_per_payload(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    """Five conflicting deliveries of two other payloads for one key: five `conflict` outcomes, two letters (one
+    per payload fingerprint, attempts 3 and 2) that keep neither payload's values; a purge removes them."""
+    secret = "PIN 4711"
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_conflict_letters", idempotency_key="k:{n}")
+    def job(self: IdempotentTask, n: int, note: str) -> str:
+        return note
+
+    with worker_factory(app):
+        assert job.delay(1, "first").get(timeout=60) == "first"
+        for note in (f"{secret} b", f"{secret} b", f"{secret} c", f"{secret} b", f"{secret} c"):
+            with pytest.raises(IdempotencyConflict):
+                job.delay(1, note).get(timeout=60)
+    assert job.outcome_counts() == {"executed": 1, "conflict": 5}
+    letters = DeadLetters(db_url).list(task_name=job.name, limit=None)
+    assert sorted(letter.attempts for letter in letters) == [2, 3]
+    assert {letter.reason for letter in letters} == {"conflict"}
+    for letter in letters:
+        assert letter.message["fields_that_differ"] == ["note"]
+        assert secret not in json.dumps(letter.message), "a conflict letter kept the payload"
+    assert purge(Database(db_url), older_than=0).dead_letters == 2
+    assert DeadLetters(db_url).list(task_name=job.name, limit=None) == []
+
+
+def test_a_lone_surrogate_from_another_producer_is_a_typed_refusal_with_an_outcome_and_a_letter(
+    app: Celery, worker_factory: Any, db_url: str
+) -> None:
+    """A non-Python producer's JSON may carry a lone surrogate ("\\ud800"), which has no UTF-8 form: the delivery
+    is refused with a typed error, counted `dead`, and dead-lettered (the letter keeps the escaped text)."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_surrogate", idempotency_key="k:{doc}")
+    def job(self: IdempotentTask, doc: str) -> str:
+        return doc
+
+    with worker_factory(app):
+        result = app.send_task("oncelery.t_surrogate", args=["a\ud800b"])  # sent by name: no caller-side check
+        with pytest.raises(InvalidKey):
+            result.get(timeout=60)
+    assert job.outcome_counts() == {"dead": 1}
+    letters = DeadLetters(db_url).list(task_name="oncelery.t_surrogate")
+    assert [(x.reason, x.run_id) for x in letters] == [("bad_message", None)]
+    assert letters[0].error is not None and "surrogate" in letters[0].error

@@ -14,10 +14,11 @@ import hmac
 import json
 from typing import Any
 
+import pytest
 from celery import Celery
 from sqlalchemy import select
 
-from oncelery import IdempotentTask, Relay, Runs, RunStatus, outbox
+from oncelery import IdempotencyConflict, IdempotentTask, Relay, Runs, RunStatus, outbox
 from oncelery.models import OutboxStatus
 from oncelery.settings import IDENTITY_KEY_SECRET
 from oncelery.store.database import get_engine
@@ -187,3 +188,25 @@ def test_a_worker_replays_runs_stored_before_the_upgrade(
     with get_engine(db_url).connect() as conn:
         assert conn.execute(select(OUTBOX.c.status)).scalar_one() is OutboxStatus.DONE
     assert Runs(db_url).outcome_counts() == {"replayed": 2}
+
+
+def test_after_a_digest_key_rotation_a_conflict_says_its_fields_are_unknown(app: Celery, db_url: str) -> None:
+    """A conflict against a run stored under the previous digest key names no field (every digest differs, so
+    naming them all would be wrong): it says the fields are unknown because the key changed. Under the same key
+    the differing field is named."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_rotated_conflict", idempotency_key="d:{d}")
+    def summarize(self: IdempotentTask, d: str, text: str, lang: str) -> str:
+        return text
+
+    app.finalize()
+    app.conf.oncelery_digest_key = "first-digest-key"
+    assert summarize("d1", "yes", "en") == "yes"
+    with pytest.raises(IdempotencyConflict) as same_key:
+        summarize("d1", "no", "en")
+    assert same_key.value.fields == ["text"]
+    app.conf.oncelery_digest_key = "rotated-digest-key"
+    with pytest.raises(IdempotencyConflict) as rotated:
+        summarize("d1", "no", "en")
+    assert rotated.value.fields == []
+    assert "unknown: the digest key (ONCELERY_DIGEST_KEY) changed" in str(rotated.value)

@@ -46,7 +46,6 @@ from oncelery.errors import (
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import (
-    REASON_CONFLICT,
     REASON_NEVER_SUCCEEDS,
     REASON_RETRIES_EXHAUSTED,
     Claim,
@@ -57,7 +56,7 @@ from oncelery.runs.decisions import (
     encode_result,
 )
 from oncelery.runs.faults import fault_point
-from oncelery.runs.keys import differing_fields
+from oncelery.runs.keys import differing_fields, digest_key_rotated
 from oncelery.settings import DIRECT_WAIT_TIMEOUT
 
 __all__ = ["Delivery"]
@@ -173,9 +172,12 @@ class Delivery:
         """CONFLICT: the key was first used with another payload; dead-letter this message, never retry it."""
         stored = res.run.field_digests if res.run is not None else {}
         fields = differing_fields(stored, self.ident.field_digests)
+        which = ", ".join(fields) or "unknown"
+        if digest_key_rotated(stored, self.ident.field_digests):
+            which = "unknown: the digest key (ONCELERY_DIGEST_KEY) changed since the first payload was stored"
         conflict = IdempotencyConflict(
             f"{self.task.name}: idempotency key {self.ident.key!r} was first used with a different payload "
-            f"(fields that differ: {', '.join(fields) or 'unknown'}); the first result stands. "
+            f"(fields that differ: {which}); the first result stands. "
             f"Use a new key (e.g. bump the version in it) for a new payload.",
             task_name=self.task.name,
             key=self.ident.key,
@@ -183,9 +185,8 @@ class Delivery:
         )
         fault_point("dead_letter", task=self.task.name, key=self.ident.key)
         self.store.close_outbox_row(self.request.id, Outcome.CONFLICT)  # before the count: it is idempotent
-        self.store.letter_without_run(
-            self.task.name, self.ident.tenant, REASON_CONFLICT, str(conflict), self.call.message, self.ident.key
-        )  # the letter and the `conflict` count, in one transaction
+        # The `conflict` count and one redacted letter per payload, in one transaction.
+        self.store.letter_conflict(self.task.name, self.ident, str(conflict), fields, self.call.message)
         self.task.tell_caller(Outcome.CONFLICT, self.ident)
         raise conflict
 

@@ -46,7 +46,7 @@ from oncelery.runs.decisions import (
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity
 from oncelery.runs.legacy import LegacyRuns
-from oncelery.runs.letters import kill_lost, letter_without_run, write_letter
+from oncelery.runs.letters import kill_lost, letter_conflict, letter_without_run, write_letter
 from oncelery.runs.outcomes import flush_replays, outcome_counts, record_outcome, record_outcome_txn
 from oncelery.runs.secrets import Secrets
 from oncelery.runs.views import Runs, RunView, run_view
@@ -260,6 +260,10 @@ class RunStore:
     ) -> None:
         """Dead-letter a message that has no run of its own (a bad message, a conflict), and count its outcome."""
         letter_without_run(self.db, task_name, tenant, reason, error, message, key)
+
+    def letter_conflict(self, task_name: str, ident: Identity, error: str, fields: list[str], message: Any) -> None:
+        """Count a conflicting delivery, with one redacted letter per (task, tenant, key, fingerprint)."""
+        letter_conflict(self.db, task_name, ident, error, fields, message)
 
     def applied_version(self, task_name: str, tenant: str, entity: str) -> int | None:
         """The last applied version of `entity` for this task and tenant, or None before the first."""

@@ -34,6 +34,7 @@ from oncelery.runs.encoding import (
 from oncelery.settings import CONTENT_KEY_PREFIX, LEGACY_CONTENT_KEY_PREFIX, MAX_KEY_LENGTH
 
 __all__ = [
+    "DIGEST_KEY_ID",
     "CallKey",
     "FingerprintSpec",
     "Identity",
@@ -42,6 +43,7 @@ __all__ = [
     "StoredBefore",
     "canonical_json",
     "differing_fields",
+    "digest_key_rotated",
     "encode_key_value",
     "keyed_digest",
     "sha256_hex",
@@ -55,14 +57,23 @@ FingerprintSpec = Sequence[str] | None
 PURPOSE_FINGERPRINT = "fingerprint"
 PURPOSE_CONTENT_KEY = "content-key"
 
+# The entry of a run's field digests that names the digest key they were made with (its first 16 hex of an HMAC
+# of nothing): after a rotation a conflict then says its fields are unknown instead of naming every field.
+DIGEST_KEY_ID = "~digest_key"
+PURPOSE_DIGEST_KEY_ID = "digest-key-id"
+
 
 def validate_key(key: Any, what: str = "idempotency key") -> str:
     """Return `key` if it is a non-empty str of at most 255 chars, printable and encodable, else raise."""
     if not isinstance(key, str) or not key:
         raise InvalidKey(f"An {what} must be a non-empty string, got {key!r}", key=repr(key))
     if len(key) > MAX_KEY_LENGTH:
+        # A template's values are percent-encoded: a CJK character takes 9 characters of the key, an emoji 12.
+        encoded = (
+            " (counted as encoded: a template's non-ASCII values take up to 12 characters each)" if "%" in key else ""
+        )
         raise InvalidKey(
-            f"The {what} is {len(key)} characters, the limit is {MAX_KEY_LENGTH}: "
+            f"The {what} is {len(key)} characters{encoded}, the limit is {MAX_KEY_LENGTH}: "
             f"derive a shorter one (e.g. hash the long part): {key[:60]!r}...",
             key=key[:MAX_KEY_LENGTH],
         )
@@ -236,6 +247,8 @@ class KeyBuilder:
         payload = canonical_json(chosen)
         fingerprint = keyed_digest(identity_key, payload, PURPOSE_FINGERPRINT)
         digests = {n: keyed_digest(digest_key, canonical_json(v)) for n, v in chosen.items()} if digest_key else {}
+        if digest_key:
+            digests[DIGEST_KEY_ID] = keyed_digest(digest_key, "", PURPOSE_DIGEST_KEY_ID)[:16]  # which key made them
         key, key_before = call.key, call.key_before
         if key is None:
             # Content addressed: never a random UUID and never Celery's task id (retry() reuses it).
@@ -302,8 +315,17 @@ class KeyBuilder:
 
 
 def differing_fields(stored: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
-    """Return the sorted names whose digests differ (or exist on one side only)."""
-    return sorted(n for n in set(stored) | set(current) if stored.get(n) != current.get(n))
+    """Return the sorted names whose digests differ (or exist on one side only); none when the digest key
+    rotated since `stored` was made (then every digest differs and tells nothing: see `digest_key_rotated`)."""
+    if digest_key_rotated(stored, current):
+        return []
+    names = (set(stored) | set(current)) - {DIGEST_KEY_ID}
+    return sorted(n for n in names if stored.get(n) != current.get(n))
+
+
+def digest_key_rotated(stored: Mapping[str, str], current: Mapping[str, str]) -> bool:
+    """Whether `stored` and `current` field digests were made under different digest keys (a rotation)."""
+    return DIGEST_KEY_ID in stored and DIGEST_KEY_ID in current and stored[DIGEST_KEY_ID] != current[DIGEST_KEY_ID]
 
 
 def _template_fields(task_name: str, option: str, template: str, params: list[str]) -> set[str]:

@@ -13,17 +13,23 @@ from sqlalchemy import Connection
 from oncelery.models import Outcome
 from oncelery.runs.decisions import REASON_CONFLICT, REASON_MAX_DELIVERIES, Death, clean_error
 from oncelery.runs.faults import fault_point
+from oncelery.runs.keys import Identity
 from oncelery.runs.outcomes import record_outcome_txn
 from oncelery.runs.views import RunView
 from oncelery.store.database import Database, rowcount
-from oncelery.store.statements import Statements
+from oncelery.store.statements import Statements, statements
 from oncelery.store.tables import LETTERS
 
 __all__ = [
+    "REDACTED_CONFLICT",
     "kill_lost",
+    "letter_conflict",
     "letter_without_run",
     "write_letter",
 ]
+
+# What a conflict letter keeps instead of the payload (not needed: a conflict is never replayed).
+REDACTED_CONFLICT = "the conflicting payload is not kept; fields_that_differ names what differs"
 
 
 def write_letter(conn: Connection, sql: Statements, run_id: int, error: str, death: Death) -> None:
@@ -74,3 +80,23 @@ def letter_without_run(
         # (the first payload's run stands); any other reason as `dead`.
         outcome = Outcome.CONFLICT if reason == REASON_CONFLICT else Outcome.DEAD
         record_outcome_txn(conn, db.dialect.name, task_name, outcome, tenant)
+
+
+def letter_conflict(db: Database, task_name: str, ident: Identity, error: str, fields: list[str], message: Any) -> None:
+    """Count a conflicting delivery and keep one letter per (task, tenant, key, payload fingerprint), its
+    arguments redacted (a conflict is never replayed: its letter names the fields that differ, not their values).
+    """
+    headers = dict((message or {}).get("headers") or {}) if isinstance(message, dict) else {}
+    kept = {"redacted": REDACTED_CONFLICT, "fields_that_differ": fields, "headers": headers}
+    params = {
+        "p_task": task_name,
+        "p_tenant": ident.tenant,
+        "p_key": ident.key,
+        "p_fingerprint": ident.fingerprint,
+        "p_error": clean_error(error),
+        "p_letter": kept,
+    }
+    with db.begin() as conn:
+        conn.execute(statements(db.dialect.name).conflict_letter, params)
+        # Counted with its letter, in one transaction: a fault between the two re-sends the copy, counted once.
+        record_outcome_txn(conn, db.dialect.name, task_name, Outcome.CONFLICT, ident.tenant)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, update
+from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, text, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.models import OutboxStatus, RunStatus
@@ -90,6 +90,7 @@ class Statements:
         self.fail_dead = self._fail_dead(now, first_failed)
         self.kill_lost = self._kill_lost(now, first_failed)
         self.letter = self._letter(insert, now)
+        self.conflict_letter = self._conflict_letter(insert, now)
         # Counting: one delivery's outcome, a batch of cached replays, a replay on its run.
         self.count_outcome = count_statement(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
         # `p_count` deliveries at once: the replays the replay cache answered, written by its flusher.
@@ -310,6 +311,29 @@ class Statements:
                 lease_expires_at=None,
                 first_failed_at=first_failed,
             )
+        )
+
+    @staticmethod
+    def _conflict_letter(insert: Any, now: ColumnElement[Any]) -> Any:
+        # One letter per (task, tenant, key, payload fingerprint): each further conflicting delivery of the same
+        # payload counts in `attempts` and refreshes the last time, instead of adding a row with its payload.
+        d = LETTERS.c
+        stmt = insert(LETTERS).values(
+            task_name=bindparam("p_task"),
+            tenant=bindparam("p_tenant"),
+            idempotency_key=bindparam("p_key"),
+            fingerprint=bindparam("p_fingerprint"),
+            reason="conflict",
+            error=bindparam("p_error", type_=String),
+            attempts=1,
+            message=bindparam("p_letter", type_=JSON),
+            first_failed_at=now,
+            last_failed_at=now,
+        )
+        return stmt.on_conflict_do_update(
+            index_elements=["task_name", "tenant", "idempotency_key", "fingerprint"],
+            index_where=text("reason = 'conflict'"),  # the partial index's own predicate, literally (inference)
+            set_={"attempts": d.attempts + 1, "last_failed_at": now, "error": stmt.excluded.error},
         )
 
     @staticmethod
