@@ -1,8 +1,8 @@
 """SQLAlchemy models: the database is Oncelery's final deduplication barrier.
 
-`oncelery.models` holds the framework's tables (`runs`, and the cost ledger's `ledger`); the demo jobs' tables
-are in `oncelery.models.jobs`, on their own migration branch, so `oncelery db upgrade` never creates them in a
-user's database.
+`oncelery.models` holds the framework's tables (`runs`, the cost ledger's `ledger`, and `totals`, the counts
+triggers keep for the metrics exporter); the demo jobs' tables are in `oncelery.models.jobs`, on their own
+migration branch, so `oncelery db upgrade` never creates them in a user's database.
 """
 
 from oncelery.models.base import Base
@@ -20,6 +20,7 @@ from oncelery.models.runs import (
     StepResult,
     TaskRun,
 )
+from oncelery.models.totals import LetterTotal, RunStatusTotal
 
 __all__ = [
     "DIGEST_KEY_SECRET",
@@ -28,11 +29,13 @@ __all__ = [
     "DeliveryOutcome",
     "EntityVersion",
     "LedgerTotal",
+    "LetterTotal",
     "ModelCall",
     "OutboxMessage",
     "OutboxStatus",
     "Outcome",
     "RunStatus",
+    "RunStatusTotal",
     "Secret",
     "StepResult",
     "TaskRun",

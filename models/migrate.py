@@ -47,6 +47,8 @@ FRAMEWORK = Branch(
             "entity_versions",
             "model_calls",
             "ledger_totals",
+            "run_status_totals",
+            "letter_totals",
         }
     ),
 )

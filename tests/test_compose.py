@@ -122,6 +122,17 @@ def test_compose_config_is_valid_with_the_example_env() -> None:
     assert "container_name" not in rendered
 
 
+def test_metrics_listens_on_every_interface_only_inside_its_container() -> None:
+    """`oncelery metrics` binds 127.0.0.1 by default (the metrics name tenants); the compose file passes 0.0.0.0,
+    which the published port needs inside the container, and publishes it on the host's loopback."""
+    done = compose("-f", str(COMPOSE_FILE), "config", env_file=EXAMPLE_ENV)
+    assert done.returncode == 0, done.stderr
+    service = re.search(r"^  metrics:\n(.*?)(?=^  \S)", done.stdout, flags=re.MULTILINE | re.DOTALL)
+    assert service is not None, done.stdout
+    assert "ONCELERY_METRICS_ADDR: 0.0.0.0" in service.group(1)
+    assert "- 127.0.0.1:19808:9808/tcp" in service.group(1)
+
+
 def test_compose_refuses_without_each_secret(tmp_path: Path) -> None:
     """With any required secret missing, `config` fails and names it."""
     example = {
@@ -349,5 +360,6 @@ def test_metrics_answers(migrated: dict[str, str], tmp_path: Path) -> None:
         wait_for(lambda: exited(metrics, log) or port_open("127.0.0.1", port), timeout=60, what="the metrics port")
         answer = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert answer.status_code == 200 and "oncelery" in answer.text
+        assert not port_open("127.0.0.2", port)  # no ONCELERY_METRICS_ADDR: loopback only, as compose overrides
     finally:
         stop(metrics)

@@ -42,7 +42,12 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 @pytest.fixture(params=["sqlite", "postgresql"])
 def metrics_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated claims database of this test alone: a SQLite file, or a new PostgreSQL `metrics_*` database."""
-    if request.param == "sqlite":
+    yield from migrated_database(request.param, tmp_path)
+
+
+def migrated_database(store: str, tmp_path: Path) -> Iterator[str]:
+    """The body of a `metrics_url` fixture (other modules declare their own): `store` is sqlite or postgresql."""
+    if store == "sqlite":
         url = f"sqlite:///{tmp_path / 'claims.db'}"
         upgrade_schema(url)
         yield url

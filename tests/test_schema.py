@@ -14,6 +14,7 @@ import oncelery.models.jobs  # noqa: F401  (the demo tables join the metadata)
 from oncelery import IdempotentTask, SchemaMissing
 from oncelery.models import Base
 from oncelery.models.migrate import FRAMEWORK, JOBS, Branch, downgrade, upgrade
+from oncelery.models.totals import TRIGGERS
 from oncelery.runs.claims import RunStore
 from oncelery.runs.keys import Identity
 from oncelery.store.database import get_engine
@@ -33,6 +34,21 @@ def test_migrations_match_models(db_url: str, branch: Branch) -> None:
         diff = compare_metadata(MigrationContext.configure(conn, opts=opts), Base.metadata)
     assert diff == []
     assert branch.tables <= set(Base.metadata.tables)  # the filter did not hide a whole branch
+
+
+_TRIGGER_NAMES = {
+    "postgresql": "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal",
+    "sqlite": "SELECT name FROM sqlite_master WHERE type = 'trigger'",
+}
+
+
+def test_the_totals_triggers_exist_at_head(db_url: str) -> None:
+    """The triggers that keep run_status_totals and letter_totals exist at head: a migration that rebuilds
+    task_runs or dead_letters (SQLite's batch mode copies the table and drops its triggers) must recreate them."""
+    engine = get_engine(db_url)
+    with engine.connect() as conn:
+        names = set(conn.exec_driver_sql(_TRIGGER_NAMES[engine.dialect.name]).scalars())
+    assert {name for name in names if name.startswith("oncelery_")} == set(TRIGGERS[engine.dialect.name])
 
 
 def test_upgrade_is_idempotent_and_downgrade_removes_everything(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`oncelery metrics`: serve the claims database's metrics to Prometheus over HTTP until SIGTERM/Ctrl-C."""
+"""`oncelery metrics`: serve the claims database's metrics to Prometheus over HTTP(S) until SIGTERM/Ctrl-C."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import threading
 from typing import Any
 
 import click
-from prometheus_client import start_http_server
 
 from oncelery.cli.context import resolve_database_url
+from oncelery.ops.exporter import DEFAULT_ADDR, Exporter, read_password_file, serve
 from oncelery.ops.metrics import claims_registry
 from oncelery.store.database import Database, safe_url
 
@@ -19,16 +19,48 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 9808  # registered for no other exporter on the Prometheus default-port list
+_FILE = click.Path(exists=True, dir_okay=False, readable=True)
 
 
 @click.command()
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--addr",
+    default=DEFAULT_ADDR,
+    show_default=True,
+    help="Address to listen on. The metrics name tasks and tenants: 0.0.0.0 only behind auth or a private network.",
+)
+@click.option("--tls-cert", type=_FILE, default=None, help="PEM certificate: serve HTTPS (needs --tls-key).")
+@click.option("--tls-key", type=_FILE, default=None, help="PEM private key of --tls-cert.")
+@click.option("--basic-auth-user", metavar="NAME", default=None, help="Require basic auth with this user name.")
+@click.option(
+    "--basic-auth-password-file",
+    type=_FILE,
+    default=None,
+    help="File holding the basic-auth password (read once at start; surrounding whitespace ignored).",
+)
 @click.pass_context
-def metrics(ctx: click.Context, port: int, addr: str) -> None:
+def metrics(
+    ctx: click.Context,
+    port: int,
+    addr: str,
+    tls_cert: str | None,
+    tls_key: str | None,
+    basic_auth_user: str | None,
+    basic_auth_password_file: str | None,
+) -> None:
     """Serve /metrics for Prometheus: every value read from the claims database at scrape time."""
     url = resolve_database_url(ctx)
     Database(url).require_file()  # a mistyped SQLite path fails now, not on every scrape
+    password = read_password_file(basic_auth_password_file) if basic_auth_password_file else None
+    exporter = Exporter(port, addr, tls_cert, tls_key, basic_auth_user, password)
+    if exporter.user and exporter.scheme == "http":
+        click.echo("metrics: warning: basic auth over plain HTTP sends the password in clear (add --tls-cert)")
+    _serve_until_stopped(exporter, url)
+    click.echo("metrics stopped")
+
+
+def _serve_until_stopped(exporter: Exporter, url: str) -> None:
     stop = threading.Event()
 
     def _stop(_signum: int, _frame: Any) -> None:
@@ -36,10 +68,12 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server, thread = start_http_server(port, addr, registry=claims_registry(url))
+        server, thread = serve(claims_registry(url), exporter)
         try:
             bound = server.server_address[1]
-            click.echo(f"metrics: serving http://{addr}:{bound}/metrics for {safe_url(url)} (Ctrl-C or SIGTERM stops)")
+            auth = f", basic auth as {exporter.user}" if exporter.user else ""
+            where = f"{exporter.scheme}://{exporter.addr}:{bound}/metrics"
+            click.echo(f"metrics: serving {where} for {safe_url(url)}{auth} (Ctrl-C or SIGTERM stops)")
             stop.wait()
         finally:
             server.shutdown()
@@ -48,4 +82,3 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    click.echo("metrics stopped")

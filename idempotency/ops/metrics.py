@@ -1,9 +1,10 @@
 """Prometheus metrics of the claims database, read at scrape time: exact across processes, hosts and restarts.
 
 Nothing is counted in this process: every value is a query on the database, so any number of exporters (or
-a restarted one) report the same figures. Every query reads a small table (delivery_outcomes, outbox rows
-not yet sent, dead_letters) or walks an index (the partial index of RUNNING runs, the (status, updated_at)
-index for FAILED/DEAD); none scans task_runs. docs/metrics.md gives each metric's definition and cost.
+a restarted one) report the same figures. Every query reads a small table (delivery_outcomes, ledger_totals,
+and the totals triggers keep of FAILED/DEAD runs and of dead letters: models/totals.py) or walks a bounded
+index (the partial index of RUNNING runs, the outbox rows not yet sent); none scans task_runs, dead_letters,
+step_results or model_calls. docs/metrics.md gives each metric's definition and cost.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, 
 from oncelery.errors import OnceleryError
 from oncelery.models import Outcome
 from oncelery.store.database import Database
-from oncelery.store.tables import LETTERS, OUTBOX, OUTCOME_TOTALS, OUTCOMES, RUNS, STEPS, TOTALS
+from oncelery.store.tables import (
+    LETTER_TOTALS,
+    OUTBOX,
+    OUTCOME_TOTALS,
+    OUTCOMES,
+    RUN_STATUS_TOTALS,
+    RUNS,
+    STEPS,
+    TOTALS,
+)
 
 __all__ = ["ClaimsCollector", "claims_registry"]
 
@@ -31,7 +41,6 @@ PREFIX = "oncelery"
 # Literal predicates, not bound parameters: a prepared statement's generic plan cannot prove `status = $1`
 # implies a partial index's `status = 'RUNNING'`, and would fall back to a scan of every run.
 _RUNNING = text("task_runs.status = 'RUNNING'")
-_FAILED_OR_DEAD = text("task_runs.status IN ('FAILED', 'DEAD')")
 _PENDING = text("outbox.status = 'PENDING'")
 # Deliveries that found the work already done or under way: what an at-least-once broker duplicated.
 DUPLICATE_OUTCOMES = (Outcome.REPLAYED.value, Outcome.IN_PROGRESS.value)
@@ -169,15 +178,12 @@ def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Me
     yield from (*families.values(), tokens)
 
 
-# -- runs (the partial index of RUNNING runs; the (status, updated_at) index for FAILED and DEAD) -------------
+# -- runs (the partial index of RUNNING runs; run_status_totals for FAILED and DEAD) -------------------------
 
 
 def database_clock(db: Database) -> ColumnElement[Any]:
     """The database's clock as a datetime column (every age is measured by it, never by this host's clock)."""
     return type_coerce(db.dialect.now(), DateTime(timezone=True))
-
-
-_TS = (RUNS.c.task_name, RUNS.c.status)
 
 
 def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Metric]:
@@ -198,7 +204,8 @@ def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Me
         .where(_RUNNING)
         .group_by(c.task_name)
     ).all()
-    finished = conn.execute(select(c.task_name, c.status, func.count()).where(_FAILED_OR_DEAD).group_by(*_TS)).all()
+    t = RUN_STATUS_TOTALS.c  # FAILED and DEAD, counted by triggers: a few shard rows per task and status
+    finished = conn.execute(select(t.task_name, t.status, func.sum(t.runs)).group_by(t.task_name, t.status)).all()
     runs = GaugeMetricFamily(
         f"{PREFIX}_runs",
         "Runs now in a status (RUNNING, FAILED, DEAD; COMPLETED is oncelery_runs_completed_total).",
@@ -277,15 +284,15 @@ def step_families(conn: Connection) -> Iterator[Metric]:
     yield from (executed, replayed)
 
 
-# -- outbox backlog and dead letters ---------------------------------------------------------------------------
+# -- outbox backlog (index of status) and dead letters (letter_totals) -----------------------------------------
 
 
 def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
     """Outbox rows waiting to be published (and the oldest one's age), and dead letters not yet replayed."""
-    o, d = OUTBOX.c, LETTERS.c
+    o, d = OUTBOX.c, LETTER_TOTALS.c  # letters counted by triggers: a few shard rows per task and reason
     pending, oldest = conn.execute(select(func.count(), func.min(o.created_at)).where(_PENDING)).one()
     letters = conn.execute(
-        select(d.task_name, d.reason, func.count(), func.count(d.replayed_at)).group_by(d.task_name, d.reason)
+        select(d.task_name, d.reason, func.sum(d.letters), func.sum(d.replayed)).group_by(d.task_name, d.reason)
     ).all()
     backlog = GaugeMetricFamily(f"{PREFIX}_outbox_pending", "Outbox rows committed but not yet published.")
     backlog.add_metric([], int(pending))

@@ -11,8 +11,10 @@ from oncelery.models import (
     DeliveryOutcome,
     EntityVersion,
     LedgerTotal,
+    LetterTotal,
     ModelCall,
     OutboxMessage,
+    RunStatusTotal,
     Secret,
     StepResult,
     TaskRun,
@@ -21,12 +23,14 @@ from oncelery.models import (
 __all__ = [
     "CALLS",
     "LETTERS",
+    "LETTER_TOTALS",
     "OUTBOX",
     "OUTCOMES",
     "OUTCOME_KEY",
     "OUTCOME_SHARDS",
     "OUTCOME_TOTALS",
     "RUNS",
+    "RUN_STATUS_TOTALS",
     "RUN_VIEW_COLUMNS",
     "SAVED_FROM",
     "SECRETS",
@@ -45,6 +49,9 @@ SECRETS = cast(Table, Secret.__table__)
 # The cost ledger: one row per model call, and running totals per (task, tenant, model).
 CALLS = cast(Table, ModelCall.__table__)
 TOTALS = cast(Table, LedgerTotal.__table__)
+# Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.
+RUN_STATUS_TOTALS = cast(Table, RunStatusTotal.__table__)
+LETTER_TOTALS = cast(Table, LetterTotal.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
 OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
 # Running totals each counted delivery adds to its counter row (models.runs.DeliveryOutcome says which).
