@@ -467,7 +467,8 @@ def test_purge_of_100k_runs_in_batches_while_a_worker_serves(
     assert report.runs == purged_runs, report
     assert report.steps == 20_000 and report.dead_letters == 10 + 5 and report.outbox == 40, report
     assert report.ledger == 0 and report.kept_referenced == 0, report
-    assert report.batches >= 14 and report.batches == len(batches) == -(-purged_runs // PURGE_BATCH), report
+    # At least the batches of the size asked for; more where a slow batch halved the next (MAX_BATCH_SECONDS).
+    assert report.batches == len(batches) >= -(-purged_runs // PURGE_BATCH) >= 14, report
     assert all(0 < n <= PURGE_BATCH for n in batches) and sum(batches) == purged_runs, batches
     print(f"purged {report.runs} runs in {report.batches} batches in {took:.1f}s")
 

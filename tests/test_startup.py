@@ -30,6 +30,8 @@ FRAMEWORK_TABLES = {
     "entity_versions",
     "model_calls",
     "ledger_totals",
+    "run_status_totals",
+    "letter_totals",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}
