@@ -49,6 +49,22 @@ def _fenced() -> ColumnElement[bool]:
     )
 
 
+def _fenced_failure(status: RunStatus, now: ColumnElement[Any], first_failed: ColumnElement[Any], **values: Any) -> Any:
+    # The holder's fenced write of a failure: the run leaves RUNNING with its error and loses its lease.
+    return (
+        update(RUNS)
+        .where(_fenced())
+        .values(
+            status=status,
+            error=bindparam("p_error"),
+            updated_at=now,
+            lease_expires_at=None,
+            first_failed_at=first_failed,
+            **values,
+        )
+    )
+
+
 def still_running() -> ColumnElement[bool]:
     """`status = 'RUNNING'` for a row found by its id, kept out of the index conditions.
 
@@ -243,52 +259,18 @@ class Statements:
     @staticmethod
     def _fail(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:
         # The holder's fenced failure: a duplicate may take the run over at once.
-        return (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.FAILED,
-                error=bindparam("p_error"),
-                updated_at=now,
-                lease_expires_at=None,
-                first_failed_at=first_failed,
-            )
-        )
+        return _fenced_failure(RunStatus.FAILED, now, first_failed)
 
     @staticmethod
     def _fail_for_retry(now: ColumnElement[Any], first_failed: ColumnElement[Any], delayed: ColumnElement[Any]) -> Any:
         # A failure Celery will retry after a countdown: no duplicate may take the run over before then
         # (database clock), and the retry is counted on the run, whichever message carries it.
-        return (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.FAILED,
-                error=bindparam("p_error"),
-                updated_at=now,
-                lease_expires_at=None,
-                not_before=delayed,
-                retries=RUNS.c.retries + 1,
-                first_failed_at=first_failed,
-            )
-        )
+        return _fenced_failure(RunStatus.FAILED, now, first_failed, not_before=delayed, retries=RUNS.c.retries + 1)
 
     @staticmethod
     def _fail_dead(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:
         # A failure that can never succeed, or the last retry's: DEAD until `oncelery dlq replay`.
-        return (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.DEAD,
-                error=bindparam("p_error"),
-                updated_at=now,
-                finished_at=now,
-                lease_expires_at=None,
-                not_before=None,
-                first_failed_at=first_failed,
-            )
-        )
+        return _fenced_failure(RunStatus.DEAD, now, first_failed, finished_at=now, not_before=None)
 
     @staticmethod
     def _kill_lost(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:

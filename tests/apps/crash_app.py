@@ -134,30 +134,25 @@ def _entity_body(self: IdempotentTask, doc: str, version: int, seconds: float) -
     return {"doc": doc, "version": version, "pid": os.getpid()}
 
 
-@app.task(
-    base=IdempotentTask,
-    bind=True,
-    name="oncelery.crash_entity",
-    idempotency_key="entity:{doc}:v{version}",
-    concurrency_key="entity:{doc}",
-    store_message=True,
-    lease=LEASE,
-)
-def crash_entity(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
-    """One run per (doc, version), one RUNNING run per doc; its message is kept for the sweeper."""
-    return _entity_body(self, doc, version, seconds)
+def _entity_task(name: str, **options: Any) -> Any:
+    """Register an entity task `name`: one run per (doc, version), one RUNNING run per doc, its message kept for
+    the sweeper, and `options` (e.g. entity_version) on top."""
+
+    def body(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
+        return _entity_body(self, doc, version, seconds)
+
+    return app.task(
+        base=IdempotentTask,
+        bind=True,
+        name=name,
+        idempotency_key="entity:{doc}:v{version}",
+        concurrency_key="entity:{doc}",
+        store_message=True,
+        lease=LEASE,
+        **options,
+    )(body)
 
 
-@app.task(
-    base=IdempotentTask,
-    bind=True,
-    name="oncelery.crash_entity_versioned",
-    idempotency_key="entity:{doc}:v{version}",
-    concurrency_key="entity:{doc}",
-    entity_version="version",
-    store_message=True,
-    lease=LEASE,
-)
-def crash_entity_versioned(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
-    """As crash_entity, and a version not newer than the doc's applied one is stale (never applied)."""
-    return _entity_body(self, doc, version, seconds)
+crash_entity = _entity_task("oncelery.crash_entity")
+# As crash_entity, and a version not newer than the doc's applied one is stale (never applied).
+crash_entity_versioned = _entity_task("oncelery.crash_entity_versioned", entity_version="version")
