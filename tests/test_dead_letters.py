@@ -9,6 +9,7 @@ run-less dead letter. The `oncelery dlq` commands list, show, replay and purge t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -639,3 +640,24 @@ def test_a_lone_surrogate_from_another_producer_is_a_typed_refusal_with_an_outco
     letters = DeadLetters(db_url).list(task_name="oncelery.t_surrogate")
     assert [(x.reason, x.run_id) for x in letters] == [("bad_message", None)]
     assert letters[0].error is not None and "surrogate" in letters[0].error
+
+
+def test_a_conflict_is_logged_as_expected_without_a_traceback(
+    app: Celery, worker_factory: Any, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """IdempotencyConflict is raised on purpose (counted, lettered): Celery logs it at INFO with no traceback,
+    not as ERROR "raised unexpected"."""
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_conflict_log", idempotency_key="k:{n}")
+    def job(self: IdempotentTask, n: int, note: str) -> str:
+        return note
+
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"), worker_factory(app):
+        assert job.delay(1, "first").get(timeout=60) == "first"
+        with pytest.raises(IdempotencyConflict):
+            job.delay(1, "second").get(timeout=60)
+    traced = [r for r in caplog.records if r.name == "celery.app.trace" and "IdempotencyConflict" in r.getMessage()]
+    assert traced, "the conflict was not logged by Celery's tracer"
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in traced), [
+        (r.levelname, r.getMessage()[:80]) for r in traced
+    ]

@@ -7,6 +7,7 @@ from typing import Any
 
 from celery.utils.saferepr import saferepr
 
+from oncelery.errors import IdempotencyConflict
 from oncelery.models import Outcome
 from oncelery.runs.keys import Identity
 from oncelery.task.caller import tell_caller
@@ -22,6 +23,10 @@ logger = logging.getLogger("oncelery.task")
 
 class Announcing(TaskOptions):
     """Publishes each delivery's outcome as a task event (for Flower) and in the result backend (for the caller)."""
+
+    # Errors Oncelery raises on purpose, already counted and dead-lettered: Celery logs them at INFO without a
+    # traceback ("expected"), not as "raised unexpected". A task's own `throws=` replaces this tuple.
+    throws: tuple[type[BaseException], ...] = (IdempotencyConflict,)
 
     def tell_caller(self, outcome: Outcome, ident: Identity, token: int | None = None, note: str = "") -> None:
         """Publish this delivery's outcome: a task event for Flower, and `outcome_of(result)` for the caller.
