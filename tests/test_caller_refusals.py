@@ -28,10 +28,11 @@ from tests.conftest import offline_job
     ids=["uuid", "datetime", "decimal"],
 )
 def test_non_json_argument_is_refused_in_the_caller(value: Any, published: list[str]) -> None:
-    """A UUID, datetime or Decimal argument raises PayloadNotJSON at .delay(), and nothing is published."""
+    """A UUID, datetime or Decimal argument raises PayloadNotJSON at .delay(), naming the argument and its type,
+    and nothing is published."""
     app = Celery("edges-payload", broker="memory://")
     job = offline_job(app, "oncelery.t_payload")
-    with pytest.raises(PayloadNotJSON, match="JSON types"):
+    with pytest.raises(PayloadNotJSON, match=f"argument 'doc' is a {type(value).__name__}, not JSON; pass JSON types"):
         job.delay(value)
     assert published == []
     job.delay("plain-text")  # the control: a JSON argument is published

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from oncelery.errors import ConfigurationError, InvalidKey
+from oncelery.errors import ConfigurationError, InvalidKey, PayloadNotJSON
 from oncelery.runs.encoding import (
     canonical_json,
     encode_key_value,
@@ -208,9 +208,9 @@ class KeyBuilder:
         unencodable payload); needs no secret: a content-addressed key (None here) is derived in the worker."""
         arguments = self.bind(args, kwargs)
         call = self._call_key(args, kwargs, arguments, explicit_key, explicit_tenant)
-        refuse_unencodable(canonical_json(self._chosen(arguments)))
+        refuse_unencodable(self._payload(self._chosen(arguments)))
         if call.key is None and self.fields is not None:
-            refuse_unencodable(canonical_json(arguments))
+            refuse_unencodable(self._payload(arguments))
         return call
 
     def named(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
@@ -244,7 +244,7 @@ class KeyBuilder:
         arguments = self.bind(args, kwargs)
         call = self._call_key(args, kwargs, arguments, explicit_key, explicit_tenant)
         chosen = self._chosen(arguments)
-        payload = canonical_json(chosen)
+        payload = self._payload(chosen)
         fingerprint = keyed_digest(identity_key, payload, PURPOSE_FINGERPRINT)
         digests = {n: keyed_digest(digest_key, canonical_json(v)) for n, v in chosen.items()} if digest_key else {}
         if digest_key:
@@ -252,11 +252,27 @@ class KeyBuilder:
         key, key_before = call.key, call.key_before
         if key is None:
             # Content addressed: never a random UUID and never Celery's task id (retry() reuses it).
-            everything = payload if chosen is arguments else canonical_json(arguments)
+            everything = payload if chosen is arguments else self._payload(arguments)
             key = CONTENT_KEY_PREFIX + keyed_digest(identity_key, everything, PURPOSE_CONTENT_KEY)
             key_before = LEGACY_CONTENT_KEY_PREFIX + sha256_hex(everything)
         before = StoredBefore(call.tenant_before or call.tenant, key_before or key, sha256_hex(payload))
         return Identity(validate_key(key), fingerprint, digests, call.tenant, before)
+
+    def _payload(self, arguments: dict[str, Any]) -> str:
+        """The canonical JSON of `arguments`, or PayloadNotJSON naming the first argument that is not JSON."""
+        try:
+            return canonical_json(arguments)
+        except PayloadNotJSON as exc:
+            for name, value in arguments.items():
+                try:
+                    canonical_json(value)
+                except PayloadNotJSON:
+                    raise PayloadNotJSON(
+                        f"{self.task_name}: argument {name!r} is a {type(value).__name__}, not JSON; pass JSON types "
+                        f"(str, int, float, bool, None, list, dict): convert it (str(uuid), .isoformat(), "
+                        f".model_dump()), or pass a reference (an id, a URL) to a large object"
+                    ) from exc
+            raise
 
     def _chosen(self, arguments: dict[str, Any]) -> dict[str, Any]:
         return arguments if self.fields is None else {f: arguments[f] for f in self.fields}
