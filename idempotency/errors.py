@@ -7,6 +7,7 @@ from typing import Any
 __all__ = [
     "ClaimError",
     "ConfigurationError",
+    "DriverMissing",
     "IdempotencyConflict",
     "InProgress",
     "InvalidKey",
@@ -62,6 +63,19 @@ class ServiceUnreachable(ConfigurationError):
     def of(cls, what: str, setting: str, url: str, reason: str) -> ServiceUnreachable:
         """The one-line message: which service, the setting that names it, its masked URL, and why."""
         return cls(f"cannot reach the {what} {setting}={url}: {reason}", what=what, setting=setting, url=url)
+
+
+class DriverMissing(ConfigurationError):
+    """Raised when a database URL needs a driver that is not installed (an optional extra of oncelery)."""
+
+    @classmethod
+    def of(cls, database: str, driver: str, extra: str) -> DriverMissing:
+        """The one-line message: which database needs which driver, and the pip command that installs it."""
+        return cls(
+            f"{database} needs the {driver} driver, which is not installed: pip install 'oncelery[{extra}]'",
+            driver=driver,
+            extra=extra,
+        )
 
 
 class InvalidKey(ConfigurationError):

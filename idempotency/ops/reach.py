@@ -22,6 +22,7 @@ from sqlalchemy.pool import NullPool
 from oncelery.errors import ServiceUnreachable
 from oncelery.settings import ENV_BROKER_URL, ENV_RESULT_BACKEND
 from oncelery.store.database import normalize_url, safe_url
+from oncelery.store.dialects import dialect_of
 from oncelery.task.embedded_broker import SCHEME
 
 REACH_TIMEOUT = 2.0  # seconds per service: a live service on a LAN answers in milliseconds
@@ -64,6 +65,8 @@ def check_database(url: str, setting: str, timeout: float = REACH_TIMEOUT) -> No
     """Return if the claims database answers `SELECT 1` within `timeout` (SQLite files: always), else raise."""
     if make_url(url).get_backend_name() != "postgresql":
         return  # a SQLite file needs no server; reads and upgrades report a missing file with the fix
+    # Before create_engine, which imports the driver itself: a missing psycopg is one line naming the extra.
+    dialect_of(url).require_driver()
     # Its own engine without a pool: the check must not leave a connection (or a 30 s pool) behind.
     engine = create_engine(normalize_url(url), poolclass=NullPool, connect_args={"connect_timeout": int(timeout)})
     try:

@@ -14,7 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.sql.elements import ColumnElement
 
-from oncelery.errors import ConfigurationError
+from oncelery.errors import ConfigurationError, DriverMissing
 from oncelery.settings import sqlite_busy_timeout_ms
 
 __all__ = [
@@ -50,6 +50,12 @@ class Dialect:
     def create_engine(self, url: str, mode: str) -> Engine:
         """Return a new engine for `url` in `mode`."""
         raise NotImplementedError
+
+    def require_driver(self) -> None:
+        """Return if this dialect's DBAPI driver imports, else raise DriverMissing naming the extra to install.
+
+        Called before SQLAlchemy's create_engine, which imports the driver itself and fails with a traceback.
+        """
 
     def now(self) -> ColumnElement[Any]:
         """The database clock's current time (leases never use a worker's clock)."""
@@ -107,11 +113,14 @@ class PostgreSQL(Dialect):
     entity_index_name = "uq_task_runs_running_concurrency_key"  # named by the index
     skips_locked_rows = True
 
-    def create_engine(self, url: str, mode: str) -> Engine:
+    def require_driver(self) -> None:
         try:
             import psycopg  # noqa: F401  (an optional extra: oncelery[postgres]; absent, one line names it)
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'oncelery[postgres]'") from exc
+        except ImportError as exc:
+            raise DriverMissing.of("PostgreSQL", "psycopg 3", "postgres") from exc
+
+    def create_engine(self, url: str, mode: str) -> Engine:
+        self.require_driver()
         # No pre-ping: it costs a round trip per checkout. A connection found dead raises a disconnect
         # error (StoreUnavailable: the job is re-sent) and SQLAlchemy then invalidates the whole pool.
         if mode == MODE_AUTOCOMMIT:
