@@ -76,11 +76,14 @@ class RunBody(Announcing):
             self.__dict__["_app_time_limit"] = seen
         return seen[1]  # type: ignore[no-any-return]
 
-    def run_context(self) -> RunContext:
-        """Return the live run of this thread's current delivery, or raise if called outside the body."""
+    def run_context(self, use: str = "effects()/step()") -> RunContext:
+        """Return the live run of this thread's current delivery, or raise (naming `use`) outside the body."""
         ctx: RunContext | None = getattr(self.request, _RUN_ATTR, None)
         if ctx is None:
-            raise ConfigurationError(f"{self.name}: effects()/step() can only be used inside the task body")
+            raise ConfigurationError(
+                f"{self.name}: {use} can only be used inside the task body; call it from the body a worker "
+                f"runs, or from a direct call of the task"
+            )
         return ctx
 
     def step(
@@ -114,9 +117,14 @@ class RunBody(Announcing):
         return ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
 
     @property
-    def run_id(self) -> int:
-        """The id of the task_runs row this delivery holds (e.g. for a `generated_by_run_id` column)."""
-        return self.run_context().claim.run_id
+    def run_id(self) -> int | None:
+        """The id of the task_runs row this delivery holds (e.g. for a `generated_by_run_id` column).
+
+        None under $ONCELERY_PASS_THROUGH, where the body runs with no run; outside a body it raises.
+        """
+        if self._passing():
+            return None
+        return self.run_context("self.run_id").claim.run_id
 
     def step_seed(self, name: str) -> int:
         """Return the deterministic seed of step `name` for the current run (same in every process)."""

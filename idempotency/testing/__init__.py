@@ -11,16 +11,17 @@ them. Fixtures:
 - `oncelery_worker_process`: a factory of real `celery worker` subprocesses (for kills and freezes).
 
 Fault helpers are one-liners: `deliver_concurrently`, `kill_holder`, `frozen_past_lease`, `expire_lease`,
-`flush_broker`, `fail_step_once`. Assertions: `assert_ran_once`, `assert_outcomes`, `assert_steps`,
-`assert_ledger`. $ONCELERY_PASS_THROUGH=1 (fixture `oncelery_pass_through`) runs bodies unclaimed for plain
-unit tests. See docs/testing.md.
+`flush_broker`, `fail_step_once` (`exc=` your own error). Assertions: `assert_ran_once`, `assert_outcomes`
+(`ANY` or `ignore=` for timing-dependent counts), `assert_steps`, `assert_ledger`. $ONCELERY_PASS_THROUGH=1
+(fixture `oncelery_pass_through`) runs bodies unclaimed for plain unit tests (`self.run_id` is None there).
+See docs/testing.md.
 
 Reading order: `plugin` (fixtures and options), `db` (reads and assertions), `faults` (faults and worker
 subprocesses). This module re-exports them: it is the plugin pytest loads (entry point `pytest11`), and
 `from oncelery.testing import *` gives the kit.
 """
 
-from oncelery.testing.db import OnceleryDb, assert_ledger, assert_outcomes, assert_ran_once, assert_steps
+from oncelery.testing.db import ANY, OnceleryDb, assert_ledger, assert_outcomes, assert_ran_once, assert_steps
 from oncelery.testing.faults import (
     DEFAULT_TIMEOUT,  # noqa: F401  (the kit's default bound, imported by users' tests)
     StepFailedOnce,
@@ -50,6 +51,7 @@ from oncelery.testing.plugin import (  # noqa: F401
 )
 
 __all__ = [
+    "ANY",
     "OnceleryDb",
     "StepFailedOnce",
     "WorkerProcess",

@@ -214,10 +214,11 @@ class StepFailedOnce(RuntimeError):
 
 
 @contextmanager
-def fail_step_once(task: Any, step: str) -> Iterator[list[str]]:
-    """Within the block, make step `step` of `task` raise StepFailedOnce the first time it runs (in-process).
+def fail_step_once(task: Any, step: str, exc: BaseException | type[BaseException] | None = None) -> Iterator[list[str]]:
+    """Within the block, make step `step` of `task` raise the first time it runs (in-process).
 
-    Yields the keys it failed, so a test can wait on it.
+    It raises `exc` (an exception, or a class built with a message), e.g. the error your `autoretry_for`
+    retries, else StepFailedOnce. Yields the keys it failed, so a test can wait on it.
     """
     failed: list[str] = []
     lock = threading.Lock()
@@ -229,7 +230,15 @@ def fail_step_once(task: Any, step: str) -> Iterator[list[str]]:
             if failed:
                 return
             failed.append(str(ctx.get("key")))
-        raise StepFailedOnce(f"oncelery.testing: step {step!r} of {_name(task)} fails once, as asked")
+        raise _step_error(task, step, exc)
 
     with fault_injected("step_call", hook):
         yield failed
+
+
+def _step_error(task: Any, step: str, exc: BaseException | type[BaseException] | None) -> BaseException:
+    """The error fail_step_once raises: `exc` as given, `exc` built with a message, or StepFailedOnce."""
+    if isinstance(exc, BaseException):
+        return exc
+    message = f"oncelery.testing: step {step!r} of {_name(task)} fails once, as asked"
+    return (exc or StepFailedOnce)(message)
