@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "StepMismatch",
     "StoreError",
     "StoreUnavailable",
+    "UnknownOption",
 ]
 
 
@@ -76,6 +78,16 @@ class DriverMissing(ConfigurationError):
             driver=driver,
             extra=extra,
         )
+
+
+class UnknownOption(ConfigurationError):
+    """Raised when a task or a call is given an option that looks like one of Oncelery's but is none of them."""
+
+    @classmethod
+    def of(cls, where: str, name: str, close: str | None, known: Sequence[str]) -> UnknownOption:
+        """The one-line message: the unknown option, and the option it is close to or the ones that exist."""
+        hint = f"did you mean {close}=?" if close else f"Oncelery's options here are {', '.join(known)}"
+        return cls(f"{where} {name}= is not an Oncelery option; {hint}", option=name, suggestion=close)
 
 
 class InvalidKey(ConfigurationError):

@@ -35,6 +35,7 @@ from oncelery.settings import (
     pass_through,
 )
 from oncelery.task.body import RunBody
+from oncelery.task.options import CALL_OPTIONS, check_option_names
 from oncelery.task.startup import watch_worker_start
 
 __all__ = [
@@ -57,6 +58,7 @@ class IdempotentTask(RunBody):
 
         `idempotency_key=` and `tenant=` travel as headers (Celery drops unknown options).
         """
+        check_option_names(options, CALL_OPTIONS, f"{self.name}: apply_async option")  # Celery drops typos
         key = options.pop("idempotency_key", None)
         tenant = options.pop("tenant", None)
         policy = options.pop("on_in_progress", None)

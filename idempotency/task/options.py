@@ -6,15 +6,17 @@ the task's, which wins over the app's (`app.conf.oncelery_*`), which wins over t
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any
 
 from celery import Task
 
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
-from oncelery.errors import ConfigurationError
+from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import EntityVersionOf
 from oncelery.runs.keys import CallKey, FingerprintSpec, Identity, KeyBuilder, KeySpec
@@ -37,7 +39,10 @@ from oncelery.settings import (
 from oncelery.task.embedded_broker import is_embedded_broker
 
 __all__ = [
+    "CALL_OPTIONS",
+    "TASK_OPTIONS",
     "TaskOptions",
+    "check_option_names",
 ]
 
 # The task's logger: this class is a part of IdempotentTask.
@@ -97,6 +102,7 @@ class TaskOptions(Task):  # type: ignore[misc]
     # -- configuration ---------------------------------------------------------------------------
 
     def _validate_options(self) -> None:
+        self._check_option_names()
         if self.on_in_progress is not None:
             check_policy(self.on_in_progress, str(self.name))
         if self.lease is not None:
@@ -114,6 +120,15 @@ class TaskOptions(Task):  # type: ignore[misc]
         if self.name and (self.name.startswith("tasks.") or "." not in self.name):
             logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
         _ = self._keys, self._concurrency_keys
+
+    def _check_option_names(self) -> None:
+        # Celery keeps any unknown task option as a class attribute, where nothing reads a misspelt one of ours
+        # (idempotency_kye= would silently key the task by all its arguments). What a base class defines
+        # (Celery's options, ours, a user's base) is known; only what this class adds is checked.
+        cls = type(self)
+        inherited = {name for base in cls.__mro__[1:] for name in vars(base)}
+        added = [name for name in vars(cls) if not name.startswith("_") and name not in inherited]
+        check_option_names(added, TASK_OPTIONS, f"{self.name}: task option")
 
     @cached_property
     def _keys(self) -> KeyBuilder:
@@ -281,3 +296,29 @@ class TaskOptions(Task):  # type: ignore[misc]
             seen = (conf, is_embedded_broker(conf.broker_url))
             self.__dict__["_filesystem_broker"] = seen
         return bool(seen[1])
+
+
+#: The options a task declares (TaskOptions' annotated attributes), as @app.task(...) keywords.
+TASK_OPTIONS: tuple[str, ...] = tuple(TaskOptions.__annotations__)
+#: The options one call may give apply_async (each travels as a header); Celery drops other unknown ones.
+CALL_OPTIONS: tuple[str, ...] = ("idempotency_key", "tenant", "on_in_progress", "lease")
+# Any option starting with one of these is Oncelery's, known or misspelt.
+_OUR_PREFIXES = ("idempotency", "oncelery")
+# How close (difflib's ratio) a name must be to one of ours to be taken for a misspelling of it.
+_CLOSE = 0.8
+
+
+def check_option_names(names: Iterable[str], ours: Sequence[str], where: str) -> None:
+    """Raise UnknownOption for the first name that looks like one of `ours` misspelt; leave all others alone.
+
+    A name looks like ours when it starts with "idempotency"/"oncelery" or is close to one of ours; one that
+    extends one of ours with a suffix of its own (`tenant_id`, `entity_id`) is the user's own attribute.
+    """
+    for name in names:
+        if name in ours:
+            continue
+        close = difflib.get_close_matches(name, ours, n=1, cutoff=_CLOSE)
+        nearest = close[0] if close else None
+        extends = nearest is not None and name.startswith(f"{nearest}_") and len(name) > len(nearest) + 1
+        if name.lower().startswith(_OUR_PREFIXES) or (nearest is not None and not extends):
+            raise UnknownOption.of(where, name, nearest, ours)
