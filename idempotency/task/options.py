@@ -10,7 +10,7 @@ import difflib
 import inspect
 import logging
 from collections.abc import Iterable, Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from celery import Task
@@ -314,11 +314,20 @@ def check_option_names(names: Iterable[str], ours: Sequence[str], where: str) ->
     A name looks like ours when it starts with "idempotency"/"oncelery" or is close to one of ours; one that
     extends one of ours with a suffix of its own (`tenant_id`, `entity_id`) is the user's own attribute.
     """
+    known = tuple(ours)
     for name in names:
-        if name in ours:
-            continue
-        close = difflib.get_close_matches(name, ours, n=1, cutoff=_CLOSE)
-        nearest = close[0] if close else None
-        extends = nearest is not None and name.startswith(f"{nearest}_") and len(name) > len(nearest) + 1
-        if name.lower().startswith(_OUR_PREFIXES) or (nearest is not None and not extends):
-            raise UnknownOption.of(where, name, nearest, ours)
+        misspelt, nearest = _misspelt(name, known)
+        if misspelt:
+            raise UnknownOption.of(where, name, nearest, known)
+
+
+@lru_cache(maxsize=1024)
+def _misspelt(name: str, ours: tuple[str, ...]) -> tuple[bool, str | None]:
+    # Cached: apply_async asks this for every option of every call (headers, queue, task_id...), and the answer
+    # for a name never changes; difflib per option per call would cost more than the call's own checks.
+    if name in ours:
+        return False, None
+    close = difflib.get_close_matches(name, ours, n=1, cutoff=_CLOSE)
+    nearest = close[0] if close else None
+    extends = nearest is not None and name.startswith(f"{nearest}_") and len(name) > len(nearest) + 1
+    return name.lower().startswith(_OUR_PREFIXES) or (nearest is not None and not extends), nearest
