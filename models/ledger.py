@@ -21,6 +21,9 @@ class ModelCall(Base):
     __tablename__ = "model_calls"
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # The call's own id, chosen before its first write attempt: a row replayed from the spool after an unknown
+    # commit outcome meets this unique index and is not counted twice (NULL: rows written before 0011).
+    call_id: Mapped[str | None] = mapped_column(String(64))
     # Where the call was made: the run's task, tenant, key, step, run and fencing token (NULL outside a run).
     task_name: Mapped[str | None] = mapped_column(String(255))
     tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
@@ -48,6 +51,7 @@ class ModelCall(Base):
         Index("ix_model_calls_task_name_idempotency_key", "task_name", "idempotency_key"),
         # Per-run sums (`oncelery costs`: what each replay of a run saved) and retention's delete by run.
         Index("ix_model_calls_run_id", "run_id"),
+        Index("uq_model_calls_call_id", "call_id", unique=True),
     )
 
 
