@@ -11,22 +11,24 @@ ONCELERY_DATABASE_URL=postgresql://... (see README).
 
 from __future__ import annotations
 
-import os as _os
 from pathlib import Path as _Path
 from typing import Any as _Any
 
 from oncelery import settings as _settings
+from oncelery.settings_files import env_value as _env
 from oncelery.task import embedded_broker as _embedded_broker
 
 _float = _settings.env_seconds  # a bad value is one line naming the variable, not a traceback at import
 
 
-_broker = _os.environ.get(_settings.ENV_BROKER_URL, "").strip()
-_backend = _os.environ.get(_settings.ENV_RESULT_BACKEND, "").strip()
+# Each also from a file: ONCELERY_BROKER_URL_FILE etc. (Docker/Kubernetes secrets; oncelery.settings_files).
+_broker = (_env(_settings.ENV_BROKER_URL) or "").strip()
+_backend = (_env(_settings.ENV_RESULT_BACKEND) or "").strip()
+_database = _env(_settings.ENV_DATABASE_URL)
 
 # -- the claims database (read by IdempotentTask from the app's conf; no default here) --------------
-if _os.environ.get(_settings.ENV_DATABASE_URL):
-    oncelery_database_url = _os.environ[_settings.ENV_DATABASE_URL]
+if _database:
+    oncelery_database_url = _database
 
 # -- broker ------------------------------------------------------------------------------------
 if _broker:

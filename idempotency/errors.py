@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "BrokerNotConfigured",
     "ClaimError",
     "ConfigurationError",
     "DriverMissing",
@@ -15,10 +16,12 @@ __all__ = [
     "LeaseLost",
     "OnceleryError",
     "PayloadNotJSON",
+    "PlaceholderSecret",
     "ResultNotJSON",
     "RunIsDead",
     "SchemaMissing",
     "ServiceUnreachable",
+    "SettingFileError",
     "StaleVersion",
     "StepMismatch",
     "StoreError",
@@ -67,6 +70,20 @@ class ServiceUnreachable(ConfigurationError):
         return cls(f"cannot reach the {what} {setting}={url}: {reason}", what=what, setting=setting, url=url)
 
 
+class BrokerNotConfigured(ConfigurationError):
+    """Raised when a command would publish to the embedded demo broker for a claims database that is not the demo's."""
+
+    @classmethod
+    def of(cls, command: str, database: str) -> BrokerNotConfigured:
+        """The one-line message: the command, what to pass, and why the embedded broker is refused."""
+        return cls(
+            f"`oncelery {command}` publishes, and no broker is configured: pass --app MODULE:APP (the Celery app "
+            f"your workers run) or set ONCELERY_BROKER_URL; the embedded broker ./.oncelery/broker is read only by "
+            f"the demo's workers, on the demo's database ./oncelery.db, not {database}",
+            command=command,
+        )
+
+
 class DriverMissing(ConfigurationError):
     """Raised when a database URL needs a driver that is not installed (an optional extra of oncelery)."""
 
@@ -88,6 +105,42 @@ class UnknownOption(ConfigurationError):
         """The one-line message: the unknown option, and the option it is close to or the ones that exist."""
         hint = f"did you mean {close}=?" if close else f"Oncelery's options here are {', '.join(known)}"
         return cls(f"{where} {name}= is not an Oncelery option; {hint}", option=name, suggestion=close)
+
+
+class SettingFileError(ConfigurationError):
+    """Raised when VAR_FILE (a file holding VAR's value) cannot be used: VAR set too, or unreadable, or empty."""
+
+    @classmethod
+    def both_set(cls, name: str) -> SettingFileError:
+        """The one-line message when VAR and VAR_FILE are both set: keep one."""
+        return cls(
+            f"both {name} and {name}_FILE are set: keep one ({name}_FILE names a file holding the value)",
+            setting=name,
+        )
+
+    @classmethod
+    def unreadable(cls, name: str, path: str, reason: Exception) -> SettingFileError:
+        """The one-line message when VAR_FILE's file cannot be read, with the reason."""
+        why = getattr(reason, "strerror", None) or str(reason)
+        return cls(f"{name}_FILE={path}: cannot read it ({why}); mount the secret there", setting=name, path=path)
+
+    @classmethod
+    def empty(cls, name: str, path: str) -> SettingFileError:
+        """The one-line message when VAR_FILE's file is empty."""
+        return cls(f"{name}_FILE={path} is empty: write {name}'s value into it", setting=name, path=path)
+
+
+class PlaceholderSecret(ConfigurationError):
+    """Raised by a service's start guard when a setting still holds .env.example's `change-me` placeholder."""
+
+    @classmethod
+    def of(cls, name: str, placeholder: str) -> PlaceholderSecret:
+        """The one-line message: the setting, and how to make a real secret."""
+        return cls(
+            f"{name} holds the placeholder {placeholder!r} from .env.example: set a real secret in .env "
+            "(e.g. `openssl rand -hex 24`), then start again",
+            setting=name,
+        )
 
 
 class InvalidKey(ConfigurationError):

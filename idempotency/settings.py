@@ -6,7 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 from oncelery.errors import ConfigurationError
+from oncelery.settings_files import env_value
 
 __all__ = [
     "CELERY_DELIVERY_DEFAULTS",
@@ -29,6 +33,7 @@ __all__ = [
     "ENV_DATABASE_URL",
     "ENV_DATA_DIR",
     "ENV_DIGEST_KEY",
+    "ENV_HEARTBEAT_FILE",
     "ENV_PASS_THROUGH",
     "ENV_REPLAY_CACHE",
     "ENV_REPLAY_FLUSH_INTERVAL",
@@ -51,6 +56,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MIN_LEASE_SECONDS",
     "PASS_THROUGH_SEEN",
+    "SECRET_SETTINGS",
     "SQLITE_BUSY_TIMEOUT_MS",
     "WAIT_BACKOFF_BASE",
     "WAIT_BACKOFF_CAP",
@@ -62,6 +68,7 @@ __all__ = [
     "digest_secret",
     "embedded_database_url",
     "env_seconds",
+    "is_embedded_database",
     "pass_through",
     "require_database_url",
     "sqlite_busy_timeout_ms",
@@ -156,6 +163,11 @@ DIRECT_WAIT_TIMEOUT = 300.0
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # How long a SQLite statement waits for the write lock before it fails (and the job is sent again).
 ENV_SQLITE_BUSY_TIMEOUT = "ONCELERY_SQLITE_BUSY_TIMEOUT"
+# A file the worker (on each Celery heartbeat) and the relay (after each round) touch: its age is their health
+# check (deploy/bin/oncelery-healthcheck). Unset: no file.
+ENV_HEARTBEAT_FILE = "ONCELERY_HEARTBEAT_FILE"
+# The settings that may hold a secret: each is also read from the file VAR_FILE names (oncelery.settings_files).
+SECRET_SETTINGS = (ENV_DATABASE_URL, ENV_BROKER_URL, ENV_RESULT_BACKEND, ENV_DIGEST_KEY, ENV_REPLAY_CACHE)
 
 
 def env_seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
@@ -205,15 +217,30 @@ def embedded_database_url() -> str:
     return f"sqlite:///{Path(DEFAULT_DATABASE_FILE).resolve()}"
 
 
+def is_embedded_database(url: str) -> bool:
+    """Whether `url` is the demo's embedded database: a SQLite file that is ./oncelery.db of the working folder.
+
+    Compared by resolved path, whichever setting named it (the demo's default, --database-url, the environment):
+    the database the demo commands and `celery -A oncelery.tasks.app worker` use when run from this folder.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return False
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return False
+    return Path(str(parsed.database)).resolve() == Path(DEFAULT_DATABASE_FILE).resolve()
+
+
 def configured_database_url(conf: Any = None) -> str | None:
-    """Return the app's `oncelery_database_url`, else $ONCELERY_DATABASE_URL, else None (never a default)."""
+    """Return the app's `oncelery_database_url`, else $ONCELERY_DATABASE_URL(_FILE), else None (never a default)."""
     url = conf.get(CONF_DATABASE_URL) if conf is not None else None
-    return str(url or os.environ.get(ENV_DATABASE_URL) or "") or None
+    return str(url or env_value(ENV_DATABASE_URL) or "") or None
 
 
 def digest_secret(conf: Any = None) -> bytes | None:
-    """Return the secret that keys per-field digests (app config, else $ONCELERY_DIGEST_KEY), or None."""
-    value = (conf.get(CONF_DIGEST_KEY) if conf is not None else None) or os.environ.get(ENV_DIGEST_KEY)
+    """Return the secret that keys per-field digests (app config, else $ONCELERY_DIGEST_KEY(_FILE)), or None."""
+    value = (conf.get(CONF_DIGEST_KEY) if conf is not None else None) or env_value(ENV_DIGEST_KEY)
     return str(value).encode("utf-8") if value else None
 
 

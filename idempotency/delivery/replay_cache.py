@@ -56,6 +56,7 @@ from oncelery.settings import (
     CONF_REPLAY_CACHE_TTL,
     ENV_REPLAY_CACHE,
 )
+from oncelery.settings_files import env_value
 from oncelery.store.database import Database, safe_url
 from oncelery.store.identity import ServerIdentity
 
@@ -250,7 +251,7 @@ _caches: dict[tuple[str, float, str], ReplayCache] = {}
 
 def configured_cache(conf: Any, database_url: str) -> ReplayCache | None:
     """The replay cache app.conf (or $ONCELERY_REPLAY_CACHE) asks for, or None; a bad setting: ConfigurationError."""
-    url = str((conf.get(CONF_REPLAY_CACHE) if conf is not None else None) or os.environ.get(ENV_REPLAY_CACHE) or "")
+    url = str((conf.get(CONF_REPLAY_CACHE) if conf is not None else None) or env_value(ENV_REPLAY_CACHE) or "")
     if not url:
         return None
     if not url.startswith(("redis://", "rediss://", "unix://")):

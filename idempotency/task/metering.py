@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import operator
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -206,7 +205,7 @@ def _origin(model: str) -> _Origin:
         )
     if task is not None:  # a plain Celery task: its app's database
         return _Origin(configured_database_url(task.app.conf), task.app.conf, task.name)
-    return _Origin(os.environ.get(ENV_DATABASE_URL) or None, current_app.conf)
+    return _Origin(configured_database_url(), current_app.conf)  # $ONCELERY_DATABASE_URL(_FILE)
 
 
 class Meter:
