@@ -1,0 +1,7 @@
+"""The call layer: a model call as a durable object (write-ahead intents, provider adapters, limits, batches).
+
+It sits between `delivery` (which runs a step) and `runs` (which stores it), and imports no Celery: a call's
+protocol is the same whoever delivers the job.
+
+Reading order: `fake` (a real HTTP server that speaks the providers' protocols, for tests and the demo).
+"""

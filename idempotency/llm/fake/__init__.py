@@ -1,0 +1,21 @@
+"""A fake model provider: a real HTTP server on 127.0.0.1 that speaks OpenAI's and Anthropic's protocols.
+
+It answers `POST /v1/responses` (foreground, background, streamed with sequence numbers; retrieve, stream
+resume with `starting_after`, cancel, the `openai-poll-after-ms` header), `POST /v1/chat/completions` and
+Anthropic's `POST /v1/messages`, with deterministic text and exact token counts of its own. Its counters
+(creates per intent, 429s served, polls, cancels) are the oracle of every test of a model call: they are what a
+provider would have billed. Knobs make it slow, forgetful, stuck, failing, or hold a create's answer so that a
+test can kill a worker inside the create window every time.
+
+Standard library only: it imports without pytest, the demo or any provider SDK, so `oncelery process` can run it
+on a plain `pip install oncelery`. Run it in a thread (`FakeProvider()`) or as a process
+(`python -m oncelery.llm.fake --port 0`), and drive either over HTTP with `FakeProviderControl`.
+
+Reading order: `generate` (text and tokens), `state` (responses, knobs, counters), `server` (HTTP).
+"""
+
+from oncelery.llm.fake.generate import count_tokens, generate_text
+from oncelery.llm.fake.server import FakeProvider, FakeProviderControl
+from oncelery.llm.fake.state import Knobs
+
+__all__ = ["FakeProvider", "FakeProviderControl", "Knobs", "count_tokens", "generate_text"]

@@ -1,0 +1,387 @@
+"""The fake provider's HTTP side: routes, headers, held and hung answers, and the `/_fake/*` control API.
+
+Control endpoints (JSON): `GET /_fake/stats`, `POST /_fake/knobs` (a partial `Knobs`), `POST /_fake/release`
+(held answers), `POST /_fake/reset`, `GET /_fake/health`. They drive a fake run as a thread or as a process alike.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from oncelery.llm.fake import protocol as wire
+from oncelery.llm.fake.generate import Generator, count_tokens, generate_text, prompt_text
+from oncelery.llm.fake.state import KnobError, Knobs, ProviderState, retry_after_header
+
+STREAM_TICK_S = 0.02  # how often a streaming answer looks for its next available event
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request; `server.state` and `server.generator` are the fake's."""
+
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Stay quiet: the counters are the record."""
+
+    # -- routing ---------------------------------------------------------------------------------------------
+    def do_GET(self) -> None:
+        """Route a GET."""
+        path, query = self._target()
+        if path == "/_fake/stats":
+            with self.server.state.lock:
+                self._json(200, self.server.state.stats.as_json())
+        elif path == "/_fake/health":
+            self._json(200, {"ok": True})
+        elif path.startswith("/v1/responses/") and path.count("/") == 3:
+            self._retrieve(path.rsplit("/", 1)[1], query)
+        else:
+            self._json(404, wire.openai_error(404, f"Invalid URL (GET {path})"))
+
+    def do_POST(self) -> None:
+        """Route a POST."""
+        path, _ = self._target()
+        body = self._body()
+        if body is None:
+            return
+        state = self.server.state
+        if path == "/_fake/knobs":
+            try:
+                with state.lock:
+                    state.knobs.update(body)
+                    knobs = dict(vars(state.knobs))
+            except KnobError as exc:
+                self._json(400, {"error": str(exc)})
+                return
+            self._json(200, knobs)
+        elif path == "/_fake/release":
+            self._json(200, {"released": state.release()})
+        elif path == "/_fake/reset":
+            state.reset()
+            self._json(200, {"ok": True})
+        elif path == "/v1/responses":
+            self._create("responses", body)
+        elif path == "/v1/chat/completions":
+            self._create("chat", body)
+        elif path == "/v1/messages":
+            self._create("messages", body)
+        elif path.startswith("/v1/responses/") and path.endswith("/cancel"):
+            self._cancel(path.split("/")[3])
+        else:
+            self._json(404, wire.openai_error(404, f"Invalid URL (POST {path})"))
+
+    # -- creates ---------------------------------------------------------------------------------------------
+    def _create(self, kind: str, body: dict[str, Any]) -> None:
+        anthropic = kind == "messages"
+        error = wire.anthropic_error if anthropic else wire.openai_error
+        if not self._authorised(anthropic):
+            return
+        try:
+            intent, prompt = self._check(kind, body)
+        except wire.BadRequest as exc:
+            self._json(400, error(400, str(exc)))
+            return
+        model = str(body["model"])
+        state = self.server.state
+        failure = state.injected_failure()
+        if failure is not None:
+            status, retry_after = failure
+            self._json(status, error(status, f"injected {status}"), {"retry-after": retry_after_header(retry_after)})
+            return
+        estimate = count_tokens(prompt) + int(body.get("max_output_tokens") or body.get("max_tokens") or 0)
+        wait = state.admit(model, estimate)
+        if wait is not None:
+            message = f"Rate limit reached for {model}. Please try again in {wait:.3f}s."
+            self._json(
+                429, error(429, message), {"retry-after": retry_after_header(wait), **self._limits(model, anthropic)}
+            )
+            return
+        answer = self.server.generator(model, prompt, None)
+        call = state.create(kind, model, body, prompt, answer, intent)
+        state.hold()
+        hang = state.hang()
+        if hang and self.server.stopping.wait(hang):
+            return
+        headers = self._limits(model, anthropic)
+        if kind == "responses" and call.background:
+            headers["openai-poll-after-ms"] = str(state.knobs.poll_after_ms)
+            if body.get("stream"):
+                self._stream(call, -1, headers)
+            else:
+                self._json(200, wire.response_object(call, call.status(state.now())), headers)
+            return
+        self._wait_until(call.ends)  # a foreground call answers when its generation ends
+        if kind == "responses":
+            if body.get("stream"):
+                self._stream(call, -1, headers)
+            else:
+                self._json(200, wire.response_object(call, call.status(state.now())), headers)
+        elif kind == "chat":
+            self._json(200, wire.chat_completion(call), headers)
+        else:
+            self._json(200, wire.anthropic_message(call), headers)
+
+    def _check(self, kind: str, body: dict[str, Any]) -> tuple[str | None, str]:
+        if kind == "responses":
+            wire.check_fields(body, wire.RESPONSES_FIELDS, ("model", "input"))
+            return wire.openai_intent(body), "\n".join(
+                filter(None, [prompt_text(body.get("instructions")), prompt_text(body["input"])])
+            )
+        if kind == "chat":
+            wire.check_fields(body, wire.CHAT_FIELDS, ("model", "messages"))
+            if body.get("stream"):
+                raise wire.BadRequest("stream=true is not served by the fake's chat completions")
+            return wire.openai_intent(body), prompt_text(body["messages"])
+        wire.check_fields(body, wire.MESSAGES_FIELDS, ("model", "messages", "max_tokens"))
+        if body.get("stream"):
+            raise wire.BadRequest("stream=true is not served by the fake's messages endpoint")
+        return wire.anthropic_intent(body), "\n".join(
+            filter(None, [prompt_text(body.get("system")), prompt_text(body["messages"])])
+        )
+
+    def _authorised(self, anthropic: bool) -> bool:
+        if anthropic:
+            if not self.headers.get("x-api-key"):
+                self._json(401, wire.anthropic_error(401, "x-api-key header is required"))
+                return False
+            if not self.headers.get("anthropic-version"):
+                self._json(400, wire.anthropic_error(400, "anthropic-version: header is required"))
+                return False
+            return True
+        if not (self.headers.get("Authorization") or "").startswith("Bearer "):
+            self._json(401, wire.openai_error(401, "You didn't provide an API key."))
+            return False
+        return True
+
+    def _limits(self, model: str, anthropic: bool) -> dict[str, str]:
+        figures = self.server.state.rate_headers(model)
+        if figures is None:
+            return {}
+        reset = float(figures["reset_s"])
+        if anthropic:
+            at = (datetime.now(UTC) + timedelta(seconds=reset)).isoformat(timespec="seconds").replace("+00:00", "Z")
+            return {
+                "anthropic-ratelimit-requests-limit": str(figures["limit_requests"]),
+                "anthropic-ratelimit-requests-remaining": str(figures["remaining_requests"]),
+                "anthropic-ratelimit-requests-reset": at,
+                "anthropic-ratelimit-tokens-limit": str(figures["limit_tokens"]),
+                "anthropic-ratelimit-tokens-remaining": str(figures["remaining_tokens"]),
+                "anthropic-ratelimit-tokens-reset": at,
+            }
+        return {
+            "x-ratelimit-limit-requests": str(figures["limit_requests"]),
+            "x-ratelimit-remaining-requests": str(figures["remaining_requests"]),
+            "x-ratelimit-reset-requests": f"{reset:.3f}s",
+            "x-ratelimit-limit-tokens": str(figures["limit_tokens"]),
+            "x-ratelimit-remaining-tokens": str(figures["remaining_tokens"]),
+            "x-ratelimit-reset-tokens": f"{reset:.3f}s",
+        }
+
+    # -- retrieve, resume, cancel ------------------------------------------------------------------------------
+    def _retrieve(self, call_id: str, query: dict[str, list[str]]) -> None:
+        if not self._authorised(False):
+            return
+        state = self.server.state
+        call = state.find(call_id)
+        if call is None or call.kind != "responses":
+            self._json(404, wire.openai_error(404, f"Response with id '{call_id}' not found."))
+            return
+        headers = {"openai-poll-after-ms": str(state.knobs.poll_after_ms)} if call.background else {}
+        if query.get("stream", ["false"])[0] == "true":
+            if not call.background:
+                self._json(400, wire.openai_error(400, "Only background responses can be streamed on retrieve."))
+                return
+            try:
+                after = int(query.get("starting_after", ["-1"])[0])
+            except ValueError:
+                self._json(400, wire.openai_error(400, "Invalid 'starting_after': expected an integer."))
+                return
+            with state.lock:
+                state.stats.stream_resumes += 1
+            self._stream(call, after, headers)
+            return
+        with state.lock:
+            state.stats.polls += 1
+        self._json(200, wire.response_object(call, call.status(state.now())), headers)
+
+    def _cancel(self, call_id: str) -> None:
+        if not self._authorised(False):
+            return
+        state = self.server.state
+        call = state.find(call_id)
+        if call is None or call.kind != "responses":
+            self._json(404, wire.openai_error(404, f"Response with id '{call_id}' not found."))
+            return
+        if not call.background:
+            self._json(400, wire.openai_error(400, "Only responses created with background=true can be cancelled."))
+            return
+        state.cancel(call)
+        self._json(200, wire.response_object(call, call.status(state.now())))
+
+    def _stream(self, call: Any, after: int, headers: dict[str, str]) -> None:
+        """Send the events after `after` as server-sent events, each when it becomes available."""
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("connection", "close")
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for at, event in wire.stream_events(call)[after + 1 :]:
+                if call.cancelled and not call.finished_by_cancel:
+                    break
+                self._wait_until(at)
+                self.wfile.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the reader went away (a killed worker): it resumes with starting_after
+
+    # -- plumbing --------------------------------------------------------------------------------------------
+    def _wait_until(self, at: float) -> None:
+        while not self.server.stopping.is_set():
+            left = at - time.monotonic()
+            if left <= 0:
+                return
+            self.server.stopping.wait(min(left, STREAM_TICK_S if left < 1 else left))
+
+    def _target(self) -> tuple[str, dict[str, list[str]]]:
+        parts = urlsplit(self.path)
+        return parts.path.rstrip("/"), parse_qs(parts.query)
+
+    def _body(self) -> dict[str, Any] | None:
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length) if length else b"{}"
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self._json(400, wire.openai_error(400, "We could not parse the JSON body of your request."))
+            return None
+        return body
+
+    def _json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the caller was killed while its answer was held: the create still counts
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], state: ProviderState, generator: Generator) -> None:
+        super().__init__(address, _Handler)
+        self.state = state
+        self.generator = generator
+        self.stopping = threading.Event()
+
+
+class FakeProviderControl:
+    """Drives a running fake provider (thread or process) over its `/_fake/*` API; every call is bounded."""
+
+    def __init__(self, url: str, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        request.add_header("content-type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            raise ValueError(exc.read().decode(errors="replace")) from None
+
+    def stats(self) -> dict[str, Any]:
+        """Return the fake's counters now (creates, creates_by_intent, polls, errors_served, held...)."""
+        return dict(self._call("GET", "/_fake/stats"))
+
+    def set_knobs(self, **knobs: Any) -> dict[str, Any]:
+        """Change knobs (see `Knobs`), all or none; return every knob's value."""
+        return dict(self._call("POST", "/_fake/knobs", knobs))
+
+    def release(self) -> int:
+        """Release every held create answer; return how many were held."""
+        return int(self._call("POST", "/_fake/release", {})["released"])
+
+    def reset(self) -> None:
+        """Forget every call and counter; restore the default knobs."""
+        self._call("POST", "/_fake/reset", {})
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
+        """Poll the counters until `predicate(stats)` holds; return them, or raise TimeoutError with the last."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if predicate(stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the fake provider's counters did not reach the condition in {timeout}s: {stats}")
+            time.sleep(0.02)
+
+
+class FakeProvider(FakeProviderControl):
+    """A fake provider served from a thread of this process on 127.0.0.1; a context manager that stops it."""
+
+    def __init__(self, knobs: Knobs | None = None, generator: Generator | None = None, port: int = 0) -> None:
+        self.state = ProviderState(knobs)
+        self._server = _Server(("127.0.0.1", port), self.state, generator or generate_text)
+        self.port = int(self._server.server_address[1])
+        super().__init__(f"http://127.0.0.1:{self.port}")
+        self._thread = threading.Thread(target=self._server.serve_forever, name="oncelery-fake-provider", daemon=True)
+
+    @property
+    def openai_base_url(self) -> str:
+        """Return the base URL an OpenAI client takes (`.../v1`)."""
+        return self.url + "/v1"
+
+    def start(self) -> FakeProvider:
+        """Start serving; return self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket; held and streaming answers end at once."""
+        self._server.stopping.set()
+        self.state.release()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> FakeProvider:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(host: str, port: int, knobs: Knobs, ready: Callable[[str], None]) -> None:
+    """Serve a fake provider in this thread until interrupted; call `ready(url)` once it listens."""
+    server = _Server((host, port), ProviderState(knobs), generate_text)
+    ready(f"http://{host}:{server.server_address[1]}")
+    try:
+        server.serve_forever()
+    finally:
+        server.stopping.set()
+        server.server_close()

@@ -1,0 +1,305 @@
+"""What the fake provider remembers: its knobs, every call it accepted, its rate-limit windows and its counters.
+
+Times are the provider's own monotonic clock: the fake is the other side of the wire, not our database.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from oncelery.llm.fake.generate import count_tokens, truncate_tokens
+
+#: The metadata key whose value the fake counts creates by (the opaque intent id a client sends).
+INTENT_KEY = "oncelery_intent"
+#: Anthropic's metadata allows `user_id` only: an intent id travels there, prefixed so it is recognised.
+ANTHROPIC_INTENT_PREFIX = "oncelery-intent:"
+WINDOW_S = 60.0  # rate limits are per minute, as every provider states them
+
+
+class KnobError(ValueError):
+    """Raised when a knob is unknown or has a value of the wrong type (the message names the knobs there are)."""
+
+
+@dataclass
+class Knobs:
+    """How the fake behaves; every field can be changed while it runs (`FakeProviderControl.set_knobs`)."""
+
+    generation_s: float = 0.0  # how long a response takes to complete after its create
+    poll_after_ms: int = 100  # the `openai-poll-after-ms` hint on background answers
+    retention_s: float = 600.0  # a background response without store=true is gone this long after it ends
+    stored_retention_s: float = 30 * 86400.0  # a stored response (store=true, the foreground default)
+    stuck_queued: bool = False  # new background responses stay `queued` for ever
+    complete_after_cancel: bool = False  # a cancelled response still ends `completed` (seen at OpenAI)
+    hold_creates: int = 0  # accept the next N creates but hold their answers until `release`
+    hold_timeout_s: float = 60.0
+    fail_next: int = 0  # answer the next N model requests with `fail_status` (nothing is created)
+    fail_status: int = 429
+    retry_after_s: float = 1.0
+    hang_next: int = 0  # accept the next N model requests, then answer only after `hang_s` (a client timeout)
+    hang_s: float = 30.0
+    rpm_limit: int = 0  # requests per minute per model (0: unlimited); over it: 429 with retry-after
+    tpm_limit: int = 0  # tokens (input + max output) per minute per model (0: unlimited)
+
+    def update(self, changes: dict[str, Any]) -> None:
+        """Apply `changes`, all or none, refusing unknown names and values of the wrong type."""
+        types = {f.name: type(getattr(self, f.name)) for f in fields(self)}
+        unknown = sorted(set(changes) - set(types))
+        if unknown:
+            raise KnobError(f"unknown knob(s) {unknown}; knobs are {sorted(types)}")
+        checked = {}
+        for name, value in changes.items():
+            want = types[name]
+            ok = (
+                isinstance(value, bool)
+                if want is bool
+                else isinstance(value, (int, float)) and not isinstance(value, bool)
+            )
+            if not ok or (want is int and not float(value).is_integer()):
+                raise KnobError(f"knob {name} takes a {want.__name__}, not {value!r}")
+            checked[name] = want(value)
+        for name, value in checked.items():
+            setattr(self, name, value)
+
+
+@dataclass
+class Call:
+    """One accepted create: a response (foreground or background), a chat completion or a message."""
+
+    id: str
+    kind: str  # "responses" | "chat" | "messages"
+    model: str
+    request: dict[str, Any]
+    text: str
+    input_tokens: int
+    output_tokens: int
+    truncated: bool
+    created: float  # monotonic
+    created_at: int  # epoch seconds, as the providers report it
+    ends: float  # monotonic time the answer is complete
+    background: bool = False
+    store: bool = True
+    stuck: bool = False
+    cancelled: bool = False
+    finished_by_cancel: bool = False
+
+    def status(self, now: float) -> str:
+        """Return the Responses API status at `now`: queued, in_progress, completed, incomplete or cancelled."""
+        if self.cancelled and not self.finished_by_cancel:
+            return "cancelled"
+        if self.stuck:
+            return "queued"
+        if now < self.ends:
+            return "queued" if now < self.created + (self.ends - self.created) / 10 else "in_progress"
+        return "incomplete" if self.truncated else "completed"
+
+    def gone(self, now: float, knobs: Knobs) -> bool:
+        """Return whether the provider has dropped this response (retrieve answers 404)."""
+        if not self.store and not self.background:
+            return True  # a foreground response with store=false is never retrievable
+        keep = (
+            knobs.stored_retention_s if self.request.get("store") is True or not self.background else knobs.retention_s
+        )
+        return self.status(now) not in ("queued", "in_progress") and now > max(self.ends, self.created) + keep
+
+
+@dataclass
+class Stats:
+    """The fake's counters: the oracle of what a real provider would have billed and served."""
+
+    creates: Counter[str] = field(default_factory=Counter)  # per endpoint kind
+    creates_by_intent: Counter[str] = field(default_factory=Counter)
+    creates_without_intent: int = 0
+    polls: int = 0
+    stream_resumes: int = 0
+    cancels: int = 0
+    errors_served: Counter[str] = field(default_factory=Counter)  # per HTTP status, as strings (JSON keys)
+    rate_limited: int = 0  # 429s served by the rate-limit windows (not by `fail_next`)
+    held: int = 0  # answers held right now
+    billed_input_tokens: int = 0
+    billed_output_tokens: int = 0
+    batches_submitted: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        """Return the counters as a JSON-ready dict."""
+        # Not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs.
+        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), Counter) else v for f in fields(self)}
+
+
+class RateWindow:
+    """Fixed one-minute windows of requests and tokens per model, as the `x-ratelimit-*` headers describe."""
+
+    def __init__(self) -> None:
+        self.start: dict[str, float] = {}
+        self.requests: Counter[str] = Counter()
+        self.tokens: Counter[str] = Counter()
+
+    def admit(self, model: str, tokens: int, knobs: Knobs, now: float) -> float | None:
+        """Count a request of `tokens` against `model`'s window; return seconds to wait when it is over a limit."""
+        start = self.start.get(model)
+        if start is None or now - start >= WINDOW_S:
+            self.start[model], self.requests[model], self.tokens[model] = now, 0, 0
+            start = now
+        over_requests = knobs.rpm_limit and self.requests[model] + 1 > knobs.rpm_limit
+        over_tokens = knobs.tpm_limit and self.tokens[model] + tokens > knobs.tpm_limit
+        if over_requests or over_tokens:
+            return max(0.0, start + WINDOW_S - now)
+        self.requests[model] += 1
+        self.tokens[model] += tokens
+        return None
+
+    def headers(self, model: str, knobs: Knobs, now: float) -> dict[str, int | float]:
+        """Return limit, remaining and reset (seconds) of requests and tokens for `model`'s current window."""
+        reset = max(0.0, self.start.get(model, now) + WINDOW_S - now)
+        return {
+            "limit_requests": knobs.rpm_limit,
+            "remaining_requests": max(0, knobs.rpm_limit - self.requests[model]),
+            "limit_tokens": knobs.tpm_limit,
+            "remaining_tokens": max(0, knobs.tpm_limit - self.tokens[model]),
+            "reset_s": reset,
+        }
+
+
+class ProviderState:
+    """The fake's whole state behind one lock: knobs, calls by id, rate windows, counters, held answers."""
+
+    def __init__(self, knobs: Knobs | None = None) -> None:
+        self.lock = threading.Condition()
+        self.knobs = knobs or Knobs()
+        self.calls: dict[str, Call] = {}
+        self.window = RateWindow()
+        self.stats = Stats()
+        self.released = 0  # held answers released so far (a generation counter the holders wait on)
+
+    def now(self) -> float:
+        """Return the provider's clock (monotonic seconds)."""
+        return time.monotonic()
+
+    def injected_failure(self) -> tuple[int, float] | None:
+        """Take one injected failure (`fail_next`) if any is left: (HTTP status, retry-after seconds)."""
+        with self.lock:
+            if self.knobs.fail_next <= 0:
+                return None
+            self.knobs.fail_next -= 1
+            status = self.knobs.fail_status
+            self.stats.errors_served[str(status)] += 1
+            return status, self.knobs.retry_after_s
+
+    def admit(self, model: str, tokens: int) -> float | None:
+        """Count a request against the rate windows; return the wait in seconds (a 429) when over a limit."""
+        with self.lock:
+            wait = self.window.admit(model, tokens, self.knobs, self.now())
+            if wait is not None:
+                self.stats.rate_limited += 1
+                self.stats.errors_served["429"] += 1
+            return wait
+
+    def rate_headers(self, model: str) -> dict[str, int | float] | None:
+        """Return the current window's figures for `model`, or None when no limit is set."""
+        with self.lock:
+            if not (self.knobs.rpm_limit or self.knobs.tpm_limit):
+                return None
+            return self.window.headers(model, self.knobs, self.now())
+
+    def create(
+        self, kind: str, model: str, request: dict[str, Any], prompt: str, answer: str, intent: str | None
+    ) -> Call:
+        """Accept a create: count it (per intent too), fix its answer and when it completes, and keep it."""
+        with self.lock:
+            now = self.now()
+            limit = int(request.get("max_output_tokens") or request.get("max_tokens") or 0)
+            output = count_tokens(answer)
+            truncated = 0 < limit < output
+            if truncated:
+                answer, output = truncate_tokens(answer, limit), limit
+            prefix = {"responses": "resp_", "chat": "chatcmpl-", "messages": "msg_01"}[kind]
+            call = Call(
+                id=prefix + uuid.uuid4().hex,
+                kind=kind,
+                model=model,
+                request=request,
+                text=answer,
+                input_tokens=count_tokens(prompt),
+                output_tokens=output,
+                truncated=truncated,
+                created=now,
+                created_at=int(time.time()),
+                ends=now + self.knobs.generation_s,
+                background=bool(request.get("background")),
+                store=request.get("store", True) is not False,
+                stuck=bool(request.get("background")) and self.knobs.stuck_queued,
+            )
+            self.calls[call.id] = call
+            self.stats.creates[kind] += 1
+            if intent:
+                self.stats.creates_by_intent[intent] += 1
+            else:
+                self.stats.creates_without_intent += 1
+            # Billed as accepted: a provider charges a create that completes even if no one reads the answer.
+            self.stats.billed_input_tokens += call.input_tokens
+            self.stats.billed_output_tokens += call.output_tokens
+            return call
+
+    def hold(self) -> bool:
+        """Hold this create's answer until `release` (or the hold timeout) if a hold is armed; say if it was."""
+        with self.lock:
+            if self.knobs.hold_creates <= 0:
+                return False
+            self.knobs.hold_creates -= 1
+            self.stats.held += 1
+            seen = self.released
+            deadline = self.now() + self.knobs.hold_timeout_s
+            while self.released == seen and self.now() < deadline:
+                self.lock.wait(timeout=max(0.0, deadline - self.now()))
+            self.stats.held -= 1
+            return True
+
+    def release(self) -> int:
+        """Release every held answer; return how many were held."""
+        with self.lock:
+            held = self.stats.held
+            self.released += 1
+            self.lock.notify_all()
+            return held
+
+    def hang(self) -> float:
+        """Take one injected hang (`hang_next`) if any is left: the seconds to wait before answering."""
+        with self.lock:
+            if self.knobs.hang_next <= 0:
+                return 0.0
+            self.knobs.hang_next -= 1
+            return self.knobs.hang_s
+
+    def find(self, call_id: str) -> Call | None:
+        """Return a retrievable call by id (None once the provider has dropped it, as a 404)."""
+        with self.lock:
+            call = self.calls.get(call_id)
+            if call is None or call.gone(self.now(), self.knobs):
+                return None
+            return call
+
+    def cancel(self, call: Call) -> None:
+        """Cancel a background response (idempotent; best effort when `complete_after_cancel` is on)."""
+        with self.lock:
+            self.stats.cancels += 1
+            if call.status(self.now()) in ("queued", "in_progress") or call.stuck:
+                call.cancelled = True
+                call.stuck = False
+                call.finished_by_cancel = self.knobs.complete_after_cancel
+
+    def reset(self) -> None:
+        """Forget every call and counter and restore the default knobs (a fresh provider)."""
+        with self.lock:
+            self.knobs, self.calls, self.window, self.stats = Knobs(), {}, RateWindow(), Stats()
+            self.released += 1
+            self.lock.notify_all()
+
+
+def retry_after_header(seconds: float) -> str:
+    """Return a `retry-after` value: whole seconds, rounded up (the header's integer form)."""
+    return str(max(1, math.ceil(seconds)))
