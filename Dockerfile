@@ -22,7 +22,11 @@ FROM ${PYTHON_IMAGE} AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    ONCELERY_DATA_DIR=/var/lib/oncelery
+    ONCELERY_DATA_DIR=/var/lib/oncelery \
+    ONCELERY_HEARTBEAT_FILE=/tmp/oncelery-heartbeat
+# ONCELERY_HEARTBEAT_FILE: touched by a worker on each Celery heartbeat and by the relay after each round, in the
+# container's own /tmp (never a shared volume: each replica's file is its own); `oncelery-healthcheck heartbeat`
+# reads its age. docker-compose.yml gives each service its health check (deploy/bin/oncelery-healthcheck).
 # A fixed uid/gid, so a volume's ownership is the same on every host.
 RUN groupadd --system --gid 10001 oncelery \
     && useradd --system --uid 10001 --gid oncelery --home-dir /var/lib/oncelery --create-home oncelery

@@ -5,6 +5,9 @@ The metrics carry task and tenant names, so the exporter listens on 127.0.0.1 un
 options); it has no authentication, so `BasicAuth` wraps its WSGI app, with the password read from a file
 (never from the command line, where `ps` shows it to every user of the host).
 
+`/healthz` answers 200 "ok" to anyone, without reading the database and without credentials: the container's
+health check (deploy/bin/oncelery-healthcheck) says the server serves, and it discloses nothing.
+
 The server starts on an empty registry and gets its real app before `serve` returns: a request that races
 the start is answered with no metric at all, never with the metrics unauthenticated.
 """
@@ -30,16 +33,20 @@ from oncelery.errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_ADDR",
+    "HEALTH_PATH",
     "BasicAuth",
     "Exporter",
     "read_password_file",
     "serve",
+    "with_health",
 ]
 
 logger = logging.getLogger("oncelery.metrics")
 
 DEFAULT_ADDR = "127.0.0.1"  # tenant names are not for the whole network: 0.0.0.0 only when asked (compose)
 REALM = "oncelery metrics"
+HEALTH_PATH = "/healthz"
+_HEALTHY = b"ok\n"
 _UNAUTHORIZED = b"401 Unauthorized: this exporter needs the user and password given to --basic-auth-user\n"
 
 StartResponse = Callable[..., Any]
@@ -81,6 +88,19 @@ class BasicAuth:
         return hmac.compare_digest(_digest(given), self._expected)
 
 
+def with_health(app: WsgiApp) -> WsgiApp:
+    """`app`, except that HEALTH_PATH answers 200 "ok" (no database read, no credentials asked)."""
+
+    def health(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != HEALTH_PATH:
+            return app(environ, start_response)
+        headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(_HEALTHY)))]
+        start_response("200 OK", headers)
+        return [_HEALTHY]
+
+    return health
+
+
 def read_password_file(path: str | Path) -> str:
     """The password in `path`, surrounding whitespace removed (as Prometheus' `password_file` does); never empty."""
     try:
@@ -120,11 +140,11 @@ class Exporter:
         return "https" if self.certfile else "http"
 
     def app(self, registry: CollectorRegistry) -> WsgiApp:
-        """prometheus_client's WSGI app for `registry`, behind basic auth when a user is set."""
+        """prometheus_client's WSGI app for `registry`, behind basic auth when a user is set; /healthz open."""
         app: WsgiApp = make_wsgi_app(registry)
-        if self.user is None or self.password is None:
-            return app
-        return BasicAuth(app, self.user, self.password)
+        if self.user is not None and self.password is not None:
+            app = BasicAuth(app, self.user, self.password)
+        return with_health(app)
 
 
 def serve(registry: CollectorRegistry, exporter: Exporter) -> tuple[WSGIServer, threading.Thread]:

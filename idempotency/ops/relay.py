@@ -26,6 +26,7 @@ from oncelery.runs.faults import fault_point
 from oncelery.settings import require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
+from oncelery.task.heartbeat import heartbeat_file
 
 __all__ = [
     "DEFAULT_MAX_PUBLISHES",
@@ -110,10 +111,12 @@ class Relay:
         """Run rounds until `stop` is set (SIGTERM in `oncelery relay`); purge past `retention` every hour.
 
         A round that fails (database or broker down) is logged and tried again after a backoff: the relay
-        outlives any outage. Returns the totals.
+        outlives any outage. Each round that succeeds touches $ONCELERY_HEARTBEAT_FILE (its health check: an
+        outage makes it stale). Returns the totals.
         """
         total = RelayRound()
         failures = 0
+        heartbeat = heartbeat_file()
         next_purge = time.monotonic()
         while not stop.is_set():
             try:
@@ -122,6 +125,8 @@ class Relay:
                     done.purged = purge(self.db, retention, forget=self._forget()).runs
                     next_purge = time.monotonic() + purge_every
                 failures = 0
+                if heartbeat is not None:
+                    heartbeat.beat()
             except Exception as exc:  # keep relaying through outages; the rows wait in the database
                 failures += 1
                 logger.error("relay round failed (%d in a row): %s", failures, exc)

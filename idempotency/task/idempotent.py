@@ -19,7 +19,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
-from oncelery.errors import ConfigurationError, OnceleryError, StoreError
+from oncelery.errors import ConfigurationError, OnceleryError, PayloadTooLarge, StoreError
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity, validate_key
@@ -29,12 +29,15 @@ from oncelery.settings import (
     HEADER_LEASE,
     HEADER_ON_IN_PROGRESS,
     HEADER_TENANT,
+    HEADER_WAITING_SINCE,
     HEADER_WAITS,
     check_lease,
     check_policy,
     pass_through,
+    payload_limits,
 )
 from oncelery.task.body import RunBody
+from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
 from oncelery.task.startup import watch_worker_start
 
@@ -88,6 +91,7 @@ class IdempotentTask(RunBody):
         content_type, encoding, body = dumps(
             (list(args or ()), dict(kwargs or {})), serializer=serializer or self.serializer
         )
+        self._check_payload_size(body)
         accept = prepare_accept_content(self.app.conf.accept_content)
         seen_args, seen_kwargs = loads(body, content_type, encoding, accept=accept)
         try:
@@ -99,6 +103,31 @@ class IdempotentTask(RunBody):
         # tenant are checked, and the payload's JSON, but no digest is computed.
         self.key_of(seen_args, seen_kwargs, key, tenant)
         self.version_of(seen_args, seen_kwargs)
+
+    def _check_payload_size(self, body: str | bytes) -> None:
+        # Measured on the encoding just made for the checks (no second one on the hot path): kombu's JSON escapes
+        # every non-ASCII character, so its length in characters is the size in bytes the broker gets.
+        warn, limit = self._payload_limits()
+        size = len(body)
+        if limit is not None and size > limit:
+            raise PayloadTooLarge.of(self.name, size, limit)
+        if warn is not None and size > warn:
+            logger.warning(
+                "%s: the arguments are %d bytes of JSON (oncelery_warn_payload_bytes=%d): pass a reference "
+                "(an id, a URL) and let the task load the data",
+                self.name,
+                size,
+                warn,
+            )
+
+    def _payload_limits(self) -> tuple[int | None, int | None]:
+        # Read once per app configuration: a Celery setting that is not set costs ~4 us to look up, per call.
+        conf = self.app.conf
+        seen = self.__dict__.get("_payload_limits")
+        if seen is None or seen[0] is not conf:
+            seen = (conf, payload_limits(self.settings()))
+            self.__dict__["_payload_limits"] = seen
+        return seen[1]  # type: ignore[no-any-return]
 
     # -- worker side -----------------------------------------------------------------------------
 
@@ -150,6 +179,7 @@ class IdempotentTask(RunBody):
             abandoned=headers.get(HEADER_ABANDONED),
             lease=lease,
             policy=policy,
+            waiting_since=_epoch_header(headers.get(HEADER_WAITING_SINCE)),
         )
         return Delivery(self, call, self._send_again).run(args, kwargs)
 
@@ -179,11 +209,14 @@ class IdempotentTask(RunBody):
             raise
         return ident, entity, version
 
-    def _send_again(self, exc: BaseException | None, abandoned: str | None = None) -> Any:
+    def _send_again(
+        self, exc: BaseException | None, abandoned: str | None = None, waiting_since: float | None = None
+    ) -> Any:
         """Re-send this message with backoff, without spending the task's max_retries, and ack this one.
 
         `abandoned`: the owner this delivery claimed as before a store fault; the re-send names it, so
-        taking its run over is not counted as a lost delivery (a poison message).
+        taking its run over is not counted as a lost delivery (a poison message). `waiting_since`: the message
+        begins to wait for a live holder now (its re-checks carry it and count no more `in_progress`).
         """
         req = self.request
         headers = dict(req.headers or {})
@@ -191,6 +224,8 @@ class IdempotentTask(RunBody):
         headers[HEADER_WAITS] = waits + 1
         if abandoned is not None:
             headers[HEADER_ABANDONED] = abandoned
+        if waiting_since is not None:
+            headers[HEADER_WAITING_SINCE] = waiting_since
         delay = wait_backoff(waits)
         # Same task id and the same `retries` count: waiting on a live holder is not a failure.
         sig = self.signature_from_request(req, countdown=delay, retries=req.retries, headers=headers)
@@ -221,5 +256,14 @@ class IdempotentTask(RunBody):
         return self.store.outcome_counts(self.name)
 
 
+def _epoch_header(value: Any) -> float | None:
+    # A header another producer mangled is no wait at all: the delivery then counts its own first wait.
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 # A worker whose app has idempotent tasks checks its claims database before it consumes anything.
 watch_worker_start(IdempotentTask)
+watch_worker_heartbeat()  # $ONCELERY_HEARTBEAT_FILE: the container's health check
