@@ -140,7 +140,9 @@ class _Handler(BaseHTTPRequestHandler):
             wire.check_fields(body, wire.CHAT_FIELDS, ("model", "messages"))
             if body.get("stream"):
                 raise wire.BadRequest("stream=true is not served by the fake's chat completions")
-            return wire.openai_intent(body), prompt_text(body["messages"])
+            # OpenAI takes metadata on chat completions only with store=true: clients tag the header instead.
+            intent = wire.openai_intent(body) or self.headers.get("x-client-request-id")
+            return intent, prompt_text(body["messages"])
         wire.check_fields(body, wire.MESSAGES_FIELDS, ("model", "messages", "max_tokens"))
         if body.get("stream"):
             raise wire.BadRequest("stream=true is not served by the fake's messages endpoint")

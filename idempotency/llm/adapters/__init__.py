@@ -1,0 +1,5 @@
+"""Provider adapters: one small class per wire protocol, each declaring what it can do (`Capabilities`).
+
+Reading order: `base` (the contract, capabilities, outcomes), `http` (one place for transport and errors),
+then one module per protocol: `openai_responses`, `openai_chat`, `anthropic_messages`.
+"""

@@ -1,0 +1,183 @@
+"""One place for the wire: a JSON POST/GET with no retries, each failure turned into one typed error.
+
+No retry here on purpose: a create retried by a transport would be a second paid call that no intent records
+(the official SDKs retry twice by default). The caller decides, with a new intent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, Self
+
+import httpx
+
+from oncelery.llm.errors import ProviderRateLimited, ProviderRejected, ProviderUnavailable, ResponseGone
+
+DEFAULT_TIMEOUT_S = 60.0
+_DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|h|m|s)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True)
+class RateHint:
+    """What a provider's rate-limit headers said about the caller's remaining budget (None: not said)."""
+
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_s: float | None = None  # until the tighter of the windows refills
+    retry_after_s: float | None = None
+
+
+def duration_s(text: str) -> float | None:
+    """Parse OpenAI's reset durations ("1s", "6m0s", "20ms", "0.5s") into seconds; None if unreadable."""
+    parts = list(_DURATION.finditer(text.strip()))
+    if not parts or "".join(p.group(0) for p in parts) != text.strip():
+        return None
+    return sum(float(p["n"]) * _UNIT_S[p["unit"]] for p in parts)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Parse `retry-after`: delta seconds or an HTTP date (RFC 9110); None if absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds())
+    except (TypeError, ValueError):
+        return None
+
+
+def rate_hint(headers: Mapping[str, str]) -> RateHint:
+    """Read OpenAI's `x-ratelimit-*`, Anthropic's `anthropic-ratelimit-*` and `retry-after` into one hint."""
+    lower = {k.lower(): v for k, v in headers.items()}
+
+    def number(*names: str) -> int | None:
+        found = [int(lower[n]) for n in names if lower.get(n, "").isdigit()]
+        return min(found) if found else None
+
+    resets = [duration_s(lower[n]) for n in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens") if n in lower]
+    for name in ("anthropic-ratelimit-requests-reset", "anthropic-ratelimit-tokens-reset"):
+        if name in lower:
+            try:
+                at = datetime.fromisoformat(lower[name].replace("Z", "+00:00"))
+                resets.append(max(0.0, (at - datetime.now(UTC)).total_seconds()))
+            except ValueError:
+                pass
+    known = [r for r in resets if r is not None]
+    return RateHint(
+        remaining_requests=number("x-ratelimit-remaining-requests", "anthropic-ratelimit-requests-remaining"),
+        remaining_tokens=number(
+            "x-ratelimit-remaining-tokens",
+            "anthropic-ratelimit-tokens-remaining",
+            "anthropic-ratelimit-input-tokens-remaining",
+            "anthropic-ratelimit-output-tokens-remaining",
+        ),
+        reset_s=max(known) if known else None,
+        retry_after_s=retry_after_s(lower.get("retry-after")),
+    )
+
+
+class Transport:
+    """JSON over one httpx client for one provider, with no retries; raises only `ProviderError`s."""
+
+    def __init__(
+        self,
+        provider: str,
+        base_url: str,
+        headers: Mapping[str, str],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.provider = provider
+        self.client = client or httpx.Client(base_url=base_url.rstrip("/"), headers=dict(headers), timeout=timeout_s)
+        self.last_hint = RateHint()
+
+    def send(self, method: str, path: str, body: Mapping[str, Any] | None = None, model: str = "") -> httpx.Response:
+        """Send one request and return its 2xx response; map every other outcome to a typed error."""
+        try:
+            response = self.client.request(method, path, json=body)
+        except httpx.ConnectError as exc:
+            # Refused before a byte was sent: the provider cannot have the call.
+            raise ProviderUnavailable.of(self.provider, f"cannot connect ({exc})", maybe_sent=False) from exc
+        except httpx.HTTPError as exc:
+            # A timeout or a cut connection after sending: the provider may have the call (and may bill it).
+            raise ProviderUnavailable.of(self.provider, f"{type(exc).__name__}: {exc}", maybe_sent=True) from exc
+        self.check(response, method, path, model)
+        return response
+
+    def json(self, method: str, path: str, body: Mapping[str, Any] | None = None, model: str = "") -> dict[str, Any]:
+        """Send one request and return its JSON object."""
+        data = self.send(method, path, body, model).json()
+        if not isinstance(data, dict):
+            raise ProviderUnavailable.of(self.provider, f"{path} answered {type(data).__name__}, not an object", True)
+        return data
+
+    def events(self, path: str, body: Mapping[str, Any] | None = None, model: str = "") -> Iterator[dict[str, Any]]:
+        """Yield the JSON of each server-sent event of a streamed answer (POST with a body, GET without)."""
+        method = "POST" if body is not None else "GET"
+        try:
+            with self.client.stream(method, path, json=body) as response:
+                if not response.is_success:
+                    response.read()
+                self.check(response, method, path, model)
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        yield json.loads(line[6:])
+        except httpx.ConnectError as exc:
+            raise ProviderUnavailable.of(self.provider, f"cannot connect ({exc})", maybe_sent=False) from exc
+        except httpx.HTTPError as exc:
+            raise ProviderUnavailable.of(self.provider, f"{type(exc).__name__}: {exc}", maybe_sent=True) from exc
+
+    def check(self, response: httpx.Response, method: str, path: str, model: str) -> None:
+        """Keep the rate hint of any answer; return on a 2xx, else raise the one typed error its status means."""
+        self.last_hint = rate_hint(response.headers)
+        if response.is_success:
+            return
+        detail = _detail(response)
+        if response.status_code == 429:
+            wait = self.last_hint.retry_after_s or self.last_hint.reset_s or 1.0
+            raise ProviderRateLimited.of(self.provider, model or "?", wait, detail)
+        if response.status_code == 404 and method == "GET":
+            raise ResponseGone.of(self.provider, path.split("?")[0].rsplit("/", 1)[-1])
+        if response.status_code >= 500:
+            raise ProviderUnavailable.of(self.provider, f"{response.status_code}: {detail}", maybe_sent=True)
+        raise ProviderRejected.of(self.provider, response.status_code, detail)
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self.client.close()
+
+
+class HTTPAdapter:
+    """What every adapter over a `Transport` shares: closing its client, and `with` to do so."""
+
+    http: Transport
+
+    def close(self) -> None:
+        """Close the adapter's HTTP client."""
+        self.http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:200]
+    return str(body)[:200]

@@ -1,0 +1,59 @@
+"""What a provider call can end in, besides an answer: typed, picklable, and each saying what to do.
+
+Part of the one error tree (`oncelery.OnceleryError`); the call layer raises only these for provider trouble.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from oncelery.errors import OnceleryError
+
+
+class ProviderError(OnceleryError):
+    """Raised when a model provider did not give an answer (the subclass says whether a retry can help)."""
+
+
+class ProviderRateLimited(ProviderError):
+    """Raised on a 429: wait `retry_after_s` (from the provider's headers) before the next call; nothing was made."""
+
+    @classmethod
+    def of(cls, provider: str, model: str, retry_after_s: float, detail: str) -> ProviderRateLimited:
+        """Build the error for `provider`'s 429 on `model`."""
+        return cls(
+            f"{provider} rate-limited {model}: retry after {retry_after_s:g}s ({detail})",
+            provider=provider,
+            model=model,
+            retry_after_s=retry_after_s,
+        )
+
+
+class ProviderUnavailable(ProviderError):
+    """Raised on a 5xx, an overload or a network failure; `maybe_sent` says if the provider may have the call."""
+
+    @classmethod
+    def of(cls, provider: str, what: str, maybe_sent: bool) -> ProviderUnavailable:
+        """Build the error; `maybe_sent` is False only when the request surely never left (connect refused)."""
+        return cls(f"{provider} unavailable: {what}", provider=provider, maybe_sent=maybe_sent)
+
+
+class ProviderRejected(ProviderError):
+    """Raised on a 4xx other than 429 (bad request, auth, unknown model): fix the request or the credentials."""
+
+    @classmethod
+    def of(cls, provider: str, status: int, detail: Any) -> ProviderRejected:
+        """Build the error from the provider's status and message."""
+        return cls(f"{provider} refused the request ({status}): {detail}", provider=provider, status=status)
+
+
+class ResponseGone(ProviderError):
+    """Raised when the provider no longer has a response it accepted (404 on retrieve, or retention passed)."""
+
+    @classmethod
+    def of(cls, provider: str, reference: str) -> ResponseGone:
+        """Build the error for the reference the provider forgot."""
+        return cls(
+            f"{provider} no longer has response {reference} (past its retention, or never stored)",
+            provider=provider,
+            reference=reference,
+        )
