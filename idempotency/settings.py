@@ -16,35 +16,48 @@ __all__ = [
     "CELERY_DELIVERY_DEFAULTS",
     "CONF_DATABASE_URL",
     "CONF_DIGEST_KEY",
+    "CONF_FLOWER_NAME_SUFFIX",
     "CONF_LEASE",
+    "CONF_LEDGER_SPOOL_DIR",
+    "CONF_MAX_PAYLOAD_BYTES",
     "CONF_ON_IN_PROGRESS",
     "CONF_PRICES",
     "CONF_REPLAY_CACHE",
     "CONF_REPLAY_CACHE_TTL",
+    "CONF_STARTUP_WAIT",
     "CONF_STORE_MESSAGE",
     "CONF_TENANT",
+    "CONF_WARN_PAYLOAD_BYTES",
     "CONTENT_KEY_PREFIX",
     "DEFAULT_DATABASE_FILE",
     "DEFAULT_DATA_DIR",
     "DEFAULT_LEASE_SECONDS",
+    "DEFAULT_LEDGER_SPOOL",
     "DEFAULT_MAX_DELIVERIES",
+    "DEFAULT_METRICS_MAX_TENANTS",
+    "DEFAULT_STARTUP_WAIT_SECONDS",
+    "DEFAULT_WARN_PAYLOAD_BYTES",
     "DIRECT_WAIT_TIMEOUT",
     "ENV_BROKER_URL",
     "ENV_DATABASE_URL",
     "ENV_DATA_DIR",
     "ENV_DIGEST_KEY",
     "ENV_HEARTBEAT_FILE",
+    "ENV_LEDGER_SPOOL_DIR",
+    "ENV_METRICS_MAX_TENANTS",
     "ENV_PASS_THROUGH",
     "ENV_REPLAY_CACHE",
     "ENV_REPLAY_FLUSH_INTERVAL",
     "ENV_RESULT_BACKEND",
     "ENV_SQLITE_BUSY_TIMEOUT",
+    "ENV_STARTUP_WAIT",
     "HEADER_ABANDONED",
     "HEADER_KEY",
     "HEADER_LEASE",
     "HEADER_ON_IN_PROGRESS",
     "HEADER_PIPELINE",
     "HEADER_TENANT",
+    "HEADER_WAITING_SINCE",
     "HEADER_WAITS",
     "HEARTBEATS_PER_LEASE",
     "IDENTITY_KEY_SECRET",
@@ -58,6 +71,8 @@ __all__ = [
     "PASS_THROUGH_SEEN",
     "SECRET_SETTINGS",
     "SQLITE_BUSY_TIMEOUT_MS",
+    "STARTUP_RETRY_CAP",
+    "VISIBILITY_SLACK",
     "WAIT_BACKOFF_BASE",
     "WAIT_BACKOFF_CAP",
     "check_lease",
@@ -70,8 +85,10 @@ __all__ = [
     "env_seconds",
     "is_embedded_database",
     "pass_through",
+    "payload_limits",
     "require_database_url",
     "sqlite_busy_timeout_ms",
+    "startup_wait_seconds",
 ]
 
 # Environment variables (the README's configuration table lists every one).
@@ -106,23 +123,51 @@ CONF_STORE_MESSAGE = "oncelery_store_message"  # bool
 # task with no tenant option of its own; the tenant travels with the message as a header.
 CONF_TENANT = "oncelery_tenant"
 CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output": USD per 1M tokens}}
+# Where a model call's ledger row waits while the database cannot take it (JSON Lines, one file per process;
+# oncelery.task.ledger_spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
+# In a container it must be a volume, or a restart loses the spend it holds (docs/operations.md).
+CONF_LEDGER_SPOOL_DIR = "oncelery_ledger_spool_dir"
+ENV_LEDGER_SPOOL_DIR = "ONCELERY_LEDGER_SPOOL_DIR"
+DEFAULT_LEDGER_SPOOL = "ledger-spool"
 # The replay cache (oncelery.delivery.replay_cache): a Redis URL; duplicates of finished runs are answered there.
 CONF_REPLAY_CACHE = "oncelery_replay_cache"
 ENV_REPLAY_CACHE = "ONCELERY_REPLAY_CACHE"
 CONF_REPLAY_CACHE_TTL = "oncelery_replay_cache_ttl"  # seconds an entry lives (default 600)
 ENV_REPLAY_FLUSH_INTERVAL = "ONCELERY_REPLAY_FLUSH_INTERVAL"  # seconds between writes of cached replays' counts
+# A call's payload (its args and kwargs as the JSON it sends), measured at apply_async: above the first (bytes;
+# 0 or None: off) a warning suggests passing a reference; above the second (default: off) the call is refused.
+CONF_WARN_PAYLOAD_BYTES = "oncelery_warn_payload_bytes"
+CONF_MAX_PAYLOAD_BYTES = "oncelery_max_payload_bytes"
+DEFAULT_WARN_PAYLOAD_BYTES = 1 << 20  # 1 MiB: a broker message that size is a database row or an object's id
+# How long a starting worker waits for a claims database that does not answer yet (then refuses); 0: refuse at
+# once. A setting and a variable: `celery worker` takes no option of ours.
+CONF_STARTUP_WAIT = "oncelery_startup_wait_s"
+ENV_STARTUP_WAIT = "ONCELERY_STARTUP_WAIT_S"
+DEFAULT_STARTUP_WAIT_SECONDS = 60.0  # longer than a PostgreSQL container's start, shorter than a pager's patience
+STARTUP_RETRY_CAP = 5.0  # seconds: the longest pause between two attempts of that wait
+# A Redis visibility timeout above this many times the tasks' longest hold (max_lease + lease) is reported at
+# worker start: a killed worker's job would wait that long to run again.
+VISIBILITY_SLACK = 4
+# True: task events also rename the task for Flower ("shop.charge [replayed]"). Off by default: every monitor
+# that labels by task name (Flower's /metrics, celery-exporter) would count steps x outcomes names per task.
+CONF_FLOWER_NAME_SUFFIX = "oncelery_flower_name_suffix"  # bool, default False
 # Every app.conf.oncelery_* setting there is: any other name is a typo, refused with its name.
 KNOWN_SETTINGS = frozenset(
     {
         CONF_DATABASE_URL,
         CONF_DIGEST_KEY,
+        CONF_FLOWER_NAME_SUFFIX,
         CONF_LEASE,
         CONF_ON_IN_PROGRESS,
         CONF_STORE_MESSAGE,
         CONF_TENANT,
         CONF_PRICES,
+        CONF_LEDGER_SPOOL_DIR,
         CONF_REPLAY_CACHE,
         CONF_REPLAY_CACHE_TTL,
+        CONF_WARN_PAYLOAD_BYTES,
+        CONF_MAX_PAYLOAD_BYTES,
+        CONF_STARTUP_WAIT,
     }
 )
 # The pass-through switch for plain unit tests (as Powertools' POWERTOOLS_IDEMPOTENCY_DISABLED): the body runs
@@ -139,6 +184,9 @@ DEFAULT_DATA_DIR = ".oncelery"
 HEADER_KEY = "oncelery_key"
 HEADER_TENANT = "oncelery_tenant"
 HEADER_WAITS = "oncelery_waits"
+# When (database clock, seconds since 1970) a message first found its key held by a live holder: its re-checks
+# count no more `in_progress`, and the delivery that stops waiting observes the wait (oncelery.runs.waits).
+HEADER_WAITING_SINCE = "oncelery_waiting_since"
 # The owner a delivery claimed (or tried to) before a database fault made it send the job again: that holder
 # did not vanish, so its run taken over by this message is not a lost delivery (no step towards max_deliveries).
 HEADER_ABANDONED = "oncelery_abandoned"
@@ -166,6 +214,10 @@ ENV_SQLITE_BUSY_TIMEOUT = "ONCELERY_SQLITE_BUSY_TIMEOUT"
 # A file the worker (on each Celery heartbeat) and the relay (after each round) touch: its age is their health
 # check (deploy/bin/oncelery-healthcheck). Unset: no file.
 ENV_HEARTBEAT_FILE = "ONCELERY_HEARTBEAT_FILE"
+# `oncelery metrics`: tenants that keep their own `tenant` label (the most active); the rest are summed as
+# "other", so a SaaS with 50,000 customers does not become 50,000 series per metric (docs/metrics.md).
+ENV_METRICS_MAX_TENANTS = "ONCELERY_METRICS_MAX_TENANTS"
+DEFAULT_METRICS_MAX_TENANTS = 20
 # The settings that may hold a secret: each is also read from the file VAR_FILE names (oncelery.settings_files).
 SECRET_SETTINGS = (ENV_DATABASE_URL, ENV_BROKER_URL, ENV_RESULT_BACKEND, ENV_DIGEST_KEY, ENV_REPLAY_CACHE)
 
@@ -279,6 +331,33 @@ def check_lease(value: Any, who: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value < MIN_LEASE_SECONDS:
         raise ConfigurationError(f"{who}: lease={value!r}; give seconds >= {MIN_LEASE_SECONDS}")
     return float(value)
+
+
+def startup_wait_seconds(conf: Any = None) -> float:
+    """How long a starting worker waits for its claims database: app.conf.oncelery_startup_wait_s, else
+    $ONCELERY_STARTUP_WAIT_S, else 60 s; a bad value raises ConfigurationError naming the setting."""
+    value = conf.get(CONF_STARTUP_WAIT) if conf is not None else None
+    if value is None:
+        return env_seconds(ENV_STARTUP_WAIT, DEFAULT_STARTUP_WAIT_SECONDS, zero_ok=True)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigurationError(f"app.conf.{CONF_STARTUP_WAIT}={value!r}: give seconds >= 0 (0: do not wait)")
+    return float(value)
+
+
+def payload_limits(conf: Any) -> tuple[int | None, int | None]:
+    """The (warn, max) payload sizes in bytes of app.conf.oncelery_warn/max_payload_bytes (None: off); a bad
+    value raises ConfigurationError naming the setting."""
+    warn = _bytes_setting(conf, CONF_WARN_PAYLOAD_BYTES, DEFAULT_WARN_PAYLOAD_BYTES)
+    return warn, _bytes_setting(conf, CONF_MAX_PAYLOAD_BYTES, None)
+
+
+def _bytes_setting(conf: Any, name: str, default: int | None) -> int | None:
+    value = conf.get(name, default)
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"app.conf.{name}={value!r}: give bytes as an int (e.g. {1 << 20}), or 0 for off")
+    return value
 
 
 def pass_through() -> bool:

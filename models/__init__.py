@@ -20,7 +20,7 @@ from oncelery.models.runs import (
     StepResult,
     TaskRun,
 )
-from oncelery.models.totals import LetterTotal, RunStatusTotal
+from oncelery.models.totals import HistogramBucket, LetterTotal, RunStatusTotal
 
 __all__ = [
     "DIGEST_KEY_SECRET",
@@ -28,6 +28,7 @@ __all__ = [
     "DeadLetter",
     "DeliveryOutcome",
     "EntityVersion",
+    "HistogramBucket",
     "LedgerTotal",
     "LetterTotal",
     "ModelCall",

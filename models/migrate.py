@@ -49,6 +49,7 @@ FRAMEWORK = Branch(
             "ledger_totals",
             "run_status_totals",
             "letter_totals",
+            "histogram_buckets",
         }
     ),
 )

@@ -160,6 +160,9 @@ class StepResult(Base):
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
     )
+    # Seconds the step's function took in the holder that wrote this checkpoint (0012; NULL before it): a
+    # trigger adds it to the step_duration histogram (models/totals.py).
+    seconds: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (UniqueConstraint("run_id", "position"),)
 

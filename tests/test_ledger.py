@@ -222,14 +222,14 @@ def test_calls_made_and_saved_by_replays_are_exact(
     # The exporter's running totals (no scan of model_calls) agree with the ledger's own sums, line by line.
     got = scrape(db_url)
     for (task, who, model), line in lines.items():
-        key = (("model", model), ("task", task), ("tenant", who))
+        key = (("model", model), ("name", task), ("tenant", who))
         made = line["made"]
         assert got["oncelery_llm_calls_total", key] == made["calls"]
         assert got["oncelery_llm_cost_usd_total", key] == pytest.approx(made["cost"] or 0.0)
         assert got["oncelery_llm_tokens_total", (("direction", "output"), *key)] == made["output_tokens"]
     for who in ("acme", "globex"):
         spared = costs(db_url, "--tenant", who)["total"]["saved"]
-        key = (("task", "oncelery.t_ledger_job"), ("tenant", who))
+        key = (("name", "oncelery.t_ledger_job"), ("tenant", who))
         assert got["oncelery_llm_saved_calls_total", key] == spared["calls"]
         assert got["oncelery_llm_saved_cost_usd_total", key] == pytest.approx(spared["cost"] or 0.0)
         assert got["oncelery_llm_saved_tokens_total", (("direction", "input"), *key)] == spared["input_tokens"]

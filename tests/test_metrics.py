@@ -137,31 +137,31 @@ def test_every_metric_equals_the_database(metrics_url: str) -> None:
 
     got = samples(generate_latest(claims_registry(metrics_url)).decode())
 
-    def value(name: str, **labels: str) -> float:
-        return got[name, tuple(sorted(labels.items()))]
+    def value(metric: str, **labels: str) -> float:
+        return got[metric, tuple(sorted(labels.items()))]
 
     assert value("oncelery_database_up") == 1
-    assert value("oncelery_deliveries_total", task=TASK, tenant="acme", outcome="executed") == 3
-    assert value("oncelery_deliveries_total", task=TASK, tenant="", outcome="replayed") == 1
-    assert value("oncelery_zombie_writes_refused_total", task=TASK, tenant="") == 1
-    assert value("oncelery_runs_completed_total", task=TASK, tenant="acme") == 3
-    assert value("oncelery_duplicate_ratio", task=TASK) == pytest.approx(1 / 5)
-    assert value("oncelery_runs", task=TASK, status="RUNNING") == 1
-    assert value("oncelery_runs", task=TASK, status="DEAD") == 1
-    assert value("oncelery_running_takeovers", task=TASK) == 1
+    assert value("oncelery_deliveries_total", name=TASK, tenant="acme", outcome="executed") == 3
+    assert value("oncelery_deliveries_total", name=TASK, tenant="", outcome="replayed") == 1
+    assert value("oncelery_zombie_writes_refused_total", name=TASK, tenant="") == 1
+    assert value("oncelery_runs_completed_total", name=TASK, tenant="acme") == 3
+    assert value("oncelery_duplicate_ratio", name=TASK) == pytest.approx(1 / 5)
+    assert value("oncelery_runs", name=TASK, status="RUNNING") == 1
+    assert value("oncelery_runs", name=TASK, status="DEAD") == 1
+    assert value("oncelery_running_takeovers", name=TASK) == 1
     # Expired an hour ago by the database clock (a few seconds of slack for a slow machine).
-    assert 3590 < value("oncelery_oldest_expired_lease_age_seconds", task=TASK) < 3700
-    assert value("oncelery_oldest_live_lease_age_seconds", task=TASK) == 0
+    assert 3590 < value("oncelery_oldest_expired_lease_age_seconds", name=TASK) < 3700
+    assert value("oncelery_oldest_live_lease_age_seconds", name=TASK) == 0
     assert value("oncelery_outbox_pending") == 1
     assert 0 <= value("oncelery_outbox_oldest_pending_age_seconds") < 300
-    assert value("oncelery_dead_letters", task=TASK, reason="never_succeeds") == 1
-    assert value("oncelery_llm_calls_total", task=TASK, tenant="", model="gpt-x") == 1
-    assert value("oncelery_llm_tokens_total", task=TASK, tenant="", model="gpt-x", direction="input") == 100
-    assert value("oncelery_llm_cost_usd_total", task=TASK, tenant="", model="gpt-x") == pytest.approx(0.25)
+    assert value("oncelery_dead_letters", name=TASK, reason="never_succeeds") == 1
+    assert value("oncelery_llm_calls_total", name=TASK, tenant="", model="gpt-x") == 1
+    assert value("oncelery_llm_tokens_total", name=TASK, tenant="", model="gpt-x", direction="input") == 100
+    assert value("oncelery_llm_cost_usd_total", name=TASK, tenant="", model="gpt-x") == pytest.approx(0.25)
     # One replay of a run that made one ok call saved that call, its tokens and its cost.
-    assert value("oncelery_llm_saved_calls_total", task=TASK, tenant="") == 1
-    assert value("oncelery_llm_saved_cost_usd_total", task=TASK, tenant="") == pytest.approx(0.25)
-    assert value("oncelery_llm_saved_tokens_total", task=TASK, tenant="", direction="output") == 20
+    assert value("oncelery_llm_saved_calls_total", name=TASK, tenant="") == 1
+    assert value("oncelery_llm_saved_cost_usd_total", name=TASK, tenant="") == pytest.approx(0.25)
+    assert value("oncelery_llm_saved_tokens_total", name=TASK, tenant="", direction="output") == 20
 
 
 def test_unreadable_database_reports_down(tmp_path: Path) -> None:
@@ -232,13 +232,13 @@ def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, r
         exporter = subprocess.Popen([*argv, "--addr", "127.0.0.1"], stdout=subprocess.PIPE, text=True)
         exposition = wait_until(lambda: _scrape(port), 30, what="the exporter to answer")
         got = samples(exposition)
-        key = (("outcome", "executed"), ("task", TASK), ("tenant", ""))
+        key = (("name", TASK), ("outcome", "executed"), ("tenant", ""))
         assert got["oncelery_deliveries_total", key] == 70
-        assert got["oncelery_deliveries_total", (("outcome", "replayed"), ("task", TASK), ("tenant", ""))] == 30
+        assert got["oncelery_deliveries_total", (("name", TASK), ("outcome", "replayed"), ("tenant", ""))] == 30
         assert sum(v for (name, _), v in got.items() if name == "oncelery_deliveries_total") == 100
-        assert got["oncelery_runs_completed_total", (("task", TASK), ("tenant", ""))] == 70
-        assert got["oncelery_duplicate_ratio", (("task", TASK),)] == pytest.approx(0.3)
-        assert got["oncelery_oldest_expired_lease_age_seconds", (("task", TASK),)] > 3500
+        assert got["oncelery_runs_completed_total", (("name", TASK), ("tenant", ""))] == 70
+        assert got["oncelery_duplicate_ratio", (("name", TASK),)] == pytest.approx(0.3)
+        assert got["oncelery_oldest_expired_lease_age_seconds", (("name", TASK),)] > 3500
 
         exporter.send_signal(signal.SIGTERM)
         out, _ = exporter.communicate(timeout=15)
@@ -294,15 +294,16 @@ def test_upgrade_backfills_the_running_totals_from_existing_rows(metrics_url: st
 
     got = scrape(metrics_url)
     line = cost_report(metrics_url).lines[0]
-    run = (("task", TASK), ("tenant", ""))
-    assert got["oncelery_llm_calls_total", (("model", "gpt-x"), *run)] == line.made.calls == 4
-    assert got["oncelery_llm_failed_calls_total", (("model", "gpt-x"), *run)] == 1
-    assert got["oncelery_llm_cost_usd_total", (("model", "gpt-x"), *run)] == pytest.approx(line.made.cost)
+    run = (("name", TASK), ("tenant", ""))
+    model = (("model", "gpt-x"), *run)
+    assert got["oncelery_llm_calls_total", model] == line.made.calls == 4
+    assert got["oncelery_llm_failed_calls_total", model] == 1
+    assert got["oncelery_llm_cost_usd_total", model] == pytest.approx(line.made.cost)
     # Run a's 2 ok calls (150 + 15 tokens, $0.5 priced) saved 3 times over.
     assert got["oncelery_llm_saved_calls_total", run] == line.saved.calls == 6
     assert got["oncelery_llm_saved_tokens_total", (("direction", "input"), *run)] == line.saved.input_tokens == 450
     assert got["oncelery_llm_saved_cost_usd_total", run] == pytest.approx(line.saved.cost) == 1.5
     assert got["oncelery_steps_executed_total", run] == 2
     assert got["oncelery_takeovers_total", run] == 1
-    assert got["oncelery_deliveries_total", (("outcome", "executed"), *run)] == 1
-    assert ("oncelery_deliveries_total", (("outcome", "replayed"), *run)) not in got
+    assert got["oncelery_deliveries_total", (("name", TASK), ("outcome", "executed"), ("tenant", ""))] == 1
+    assert got["oncelery_deliveries_total", (("name", TASK), ("outcome", "replayed"), ("tenant", ""))] == 0

@@ -149,11 +149,11 @@ def counted(url: str) -> Samples:
             )
         )
         for task, status, n in runs:
-            want["oncelery_runs", (("status", status), ("task", task))] = n
+            want["oncelery_runs", (("name", task), ("status", status))] = n
         letters = text("SELECT task_name, reason, COUNT(*), COUNT(replayed_at) FROM dead_letters GROUP BY 1, 2")
         for task, reason, n, replayed in conn.execute(letters):
-            want["oncelery_dead_letters", (("reason", reason), ("task", task))] = n
-            want["oncelery_dead_letters_replayed", (("reason", reason), ("task", task))] = replayed
+            want["oncelery_dead_letters", (("name", task), ("reason", reason))] = n
+            want["oncelery_dead_letters_replayed", (("name", task), ("reason", reason))] = replayed
     return {key: value for key, value in want.items() if value}
 
 
@@ -221,10 +221,10 @@ def test_the_totals_follow_every_write(metrics_url: str) -> None:
         assert reported(metrics_url) == counted(metrics_url), phase
     # r2 died; d1 was replayed (FAILED), d2 purged with its letter; the conflict letters purged.
     assert reported(metrics_url) == {
-        ("oncelery_runs", (("status", "DEAD"), ("task", "t.a"))): 1,
-        ("oncelery_runs", (("status", "FAILED"), ("task", "t.b"))): 1,
-        ("oncelery_dead_letters", (("reason", "dead"), ("task", "t.b"))): 1,
-        ("oncelery_dead_letters_replayed", (("reason", "dead"), ("task", "t.b"))): 1,
+        ("oncelery_runs", (("name", "t.a"), ("status", "DEAD"))): 1,
+        ("oncelery_runs", (("name", "t.b"), ("status", "FAILED"))): 1,
+        ("oncelery_dead_letters", (("name", "t.b"), ("reason", "dead"))): 1,
+        ("oncelery_dead_letters_replayed", (("name", "t.b"), ("reason", "dead"))): 1,
     }
     if metrics_url.startswith("postgresql"):
         with Database(metrics_url).begin() as conn:
@@ -245,7 +245,7 @@ def test_the_upgrade_counts_the_rows_already_there(metrics_url: str) -> None:
         conn.execute(text("UPDATE dead_letters SET replayed_at = CURRENT_TIMESTAMP WHERE task_name = 't.b'"))
     upgrade_schema(metrics_url)
     want = counted(metrics_url)
-    assert reported(metrics_url) == want and want["oncelery_dead_letters", (("reason", "conflict"), ("task", "t.b"))]
+    assert reported(metrics_url) == want and want["oncelery_dead_letters", (("name", "t.b"), ("reason", "conflict"))]
     with engine.begin() as conn:
         conn.execute(text("UPDATE task_runs SET status = 'DEAD' WHERE idempotency_key = 'f1'"))
-    assert reported(metrics_url)["oncelery_runs", (("status", "DEAD"), ("task", "t.a"))] == 2
+    assert reported(metrics_url)["oncelery_runs", (("name", "t.a"), ("status", "DEAD"))] == 2

@@ -8,10 +8,12 @@ from typing import Any
 
 import click
 
-from oncelery.cli.context import resolve_database_url
+from oncelery.cli.context import celery_app_of, resolve_database_url
 from oncelery.ops.exporter import DEFAULT_ADDR, Exporter, read_password_file, serve
 from oncelery.ops.metrics import claims_registry
+from oncelery.settings import DEFAULT_METRICS_MAX_TENANTS, ENV_METRICS_MAX_TENANTS
 from oncelery.store.database import Database, safe_url
+from oncelery.task.idempotent import IdempotentTask
 
 __all__ = [
     "DEFAULT_PORT",
@@ -39,6 +41,22 @@ _FILE = click.Path(exists=True, dir_okay=False, readable=True)
     default=None,
     help="File holding the basic-auth password (read once at start; surrounding whitespace ignored).",
 )
+@click.option(
+    "--max-tenants",
+    type=click.IntRange(1),
+    envvar=ENV_METRICS_MAX_TENANTS,
+    default=DEFAULT_METRICS_MAX_TENANTS,
+    show_default=True,
+    help="Tenants (most deliveries first) that keep their own tenant label; the rest are summed as 'other'.",
+)
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    metavar="NAME",
+    help="A task whose outcome series exist at 0 before its first delivery (repeatable; `celery -A` adds "
+    "the app's idempotent tasks).",
+)
 @click.pass_context
 def metrics(
     ctx: click.Context,
@@ -48,19 +66,29 @@ def metrics(
     tls_key: str | None,
     basic_auth_user: str | None,
     basic_auth_password_file: str | None,
+    max_tenants: int,
+    tasks: tuple[str, ...],
 ) -> None:
     """Serve /metrics for Prometheus: every value read from the claims database at scrape time."""
     url = resolve_database_url(ctx)
+    known = sorted({*tasks, *_idempotent_tasks(celery_app_of(ctx))})
     Database(url).require_file()  # a mistyped SQLite path fails now, not on every scrape
     password = read_password_file(basic_auth_password_file) if basic_auth_password_file else None
     exporter = Exporter(port, addr, tls_cert, tls_key, basic_auth_user, password)
     if exporter.user and exporter.scheme == "http":
         click.echo("metrics: warning: basic auth over plain HTTP sends the password in clear (add --tls-cert)")
-    _serve_until_stopped(exporter, url)
+    _serve_until_stopped(exporter, url, known, max_tenants)
     click.echo("metrics stopped")
 
 
-def _serve_until_stopped(exporter: Exporter, url: str) -> None:
+def _idempotent_tasks(app: Any) -> list[str]:
+    # The tasks of the app `celery -A` loaded (none when run as plain `oncelery`): known before their first run.
+    if app is None:
+        return []
+    return [name for name, task in app.tasks.items() if isinstance(task, IdempotentTask)]
+
+
+def _serve_until_stopped(exporter: Exporter, url: str, tasks: list[str], max_tenants: int) -> None:
     stop = threading.Event()
 
     def _stop(_signum: int, _frame: Any) -> None:
@@ -68,7 +96,7 @@ def _serve_until_stopped(exporter: Exporter, url: str) -> None:
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server, thread = serve(claims_registry(url), exporter)
+        server, thread = serve(claims_registry(url, tasks, max_tenants), exporter)
         try:
             bound = server.server_address[1]
             auth = f", basic auth as {exporter.user}" if exporter.user else ""

@@ -53,6 +53,8 @@ class Call:
     abandoned: str | None = None
     lease: float = DEFAULT_LEASE_SECONDS  # its own option, else the task's, else the app's
     policy: str = "retry"  # on_in_progress, resolved the same way
+    # When this message first found its key held (database clock, epoch seconds; runs/waits.py), else None.
+    waiting_since: float | None = None
 
 
 class DeliveredTask(Protocol):

@@ -10,9 +10,12 @@
 |   lease lost finishing   | `_lease_lost`      | roll back, re-send (the taker's result)       | lease_lost        |
 | COMPLETED                | `_replay`          | the stored result; the body is not called     | replayed          |
 | CONFLICT                 | `_conflict`        | dead-letter, raise IdempotencyConflict        | conflict          |
-| IN_PROGRESS, ENTITY_BUSY | `_busy`            | on_in_progress: re-send, skip or raise        | in_progress       |
+| IN_PROGRESS, ENTITY_BUSY | `_busy`            | on_in_progress: re-send, skip or raise        | in_progress (1st) |
 | DEAD                     | `_dead`            | raise RunIsDead (`oncelery dlq replay`)       | dead              |
 | store unavailable        | `_store_failed`    | re-send (never acked as a failure)            | (not settled)     |
+
+A message that waits for a live holder counts `in_progress` on its first find only; its re-checks count
+nothing, and the delivery that stops waiting observes the wait's length (`_end_wait`, runs/waits.py).
 
 The task (Celery glue) supplies how to re-send; this module decides when. It knows the task only through
 `DeliveredTask`, the few things a delivery asks of it.
@@ -57,7 +60,8 @@ from oncelery.runs.decisions import (
 )
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import differing_fields, digest_key_rotated
-from oncelery.settings import DIRECT_WAIT_TIMEOUT
+from oncelery.runs.waits import record_wait, wait_started
+from oncelery.settings import DIRECT_WAIT_TIMEOUT, HEADER_WAITING_SINCE
 
 __all__ = ["Delivery"]
 
@@ -83,6 +87,8 @@ class Delivery:
         # This delivery's claimant name, sent along if a store fault makes it re-send the job (see claim()).
         self.owner = uuid.uuid4().hex
         self.cache: ReplayCache | None = None  # the app's replay cache, resolved when the delivery runs
+        # When this message began to wait for a live holder (its header), until a delivery of it stops waiting.
+        self.waiting_since = call.waiting_since
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Deliver once: loop only while a direct (no broker) caller waits for another holder."""
@@ -95,10 +101,14 @@ class Delivery:
             return self._store_failed(exc, "checking the version of")
         self.cache = self.task.replay_cache()  # resolved once per delivery: _remember writes to it
         if self.cache is not None and (cached := self.cache.lookup(self.task.name, self.ident)) is not None:
+            self._end_wait(Outcome.REPLAYED.value)
             return self._replay_cached(self.cache, cached.run_id, cached.token, cached.result)
         while True:
             try:
-                answer = self._decide(self._claim(), args, kwargs, deadline)
+                res = self._claim()
+                if res.decision not in _WAITING:
+                    self._end_wait(_WAIT_ENDED[res.decision])
+                answer = self._decide(res, args, kwargs, deadline)
             except StoreError as exc:
                 # Claiming, or counting the outcome, failed: nothing was decided, so the job is sent again.
                 return self._store_failed(exc, "delivering")
@@ -139,6 +149,7 @@ class Delivery:
         # Settled before it is counted: a fault between them re-sends the job, which then counts it once.
         self.store.settle_stale(self.task.name, self.ident)
         self.store.close_outbox_row(self.request.id, Outcome.STALE)
+        self._end_wait(Outcome.STALE.value)
         self._count(Outcome.STALE)
         stale = StaleVersion.of(version.entity, version.version, applied)
         logger.info("%s[%s]: %s", self.task.name, self.ident.key, stale)
@@ -208,7 +219,13 @@ class Delivery:
         """IN_PROGRESS / ENTITY_BUSY: someone else holds the key (or the entity); apply on_in_progress."""
         policy = self.call.policy
         held = res.run.token if res.run is not None else None  # the live holder's token, for Flower
-        if policy in ("skip", "raise") or self.resend or self.eager:
+        since = None
+        if self.waiting_since is not None:
+            # A re-check of a message already waiting: its wait was counted once, on its first find.
+            self.task.tell_caller(Outcome.IN_PROGRESS, self.ident, held)
+        elif policy in ("skip", "raise") or self.resend or self.eager:
+            if policy == "retry" and self.resend:
+                since = wait_started(self.store.db)  # read before the count: a fault re-sends it uncounted
             self._count(Outcome.IN_PROGRESS, token=held)
         if policy == "skip":
             return None
@@ -216,7 +233,7 @@ class Delivery:
             busy = f" (entity {self.call.entity} busy)" if res.decision is Decision.ENTITY_BUSY else ""
             raise self._in_progress(f"is being run by another worker{busy}")
         if self.resend:
-            return self.send_again(None)
+            return self.send_again(None, waiting_since=since)
         if self.eager:
             raise self._in_progress(
                 "is being run by another worker, and an eager call (task_always_eager or .apply()) cannot wait "
@@ -346,6 +363,20 @@ class Delivery:
 
     # -- shared by the rows ----------------------------------------------------------------------
 
+    def _end_wait(self, ended: str) -> None:
+        """This delivery no longer waits: observe the message's wait (once), and drop its header."""
+        since, self.waiting_since = self.waiting_since, None
+        if since is None:
+            return
+        headers = self.request.headers
+        if isinstance(headers, dict):  # a later retry() or re-send copies the request's headers: not this one
+            headers.pop(HEADER_WAITING_SINCE, None)
+        try:
+            record_wait(self.store.db, self.task.name, self.ident.tenant, since, ended)
+        except StoreError as exc:
+            # An observation, not a count: losing it beats re-sending a delivery that was decided.
+            logger.warning("%s[%s]: wait not observed: %s", self.task.name, self.ident.key, exc)
+
     def _remember(self, run_id: int, token: int, result: Any) -> None:
         if self.cache is not None:
             self.cache.remember(self.task.name, self.ident, run_id, token, result)
@@ -387,6 +418,14 @@ class Delivery:
 
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again
+_WAITING = (Decision.IN_PROGRESS, Decision.ENTITY_BUSY)
+# How a wait ended, by the decision of the delivery that no longer waits (the label of in_progress_wait).
+_WAIT_ENDED = {
+    Decision.COMPLETED: Outcome.REPLAYED.value,
+    Decision.CLAIMED: "claimed",
+    Decision.CONFLICT: Outcome.CONFLICT.value,
+    Decision.DEAD: Outcome.DEAD.value,
+}
 
 # The table's rows after the claim, one method each (built once: no per-delivery dispatch objects).
 _ROWS: dict[Decision, Callable[[Delivery, ClaimResult, tuple[Any, ...], dict[str, Any], float], Any]] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -132,8 +133,12 @@ def save_checkpoint_txn(
     meta: Any = None,
     supersede: bool = False,
     digest: str | None = None,
+    seconds: float | None = None,
 ) -> None:
     """Store a step in the caller's transaction iff `claim` still holds the run, renewing its lease.
+
+    `seconds`: what the step's function took; a trigger adds it to the step_duration histogram in this
+    transaction (models/totals.py), so the histogram counts exactly the checkpoints written.
 
     The fenced UPDATE both proves the claim and row-locks the run (PostgreSQL; SQLite's writer lock
     serialises it), so a takeover waits for this checkpoint to commit instead of racing it.
@@ -146,7 +151,14 @@ def save_checkpoint_txn(
         conn.execute(delete(STEPS).where(STEPS.c.run_id == claim.run_id, STEPS.c.position >= position))
     # The fence above proved this holder live, so a row already at this position is an earlier holder's
     # (never a concurrent one: the fenced UPDATE serialises holders): the live holder's result replaces it.
-    values = {"step_name": name, "result": result, "meta": meta, "args_digest": digest, "token": claim.token}
+    values = {
+        "step_name": name,
+        "result": result,
+        "meta": meta,
+        "args_digest": digest,
+        "token": claim.token,
+        "seconds": seconds,
+    }
     stmt = store.db.dialect.insert(STEPS).values(run_id=claim.run_id, position=position, **values)
     conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "position"], set_=values))
 
@@ -270,11 +282,15 @@ class StepRunner:
         )
         with _in_step(info):
             fault_point("step_call", task=self.claim.task_name, key=self.claim.key, step=name)
+            started = time.perf_counter()
             value = fn(*args, **kwargs)
+            seconds = time.perf_counter() - started
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
         fault_point("step_save", task=self.claim.task_name, key=self.claim.key, step=name)
         with self.store.transaction() as conn:
-            save_checkpoint_txn(conn, self.store, self.claim, position, name, result, meta, self.superseded, digest)
+            save_checkpoint_txn(
+                conn, self.store, self.claim, position, name, result, meta, self.superseded, digest, seconds
+            )
         self.superseded = False
         self.executed.append(name)
         return result

@@ -2,7 +2,8 @@
 
 Nothing is counted in this process: every value is a query on the database, so any number of exporters (or
 a restarted one) report the same figures. Every query reads a small table (delivery_outcomes, ledger_totals,
-and the totals triggers keep of FAILED/DEAD runs and of dead letters: models/totals.py) or walks a bounded
+the totals triggers keep of FAILED/DEAD runs and of dead letters, histogram_buckets: models/totals.py, and
+ops/histograms.py) or walks a bounded
 index (the partial index of RUNNING runs, the outbox rows not yet sent); none scans task_runs, dead_letters,
 step_results or model_calls. docs/metrics.md gives each metric's definition and cost.
 """
@@ -13,6 +14,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime
+from importlib import metadata
 from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,8 +23,12 @@ from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, 
 
 from oncelery.errors import OnceleryError
 from oncelery.models import Outcome
+from oncelery.ops.histograms import TenantCap, histogram_families, tenant_cap
+from oncelery.runs.waits import WAIT_FAMILY
+from oncelery.settings import DEFAULT_METRICS_MAX_TENANTS
 from oncelery.store.database import Database
 from oncelery.store.tables import (
+    HISTOGRAM_BUCKETS,
     LETTER_TOTALS,
     OUTBOX,
     OUTCOME_TOTALS,
@@ -33,7 +39,7 @@ from oncelery.store.tables import (
     TOTALS,
 )
 
-__all__ = ["ClaimsCollector", "claims_registry"]
+__all__ = ["COMPLETING_OUTCOMES", "DUPLICATE_OUTCOMES", "ClaimsCollector", "claims_registry"]
 
 logger = logging.getLogger("oncelery.metrics")  # a stable name (users filter on it)
 
@@ -42,7 +48,10 @@ PREFIX = "oncelery"
 # implies a partial index's `status = 'RUNNING'`, and would fall back to a scan of every run.
 _RUNNING = text("task_runs.status = 'RUNNING'")
 _PENDING = text("outbox.status = 'PENDING'")
-# Deliveries that found the work already done or under way: what an at-least-once broker duplicated.
+# The framework branch's Alembic version table (models/migrate.py), read for oncelery_build_info.
+FRAMEWORK_VERSION_TABLE = "oncelery_alembic_version"
+# Deliveries that found the work already done or under way: what an at-least-once broker duplicated. THE
+# definition (docs/metrics.md, the alert): a conflict is a client's error, never a duplicate.
 DUPLICATE_OUTCOMES = (Outcome.REPLAYED.value, Outcome.IN_PROGRESS.value)
 # Deliveries that moved a run to COMPLETED (a COMPLETED run is final: each completes one run, once).
 COMPLETING_OUTCOMES = (Outcome.EXECUTED.value, Outcome.RESUMED.value, Outcome.STALE.value)
@@ -51,9 +60,11 @@ COMPLETING_OUTCOMES = (Outcome.EXECUTED.value, Outcome.RESUMED.value, Outcome.ST
 class ClaimsCollector(Collector):
     """Yields every `oncelery_*` metric from one read of the claims database per scrape."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tasks: Iterable[str] = (), max_tenants: int = DEFAULT_METRICS_MAX_TENANTS) -> None:
         self.db = Database(url)
         self.url = url
+        self.tasks = tuple(tasks)  # known before any run: their outcome series are exported at 0
+        self.max_tenants = max_tenants
 
     def describe(self) -> Iterable[Metric]:
         """Nothing: registering must not query the database (the registry then calls collect on scrape only)."""
@@ -80,74 +91,108 @@ class ClaimsCollector(Collector):
     def _families(self) -> Iterator[Metric]:
         with self.db.read() as conn:
             clock = conn.execute(select(database_clock(self.db))).scalar_one()
-            yield from outcome_families(conn)
+            cap = tenant_cap(conn, self.max_tenants)
+            yield build_info(conn)
+            yield from outcome_families(conn, cap, self.tasks)
             yield from run_families(conn, self.db, clock)
             yield from step_families(conn)
             yield from queue_families(conn, clock)
-            yield from ledger_families(conn)
+            yield from ledger_families(conn, cap)
+            yield from histogram_families(conn, cap)
 
 
-def claims_registry(url: str) -> CollectorRegistry:
+def claims_registry(
+    url: str, tasks: Iterable[str] = (), max_tenants: int = DEFAULT_METRICS_MAX_TENANTS
+) -> CollectorRegistry:
     """A registry holding only the claims collector (no process metrics: they would differ per exporter)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClaimsCollector(url))
+    registry.register(ClaimsCollector(url, tasks, max_tenants))
     return registry
 
 
 # -- deliveries (delivery_outcomes: a few rows per task, tenant and outcome) ---------------------------------
 
 
-def outcome_families(conn: Connection) -> Iterator[Metric]:
-    """Deliveries per outcome, lease_lost writes, completed runs, and the lifetime duplicate ratio per task."""
+def outcome_families(conn: Connection, cap: TenantCap, tasks: Iterable[str] = ()) -> Iterator[Metric]:
+    """Deliveries per outcome (every outcome present, 0 included, for each known task), lease_lost writes,
+    completed runs, and the lifetime duplicate ratio over first deliveries per task."""
     c = OUTCOMES.c
     sums = [func.sum(c[name]) for name in OUTCOME_TOTALS]
     rows = conn.execute(
         select(c.task_name, c.tenant, c.outcome, func.sum(c.count), *sums).group_by(c.task_name, c.tenant, c.outcome)
     ).all()
+    counts: dict[tuple[str, str, str], int] = {}  # (task, tenant label, outcome) -> deliveries
+    lifetime: dict[tuple[str, str], list[float]] = {}  # (task, tenant) -> OUTCOME_TOTALS summed over outcomes
+    for task, tenant, outcome, n, *added in rows:
+        tenant = cap(tenant)
+        into = lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
+        for i, figure in enumerate(added):
+            into[i] += float(figure or 0)
+        key = (task, tenant, outcome.value)
+        counts[key] = counts.get(key, 0) + int(n)  # a backfill row (migration 0007) adds 0: totals only
+    # Zero series: every outcome of every known task exists before it first happens, so `rate()` and
+    # `absent()` need no `or vector(0)`. A task seen with tenants gets them; a configured one tenant "".
+    tenants: dict[str, set[str]] = {}
+    for task, tenant, _ in counts:
+        tenants.setdefault(task, set()).add(tenant)
+    for task in tasks:
+        tenants.setdefault(task, {""})
+    for task, seen in tenants.items():
+        for tenant in seen:
+            lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
     deliveries = CounterMetricFamily(
         f"{PREFIX}_deliveries",
-        "Deliveries by the outcome each recorded (exactly one per delivery, across all workers).",
-        labels=["task", "tenant", "outcome"],
+        "Deliveries by the outcome each recorded (a waiting duplicate counts in_progress once, not per re-check).",
+        labels=["name", "tenant", "outcome"],
     )
     refused = CounterMetricFamily(
         f"{PREFIX}_zombie_writes_refused",
         "Completions refused because the holder's lease was lost (the lease_lost outcome): zombie writes fenced.",
-        labels=["task", "tenant"],
+        labels=["name", "tenant"],
     )
     completed = CounterMetricFamily(
         f"{PREFIX}_runs_completed",
         "Runs moved to COMPLETED (outcomes executed + resumed + stale; purging old runs does not lower it).",
-        labels=["task", "tenant"],
+        labels=["name", "tenant"],
     )
     per_task: dict[str, list[int]] = {}  # task -> [duplicates, all]
-    done: dict[tuple[str, str], int] = {}
-    lifetime: dict[tuple[str, str], list[float]] = {}  # (task, tenant) -> OUTCOME_TOTALS summed over outcomes
-    for task, tenant, outcome, n, *added in rows:
-        n, value = int(n), outcome.value
-        into = lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
-        for i, figure in enumerate(added):
-            into[i] += float(figure or 0)
-        if n == 0:  # a backfill row (migration 0007) carries totals only
-            continue
-        deliveries.add_metric([task, tenant, value], n)
-        if value == Outcome.LEASE_LOST.value:
-            refused.add_metric([task, tenant], n)
-        if value in COMPLETING_OUTCOMES:
-            done[task, tenant] = done.get((task, tenant), 0) + n
-        totals = per_task.setdefault(task, [0, 0])
-        totals[0] += n if value in DUPLICATE_OUTCOMES else 0
-        totals[1] += n
-    for (task, tenant), n in sorted(done.items()):
-        completed.add_metric([task, tenant], n)
+    for task in sorted(tenants):
+        for tenant in sorted(tenants[task]):
+            of = {outcome.value: counts.get((task, tenant, outcome.value), 0) for outcome in Outcome}
+            for value, n in of.items():
+                deliveries.add_metric([task, tenant, value], n)
+            refused.add_metric([task, tenant], of[Outcome.LEASE_LOST.value])
+            completed.add_metric([task, tenant], sum(of[value] for value in COMPLETING_OUTCOMES))
+            totals = per_task.setdefault(task, [0, 0])
+            totals[0] += sum(of[value] for value in DUPLICATE_OUTCOMES)
+            totals[1] += sum(of.values())
     ratio = GaugeMetricFamily(
         f"{PREFIX}_duplicate_ratio",
-        "(replayed + in_progress) / all deliveries of the task, since the database began (see docs for a rate).",
-        labels=["task"],
+        "Duplicates among first deliveries of the task (a waiting message counts once), since the database began.",
+        labels=["name"],
     )
+    ended = wait_ends(conn)
     for task, (duplicates, total) in sorted(per_task.items()):
-        ratio.add_metric([task], duplicates / total if total else 0.0)
+        # A wait's ending delivery repeats its message's first one (in_progress): it is not a first delivery,
+        # and if it ended replayed, not a second duplicate either (runs/waits.py).
+        waits = ended.get(task, {})
+        first = total - sum(waits.values())
+        duplicates -= waits.get(Outcome.REPLAYED.value, 0)
+        ratio.add_metric([task], min(1.0, max(0.0, duplicates / first)) if first > 0 else 0.0)
     yield from (deliveries, refused, completed, ratio)
     yield from lifetime_families(lifetime)
+
+
+def wait_ends(conn: Connection) -> dict[str, dict[str, int]]:
+    """{task: {how a wait ended: waits}}: the deliveries that stopped waiting (in_progress_wait's counts)."""
+    h = HISTOGRAM_BUCKETS.c
+    rows = conn.execute(
+        select(h.task_name, h.label, func.sum(h.count)).where(h.family == WAIT_FAMILY).group_by(h.task_name, h.label)
+    ).all()
+    ended: dict[str, dict[str, int]] = {}
+    for task, label, n in rows:
+        ended.setdefault(task, {})[label] = int(n)
+    return ended
 
 
 _LIFETIME = {
@@ -163,11 +208,11 @@ def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Me
     """Counters kept with the outcome counts (steps, takeovers, what replays saved) per task and tenant."""
     index = {name: i for i, name in enumerate(OUTCOME_TOTALS)}
     families = {
-        name: CounterMetricFamily(f"{PREFIX}_{metric}", help_text, labels=["task", "tenant"])
+        name: CounterMetricFamily(f"{PREFIX}_{metric}", help_text, labels=["name", "tenant"])
         for name, (metric, help_text) in _LIFETIME.items()
     }
     tokens = CounterMetricFamily(
-        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=["task", "tenant", "direction"]
+        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=["name", "tenant", "direction"]
     )
     for (task, tenant), figures in sorted(totals.items()):
         for name, family in families.items():
@@ -209,27 +254,27 @@ def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Me
     runs = GaugeMetricFamily(
         f"{PREFIX}_runs",
         "Runs now in a status (RUNNING, FAILED, DEAD; COMPLETED is oncelery_runs_completed_total).",
-        labels=["task", "status"],
+        labels=["name", "status"],
     )
     live = GaugeMetricFamily(
         f"{PREFIX}_oldest_live_lease_age_seconds",
         "Seconds since the longest-held live lease of a RUNNING run was claimed (0: none).",
-        labels=["task"],
+        labels=["name"],
     )
     lapsed = GaugeMetricFamily(
         f"{PREFIX}_oldest_expired_lease_age_seconds",
         "Seconds since the oldest expired lease of a RUNNING run expired: a lost holder not yet taken over (0: none).",
-        labels=["task"],
+        labels=["name"],
     )
     takeovers = GaugeMetricFamily(
         f"{PREFIX}_running_takeovers",
         "Takeovers (fencing_token - 1, summed) of the runs now RUNNING: retries and lost holders.",
-        labels=["task"],
+        labels=["name"],
     )
     lost = GaugeMetricFamily(
         f"{PREFIX}_running_lost_deliveries",
         "Deliveries whose holder vanished (lease expired while RUNNING), summed over the runs now RUNNING.",
-        labels=["task"],
+        labels=["name"],
     )
     for task, n, oldest_live, oldest_expiry, bumps, vanished in running:
         runs.add_metric([task, "RUNNING"], int(n))
@@ -271,12 +316,12 @@ def step_families(conn: Connection) -> Iterator[Metric]:
     executed = GaugeMetricFamily(
         f"{PREFIX}_running_steps_executed",
         "Steps the current holders of RUNNING runs executed and checkpointed.",
-        labels=["task"],
+        labels=["name"],
     )
     replayed = GaugeMetricFamily(
         f"{PREFIX}_running_steps_replayed",
         "Steps of RUNNING runs checkpointed by an earlier holder: replayed after a takeover, not re-executed.",
-        labels=["task"],
+        labels=["name"],
     )
     for task, mine, earlier in rows:
         executed.add_metric([task], int(mine))
@@ -292,7 +337,9 @@ def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
     o, d = OUTBOX.c, LETTER_TOTALS.c  # letters counted by triggers: a few shard rows per task and reason
     pending, oldest = conn.execute(select(func.count(), func.min(o.created_at)).where(_PENDING)).one()
     letters = conn.execute(
-        select(d.task_name, d.reason, func.sum(d.letters), func.sum(d.replayed)).group_by(d.task_name, d.reason)
+        select(d.task_name, d.reason, func.sum(d.letters), func.sum(d.replayed), func.sum(d.created)).group_by(
+            d.task_name, d.reason
+        )
     ).all()
     backlog = GaugeMetricFamily(f"{PREFIX}_outbox_pending", "Outbox rows committed but not yet published.")
     backlog.add_metric([], int(pending))
@@ -303,25 +350,31 @@ def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
     dead = GaugeMetricFamily(
         f"{PREFIX}_dead_letters",
         "Dead letters (runs or messages that will never succeed as they are), replayed ones included.",
-        labels=["task", "reason"],
+        labels=["name", "reason"],
     )
     replayed = GaugeMetricFamily(
         f"{PREFIX}_dead_letters_replayed",
         "Dead letters sent again with `oncelery dlq replay`.",
-        labels=["task", "reason"],
+        labels=["name", "reason"],
     )
-    for task, reason, n, again in letters:
+    created = CounterMetricFamily(
+        f"{PREFIX}_dead_letters_created",
+        "Dead letters ever written: a purge or TRUNCATE never lowers it (alert on its increase, not the gauge's).",
+        labels=["name", "reason"],
+    )
+    for task, reason, n, again, made in letters:
         dead.add_metric([task, reason], int(n))
         replayed.add_metric([task, reason], int(again))
-    yield from (backlog, age, dead, replayed)
+        created.add_metric([task, reason], int(made))
+    yield from (backlog, age, dead, replayed, created)
 
 
 # -- the model-call ledger (ledger_totals: a row per task, tenant and model) ----------------------------------
 
 
-def ledger_families(conn: Connection) -> Iterator[Metric]:
+def ledger_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
     """Model calls made, their tokens and estimated USD, per task, tenant and model (running totals)."""
-    labels = ["task", "tenant", "model"]
+    labels = ["name", "tenant", "model"]
     calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Model calls made (failed ones included).", labels=labels)
     failed = CounterMetricFamily(f"{PREFIX}_llm_failed_calls", "Model calls that raised.", labels=labels)
     tokens = CounterMetricFamily(
@@ -329,13 +382,37 @@ def ledger_families(conn: Connection) -> Iterator[Metric]:
     )
     cost = CounterMetricFamily(f"{PREFIX}_llm_cost_usd", "Estimated USD of the priced calls made.", labels=labels)
     t = TOTALS.c
+    merged: dict[tuple[str, str, str], list[float]] = {}  # tenants past the cap summed as "other"
     for row in conn.execute(
         select(t.task_name, t.tenant, t.model, t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost)
     ):
-        key = [row.task_name, row.tenant, row.model]
-        calls.add_metric(key, int(row.calls))
-        failed.add_metric(key, int(row.failed_calls))
-        tokens.add_metric([*key, "input"], int(row.input_tokens))
-        tokens.add_metric([*key, "output"], int(row.output_tokens))
-        cost.add_metric(key, float(row.cost))
+        into = merged.setdefault((row.task_name, cap(row.tenant), row.model), [0.0] * 5)
+        for i, figure in enumerate((row.calls, row.failed_calls, row.input_tokens, row.output_tokens, row.cost)):
+            into[i] += float(figure or 0)
+    for (task, tenant, model), (n, n_failed, tokens_in, tokens_out, usd) in sorted(merged.items()):
+        key = [task, tenant, model]
+        calls.add_metric(key, int(n))
+        failed.add_metric(key, int(n_failed))
+        tokens.add_metric([*key, "input"], int(tokens_in))
+        tokens.add_metric([*key, "output"], int(tokens_out))
+        cost.add_metric(key, usd)
     yield from (calls, failed, tokens, cost)
+
+
+def build_info(conn: Connection) -> Metric:
+    """`oncelery_build_info{version, schema_revision} 1`: the exporter's version and the database's schema head."""
+    revision = conn.execute(text(f"SELECT version_num FROM {FRAMEWORK_VERSION_TABLE}")).scalar()
+    info = GaugeMetricFamily(
+        f"{PREFIX}_build_info",
+        "1, labelled with the exporter's Oncelery version and the claims database's schema revision.",
+        labels=["version", "schema_revision"],
+    )
+    info.add_metric([_version(), str(revision or "")], 1)
+    return info
+
+
+def _version() -> str:
+    try:
+        return metadata.version("oncelery")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from sqlalchemy import Float, String, bindparam, create_engine, event, func
+from sqlalchemy import Float, String, bindparam, create_engine, event, func, type_coerce
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.sql.elements import ColumnElement
@@ -63,6 +63,10 @@ class Dialect:
 
     def lease_until(self, param: str = "p_lease") -> ColumnElement[Any]:
         """The database clock plus the seconds bound to `param` (its value made by `lease_param`)."""
+        raise NotImplementedError
+
+    def epoch(self) -> ColumnElement[Any]:
+        """The database clock's current time in seconds since 1970 (a float a message header can carry)."""
         raise NotImplementedError
 
     def lease_param(self, seconds: float) -> Any:
@@ -156,6 +160,9 @@ class PostgreSQL(Dialect):
     def lease_until(self, param: str = "p_lease") -> ColumnElement[Any]:
         return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, bindparam(param, type_=Float))
 
+    def epoch(self) -> ColumnElement[Any]:
+        return type_coerce(func.extract("epoch", func.clock_timestamp()), Float)
+
     def lease_param(self, seconds: float) -> Any:
         return float(seconds)
 
@@ -225,6 +232,10 @@ class SQLite(Dialect):
 
     def lease_until(self, param: str = "p_lease") -> ColumnElement[Any]:
         return func.strftime(SQLITE_TIME_FORMAT, "now", bindparam(param, type_=String))
+
+    def epoch(self) -> ColumnElement[Any]:
+        # julianday() keeps the milliseconds (strftime('%s') would not); 2440587.5 is 1970-01-01 as a Julian day.
+        return type_coerce((func.julianday("now") - 2440587.5) * 86400.0, Float)
 
     def lease_param(self, seconds: float) -> Any:
         return f"{seconds:+.3f} seconds"

@@ -10,6 +10,7 @@ from oncelery.models import (
     DeadLetter,
     DeliveryOutcome,
     EntityVersion,
+    HistogramBucket,
     LedgerTotal,
     LetterTotal,
     ModelCall,
@@ -22,6 +23,7 @@ from oncelery.models import (
 
 __all__ = [
     "CALLS",
+    "HISTOGRAM_BUCKETS",
     "LETTERS",
     "LETTER_TOTALS",
     "OUTBOX",
@@ -52,6 +54,8 @@ TOTALS = cast(Table, LedgerTotal.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.
 RUN_STATUS_TOTALS = cast(Table, RunStatusTotal.__table__)
 LETTER_TOTALS = cast(Table, LetterTotal.__table__)
+# Bucket counters of the exported histograms (models/totals.py: triggers, and the waits runs/waits.py writes).
+HISTOGRAM_BUCKETS = cast(Table, HistogramBucket.__table__)
 OUTCOME_SHARDS = 16  # counter rows per (task, outcome): concurrent completions rarely wait on one row
 OUTCOME_KEY = ["task_name", "tenant", "outcome", "shard"]
 # Running totals each counted delivery adds to its counter row (models.runs.DeliveryOutcome says which).
