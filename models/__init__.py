@@ -1,11 +1,13 @@
 """SQLAlchemy models: the database is Oncelery's final deduplication barrier.
 
-`oncelery.models` holds the framework's tables (`runs`, the cost ledger's `ledger`, and `totals`, the counts
-triggers keep for the metrics exporter); the demo jobs' tables are in `oncelery.models.jobs`, on their own
-migration branch, so `oncelery db upgrade` never creates them in a user's database.
+`oncelery.models` holds the framework's tables (`runs`, the cost ledger's `ledger`, the model calls'
+write-ahead `intents`, and `totals`, the counts triggers keep for the metrics exporter); the demo jobs' tables
+are in `oncelery.models.jobs`, on their own migration branch, so `oncelery db upgrade` never creates them in a
+user's database.
 """
 
 from oncelery.models.base import Base
+from oncelery.models.intents import IntentState, LlmIntent, RepeatReason
 from oncelery.models.ledger import LedgerTotal, ModelCall
 from oncelery.models.runs import (
     DIGEST_KEY_SECRET,
@@ -29,12 +31,15 @@ __all__ = [
     "DeliveryOutcome",
     "EntityVersion",
     "HistogramBucket",
+    "IntentState",
     "LedgerTotal",
     "LetterTotal",
+    "LlmIntent",
     "ModelCall",
     "OutboxMessage",
     "OutboxStatus",
     "Outcome",
+    "RepeatReason",
     "RunStatus",
     "RunStatusTotal",
     "Secret",

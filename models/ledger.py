@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text, func
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text, false, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from oncelery.models.base import Base, BigId, Json
@@ -46,6 +46,11 @@ class ModelCall(Base):
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
     )
+    # Why this call was made again for the same step (a RepeatReason of its intent: create_window,
+    # sync_unknown, lost...), or `unknown_outcome` for a call whose bill can't be known (estimated usage).
+    reason: Mapped[str | None] = mapped_column(String(32))
+    # The call's answer was taken by a later holder, which re-attached to it instead of paying again.
+    reattached: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False, server_default=false())
 
     __table_args__ = (
         Index("ix_model_calls_task_name_idempotency_key", "task_name", "idempotency_key"),

@@ -17,6 +17,8 @@ class ProviderError(OnceleryError):
 class ProviderRateLimited(ProviderError):
     """Raised on a 429: wait `retry_after_s` (from the provider's headers) before the next call; nothing was made."""
 
+    retry_after_s: float
+
     @classmethod
     def of(cls, provider: str, model: str, retry_after_s: float, detail: str) -> ProviderRateLimited:
         """Build the error for `provider`'s 429 on `model`."""
@@ -30,6 +32,8 @@ class ProviderRateLimited(ProviderError):
 
 class ProviderUnavailable(ProviderError):
     """Raised on a 5xx, an overload or a network failure; `maybe_sent` says if the provider may have the call."""
+
+    maybe_sent: bool
 
     @classmethod
     def of(cls, provider: str, what: str, maybe_sent: bool) -> ProviderUnavailable:
@@ -56,4 +60,42 @@ class ResponseGone(ProviderError):
             f"{provider} no longer has response {reference} (past its retention, or never stored)",
             provider=provider,
             reference=reference,
+        )
+
+
+class ProviderCallFailed(ProviderError):
+    """Raised when the provider ended a call as failed or cancelled; a retry of the task makes a new attempt."""
+
+    @classmethod
+    def of(cls, provider: str, step: str, state: str, detail: str) -> ProviderCallFailed:
+        """Build the error for the call of `step` that `provider` ended as `state`."""
+        return cls(f"{provider} ended the call of step {step!r} as {state}: {detail}", step=step, state=state)
+
+
+class CallOutcomeUnknown(ProviderError):
+    """Raised for an `at_most_once` call whose holder died mid-call: whether the provider made it is unknown.
+
+    Never retried: the run is dead-lettered for a person to decide (`oncelery dlq show`, then replay or purge).
+    """
+
+    @classmethod
+    def of(cls, task_name: str, key: str, step: str) -> CallOutcomeUnknown:
+        """Build the error for the step whose call may or may not have been made."""
+        return cls(
+            f"{task_name}[{key}]: the at_most_once call of step {step!r} was interrupted and may have been made; "
+            f"it is not sent again: check the provider's usage, then `oncelery dlq replay` or purge it",
+            step=step,
+        )
+
+
+class ResponseLost(ProviderError):
+    """Raised when the provider forgot a call's response and the policy (`on_lost="dead_letter"`) forbids a re-call."""
+
+    @classmethod
+    def of(cls, task_name: str, key: str, step: str) -> ResponseLost:
+        """Build the error for the step whose response is gone."""
+        return cls(
+            f"{task_name}[{key}]: the provider no longer has the response of step {step!r} (past its retention); "
+            f"on_lost='dead_letter' keeps it from being paid again: `oncelery dlq replay` re-sends it",
+            step=step,
         )

@@ -13,6 +13,7 @@ from oncelery.models import (
     HistogramBucket,
     LedgerTotal,
     LetterTotal,
+    LlmIntent,
     ModelCall,
     OutboxMessage,
     RunStatusTotal,
@@ -24,6 +25,7 @@ from oncelery.models import (
 __all__ = [
     "CALLS",
     "HISTOGRAM_BUCKETS",
+    "INTENTS",
     "LETTERS",
     "LETTER_TOTALS",
     "OUTBOX",
@@ -51,6 +53,8 @@ SECRETS = cast(Table, Secret.__table__)
 # The cost ledger: one row per model call, and running totals per (task, tenant, model).
 CALLS = cast(Table, ModelCall.__table__)
 TOTALS = cast(Table, LedgerTotal.__table__)
+# Write-ahead model-call intents (oncelery.llm): one row per call, before the call.
+INTENTS = cast(Table, LlmIntent.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.
 RUN_STATUS_TOTALS = cast(Table, RunStatusTotal.__table__)
 LETTER_TOTALS = cast(Table, LetterTotal.__table__)

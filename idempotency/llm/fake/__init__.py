@@ -14,8 +14,9 @@ on a plain `pip install oncelery`. Run it in a thread (`FakeProvider()`) or as a
 Reading order: `generate` (text and tokens), `state` (responses, knobs, counters), `server` (HTTP).
 """
 
-from oncelery.llm.fake.generate import count_tokens, generate_text
+from oncelery.llm.fake.generate import generate_text
 from oncelery.llm.fake.server import FakeProvider, FakeProviderControl
 from oncelery.llm.fake.state import Knobs
+from oncelery.llm.tokens import count_tokens
 
 __all__ = ["FakeProvider", "FakeProviderControl", "Knobs", "count_tokens", "generate_text"]

@@ -18,8 +18,9 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.generate import Generator, count_tokens, generate_text, prompt_text
+from oncelery.llm.fake.generate import Generator, generate_text
 from oncelery.llm.fake.state import KnobError, Knobs, ProviderState, retry_after_header
+from oncelery.llm.tokens import count_tokens, request_text
 
 STREAM_TICK_S = 0.02  # how often a streaming answer looks for its next available event
 
@@ -134,7 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "responses":
             wire.check_fields(body, wire.RESPONSES_FIELDS, ("model", "input"))
             return wire.openai_intent(body), "\n".join(
-                filter(None, [prompt_text(body.get("instructions")), prompt_text(body["input"])])
+                filter(None, [request_text(body.get("instructions")), request_text(body["input"])])
             )
         if kind == "chat":
             wire.check_fields(body, wire.CHAT_FIELDS, ("model", "messages"))
@@ -142,12 +143,12 @@ class _Handler(BaseHTTPRequestHandler):
                 raise wire.BadRequest("stream=true is not served by the fake's chat completions")
             # OpenAI takes metadata on chat completions only with store=true: clients tag the header instead.
             intent = wire.openai_intent(body) or self.headers.get("x-client-request-id")
-            return intent, prompt_text(body["messages"])
+            return intent, request_text(body["messages"])
         wire.check_fields(body, wire.MESSAGES_FIELDS, ("model", "messages", "max_tokens"))
         if body.get("stream"):
             raise wire.BadRequest("stream=true is not served by the fake's messages endpoint")
         return wire.anthropic_intent(body), "\n".join(
-            filter(None, [prompt_text(body.get("system")), prompt_text(body["messages"])])
+            filter(None, [request_text(body.get("system")), request_text(body["messages"])])
         )
 
     def _authorised(self, anthropic: bool) -> bool:

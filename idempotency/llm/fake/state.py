@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from oncelery.llm.fake.generate import count_tokens, truncate_tokens
+from oncelery.llm.tokens import count_tokens, truncate_tokens
 
 #: The metadata key whose value the fake counts creates by (the opaque intent id a client sends).
 INTENT_KEY = "oncelery_intent"

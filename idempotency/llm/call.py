@@ -1,0 +1,262 @@
+"""The model-call protocol: a call is prepared before it is sent, found again after a crash, and paid once
+wherever the provider allows it.
+
+The step's checkpoint is missing (else the step replays and no call is made); what the step's latest intent says
+decides what this holder does:
+
+    | latest intent                    | what happens                                          | model calls |
+    |----------------------------------|-------------------------------------------------------|-------------|
+    | none                             | prepare attempt 1, create                             | 1           |
+    | another request digest           | StepMismatch (the step's request changed)             | 0           |
+    | sent                             | re-attach: poll the same reference                    | 0           |
+    | prepared, background adapter     | create window: lost, re-send labelled create_window   | 1 (labelled)|
+    | prepared, sync, at_most_once     | lost; CallOutcomeUnknown, dead-lettered for a person  | 0           |
+    | prepared, sync                   | lost, re-send labelled sync_unknown                   | 1 (labelled)|
+    | lost (provider forgot), recall   | re-send labelled lost                                 | 1 (labelled)|
+    | lost, on_lost="dead_letter"      | ResponseLost, dead-lettered                           | 0           |
+    | failed / cancelled / done        | a new attempt labelled failed / cancelled / superseded| 1           |
+
+A re-sent call's predecessor, whose outcome cannot be known, gets a ledger row of its own with estimated usage
+and the reason `unknown_outcome`: provider creates never exceed ledger rows.
+
+When the call ends `done`, the intent, the ledger row and the step's checkpoint commit in one transaction, fenced
+by the run's token (`Answered.writes`, run by the step's checkpoint write): a zombie that polled the same
+reference writes nothing. Losing a lease never cancels a call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlalchemy import Connection
+
+from oncelery.errors import StepMismatch
+from oncelery.llm.adapters.base import Adapter, Observed, Usage
+from oncelery.llm.adapters.base import CallState as Provider
+from oncelery.llm.errors import (
+    CallOutcomeUnknown,
+    ProviderCallFailed,
+    ProviderError,
+    ProviderUnavailable,
+    ResponseGone,
+    ResponseLost,
+)
+from oncelery.llm.intents import Intent, end_intent, end_intent_txn, latest_intent, mark_sent, prepare_intent
+from oncelery.llm.request import request_digest
+from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
+from oncelery.models.intents import IntentState, RepeatReason
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import Claim
+
+__all__ = ["Answered", "CallPolicy", "Recorder", "call_model"]
+
+POLL_FAILURES = 5  # consecutive failed polls (free) before the delivery gives up; the next one re-attaches
+DEFAULT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """How one model call behaves (per task, overridable per call)."""
+
+    background: bool = True  # where the adapter has a background mode
+    at_most_once: bool = False  # a sync call whose outcome is unknown goes to a person, never re-sent
+    on_lost: str = "recall"  # or "dead_letter": a response the provider forgot
+    poll_s: float = DEFAULT_POLL_S  # between polls when the provider gives no hint
+
+
+class Recorder(Protocol):
+    """Writes one ledger row in the caller's transaction (the task room prices it; the call id makes it once)."""
+
+    def __call__(
+        self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
+        error: str | None,
+    ) -> None: ...  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A finished call: the provider's response JSON, and the writes that commit with the step's checkpoint."""
+
+    response: Mapping[str, Any]
+    writes: Callable[[Connection], None]
+    reattached: bool
+    repeated: RepeatReason | None
+
+
+@dataclass(frozen=True)
+class _Step:
+    store: RunStore
+    claim: Claim
+    position: int
+    name: str
+    adapter: Adapter
+    request: Mapping[str, Any]
+    policy: CallPolicy
+    record: Recorder
+
+
+def call_model(
+    store: RunStore,
+    claim: Claim,
+    position: int,
+    name: str,
+    adapter: Adapter,
+    request: Mapping[str, Any],
+    policy: CallPolicy,
+    record: Recorder,
+) -> Answered:
+    """Make (or find again) the model call of step `name` at `position`; see the module's recovery table."""
+    step = _Step(store, claim, position, name, adapter, request, policy, record)
+    digest = request_digest(request)
+    latest = latest_intent(store, claim.run_id, position)
+    if latest is not None and latest.request_digest != digest:
+        raise StepMismatch(
+            f"{claim.task_name}[{claim.key}]: the model call of step {name!r} changed since attempt "
+            f"{latest.attempt} was prepared (another model, prompt or parameter); use a new key to run the new request",
+            position=position,
+            expected=name,
+            found=name,
+            changed=["request"],
+        )
+    if latest is not None and latest.state is IntentState.SENT and latest.reference:
+        return _wait(step, latest, reattached=True)
+    reason = _repeat_reason(step, latest)
+    intent = prepare_intent(
+        store, claim, position=position, step_name=name, request=_row(step, digest), supersedes=latest, reason=reason
+    )
+    if latest is not None and latest.state is IntentState.PREPARED:
+        _record_unknown(step, latest)
+    return _send(step, intent)
+
+
+def _repeat_reason(step: _Step, latest: Intent | None) -> RepeatReason | None:
+    """Why this call is sent again (None: the first attempt), or raise when policy says not to."""
+    if latest is None:
+        return None
+    if latest.state is IntentState.PREPARED:
+        if latest.mode == "background":
+            return RepeatReason.CREATE_WINDOW
+        if step.policy.at_most_once:
+            end_intent(step.store, step.claim, latest, IntentState.LOST, error="outcome unknown (at_most_once)")
+            raise CallOutcomeUnknown.of(step.claim.task_name, step.claim.key, step.name)
+        return RepeatReason.SYNC_UNKNOWN
+    if latest.state is IntentState.LOST:
+        if step.policy.on_lost == "dead_letter":
+            raise ResponseLost.of(step.claim.task_name, step.claim.key, step.name)
+        return RepeatReason.LOST
+    return {
+        IntentState.FAILED: RepeatReason.FAILED,
+        IntentState.CANCELLED: RepeatReason.CANCELLED,
+    }.get(latest.state, RepeatReason.SUPERSEDED)
+
+
+def _row(step: _Step, digest: str) -> dict[str, Any]:
+    capabilities = step.adapter.capabilities(step.request)
+    background = capabilities.background and step.policy.background
+    return {
+        "provider": step.adapter.provider,
+        "endpoint": step.adapter.endpoint,
+        "model": str(step.request.get("model", "")),
+        "mode": "background" if background else "sync",
+        "request_digest": digest,
+        "retention_s": capabilities.retention_s,
+    }
+
+
+def _send(step: _Step, intent: Intent) -> Answered:
+    """Create the call (the intent is already durable), record where it went, then wait for its end."""
+    try:
+        first = step.adapter.create(step.request, intent.public_id, background=intent.mode == "background")
+    except ProviderUnavailable as exc:
+        if exc.maybe_sent:
+            raise  # left prepared: the provider may have it, so the next holder re-sends it labelled
+        end_intent(step.store, step.claim, intent, IntentState.FAILED, error=str(exc))
+        raise
+    except ProviderError as exc:
+        # Refused (429, 4xx): the provider made nothing. A later attempt is a new intent.
+        end_intent(step.store, step.claim, intent, IntentState.FAILED, error=str(exc))
+        raise
+    if first.terminal or not first.reference:
+        return _ended(step, intent, first, reattached=False)
+    return _wait(step, mark_sent(step.store, step.claim, intent, first.reference, first.cursor), first)
+
+
+def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattached: bool = False) -> Answered:
+    """Poll a sent call until it ends (the delivery's lease renewal keeps the run while it waits)."""
+    look, failures = first, 0
+    while look is None or not look.terminal:
+        if look is not None:
+            time.sleep(look.poll_after_s or step.policy.poll_s)
+        try:
+            look = step.adapter.poll(intent.reference or "")
+            failures = 0
+        except ResponseGone as exc:
+            return _lost(step, intent, exc)
+        except ProviderUnavailable:
+            failures += 1  # a poll is free: try again, and leave the call to the next delivery past a bound
+            if failures >= POLL_FAILURES:
+                raise
+            time.sleep(step.policy.poll_s * failures)
+    return _ended(step, intent, look, reattached=reattached)
+
+
+def _ended(step: _Step, intent: Intent, look: Observed, *, reattached: bool) -> Answered:
+    usage = step.adapter.usage(look.response)
+    if look.state is Provider.DONE:
+
+        def writes(conn: Connection) -> None:
+            end_intent_txn(
+                conn, step.store, intent, IntentState.DONE,
+                input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+            )  # fmt: skip
+            reason = intent.repeat_reason.value if intent.repeat_reason else None
+            step.record(conn, intent, usage, ok=True, reason=reason, reattached=reattached, error=None)
+
+        return Answered(look.response, writes, reattached, intent.repeat_reason)
+    state = IntentState.CANCELLED if look.state is Provider.CANCELLED else IntentState.FAILED
+    error = str(look.response.get("error") or look.state.value)
+
+    def billed(conn: Connection) -> None:
+        if usage.input_tokens or usage.output_tokens:  # a failed call can still be billed: never hide it
+            reason = intent.repeat_reason.value if intent.repeat_reason else None
+            step.record(conn, intent, usage, ok=False, reason=reason, reattached=reattached, error=error)
+
+    end_intent(step.store, step.claim, intent, state, billed, error=error)
+    raise ProviderCallFailed.of(step.adapter.provider, step.name, state.value, error)
+
+
+def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
+    """The provider forgot a sent call: by policy, dead-letter it or send it again (labelled `lost`)."""
+    if step.policy.on_lost == "dead_letter":
+        end_intent(step.store, step.claim, intent, IntentState.LOST, error=str(exc))
+        raise ResponseLost.of(step.claim.task_name, step.claim.key, step.name) from exc
+    row = {
+        "provider": step.adapter.provider, "endpoint": step.adapter.endpoint,
+        "model": str(step.request.get("model", "")), "mode": intent.mode,
+        "request_digest": intent.request_digest,
+        "retention_s": step.adapter.capabilities(step.request).retention_s,
+    }  # fmt: skip
+    again = prepare_intent(
+        step.store, step.claim, position=step.position, step_name=step.name, request=row,
+        supersedes=intent, reason=RepeatReason.LOST,
+    )  # fmt: skip
+    _record_unknown(step, intent)  # it may have been billed: the provider's answer is gone with it
+    return _send(step, again)
+
+
+def _record_unknown(step: _Step, lost: Intent) -> None:
+    """A ledger row for a call whose outcome cannot be known, with estimated usage (provider creates <= rows)."""
+    estimate = estimate_usage(step.request)
+
+    def write(conn: Connection) -> None:
+        step.record(conn, lost, estimate, ok=False, reason="unknown_outcome", reattached=False, error="outcome unknown")
+
+    end_intent(step.store, step.claim, lost, IntentState.LOST, write)
+
+
+def estimate_usage(request: Mapping[str, Any]) -> Usage:
+    """A conservative usage of a call whose bill is unknown: its input's estimated tokens plus its output limit."""
+    return Usage(estimate_tokens(input_text(request)), output_limit(request))

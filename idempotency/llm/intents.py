@@ -1,0 +1,174 @@
+"""Intent rows: prepare (durably, before the create), mark sent (fenced), end, and find the latest of a step.
+
+Every write by a holder is fenced the way a checkpoint is: the run's lease is renewed by the holder's token in
+the same transaction (`RunStore.sql.heartbeat`), so a zombie that lost its lease writes nothing, and a takeover
+waits for a fenced write in flight to commit instead of racing it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+
+from oncelery.models.intents import IntentState, RepeatReason
+from oncelery.runs.claims import RunStore
+from oncelery.runs.decisions import Claim, lease_lost
+from oncelery.store.database import rowcount
+from oncelery.store.tables import INTENTS
+
+__all__ = ["Intent", "end_intent", "end_intent_txn", "latest_intent", "mark_sent", "prepare_intent"]
+
+_OPEN = (IntentState.PREPARED, IntentState.SENT)
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One intent row as the call protocol reads it."""
+
+    id: int
+    public_id: str
+    attempt: int
+    token: int
+    mode: str
+    request_digest: str
+    state: IntentState
+    reference: str | None
+    cursor: int | None
+    repeat_reason: RepeatReason | None
+
+
+_COLUMNS = [INTENTS.c[name] for name in Intent.__dataclass_fields__]
+
+
+def latest_intent(store: RunStore, run_id: int, position: int) -> Intent | None:
+    """Return the step's latest attempt (None: no call was ever prepared for it)."""
+    c = INTENTS.c
+    stmt = select(*_COLUMNS).where(c.run_id == run_id, c.position == position).order_by(c.attempt.desc()).limit(1)
+    with store.db.read() as conn:
+        row = conn.execute(stmt).first()
+    return None if row is None else Intent(*row)
+
+
+def _fenced(store: RunStore, claim: Claim, what: str, body: Callable[[Connection], None]) -> None:
+    """Run `body` in one transaction iff `claim` still holds the run (renewing its lease), else LeaseLost."""
+    with store.transaction() as conn:
+        if store.db.dialect.name == "postgresql":
+            # Durable whatever the server's default: an intent forgotten by a crash after its create was sent
+            # would be paid again with no label (claims may commit asynchronously; intents never do).
+            conn.exec_driver_sql("SET LOCAL synchronous_commit = on")
+        renewed = conn.execute(store.sql.heartbeat, {**store.fence_params(claim), **store.lease_params(claim.lease)})
+        if rowcount(renewed) != 1:
+            raise lease_lost(claim, what)
+        body(conn)
+
+
+def prepare_intent(
+    store: RunStore,
+    claim: Claim,
+    *,
+    position: int,
+    step_name: str,
+    request: Mapping[str, Any],
+    supersedes: Intent | None,
+    reason: RepeatReason | None,
+) -> Intent:
+    """Commit a new `prepared` intent (durably, fenced) before any byte of the call leaves this process.
+
+    `request` holds the fields the row keeps (provider, endpoint, model, mode, request_digest, retention_s).
+    A `supersedes` intent still open is closed as `lost` in the same transaction: its outcome is unknown.
+    """
+    attempt = 1 if supersedes is None else supersedes.attempt + 1
+    public_id = uuid.uuid4().hex
+    now = store.db.dialect.now()
+
+    def write(conn: Connection) -> None:
+        if supersedes is not None:
+            conn.execute(
+                update(INTENTS)
+                .where(INTENTS.c.id == supersedes.id, INTENTS.c.state.in_(_OPEN))
+                .values(state=IntentState.LOST, ended_at=now)
+            )
+        conn.execute(
+            INTENTS.insert().values(
+                public_id=public_id,
+                run_id=claim.run_id,
+                position=position,
+                step_name=step_name,
+                attempt=attempt,
+                token=claim.token,
+                state=IntentState.PREPARED,
+                repeat_reason=reason,
+                prepared_at=now,
+                **request,
+            )
+        )
+
+    _fenced(store, claim, f"the call of step {step_name!r} was not prepared", write)
+    return Intent(
+        0, public_id, attempt, claim.token, str(request["mode"]), str(request["request_digest"]),
+        IntentState.PREPARED, None, None, reason,
+    )  # fmt: skip
+
+
+def mark_sent(store: RunStore, claim: Claim, intent: Intent, reference: str, cursor: int | None) -> Intent:
+    """Record the provider's reference of a prepared intent, fenced by the claim; return the sent intent."""
+    stmt = (
+        update(INTENTS)
+        .where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state == IntentState.PREPARED)
+        .values(state=IntentState.SENT, reference=reference, cursor=cursor, sent_at=store.db.dialect.now())
+    )
+
+    def write(conn: Connection) -> None:
+        conn.execute(stmt)
+
+    _fenced(store, claim, "the call's reference was not saved", write)
+    return Intent(
+        intent.id, intent.public_id, intent.attempt, intent.token, intent.mode, intent.request_digest,
+        IntentState.SENT, reference, cursor, intent.repeat_reason,
+    )  # fmt: skip
+
+
+def end_intent_txn(
+    conn: Connection,
+    store: RunStore,
+    intent: Intent,
+    state: IntentState,
+    *,
+    input_tokens: int | None = None,
+    output_tokens: int | None = None,
+    error: str | None = None,
+) -> None:
+    """End an open intent in the caller's transaction (with the step's checkpoint, for `done`)."""
+    conn.execute(
+        update(INTENTS)
+        .where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state.in_(_OPEN))
+        .values(
+            state=state,
+            ended_at=store.db.dialect.now(),
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            error=error[:1000] if error else None,
+        )
+    )
+
+
+def end_intent(
+    store: RunStore,
+    claim: Claim,
+    intent: Intent,
+    state: IntentState,
+    also: Callable[[Connection], None] | None = None,
+    **figures: Any,
+) -> None:
+    """End an open intent (failed, lost, cancelled) in a fenced transaction of its own, with `also` in it."""
+
+    def write(conn: Connection) -> None:
+        end_intent_txn(conn, store, intent, state, **figures)
+        if also is not None:
+            also(conn)
+
+    _fenced(store, claim, f"the call's end ({state.value}) was not recorded", write)

@@ -1,0 +1,92 @@
+"""Write-ahead call intents: one `llm_intents` row per model call, committed before any byte reaches the provider.
+
+An intent is how a model call outlives the worker that made it. Its life:
+
+    prepared --create answered--> sent --provider ended--> done | failed | cancelled
+        |                           |
+        |                           +--provider forgot it (404, retention)--> lost
+        +--next holder finds it prepared (create window: never answered)--> lost, and a new attempt
+
+`prepared` is committed durably (synchronous commit) before the create, `sent` records the provider's
+reference fenced by the run's token, and `done` commits in the same transaction as the step's checkpoint and the
+ledger row. No prompt and no answer are kept here: the request's digest only (the answer is the checkpoint).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+from sqlalchemy import DateTime, Float, Index, Integer, String, Text, func
+from sqlalchemy.orm import Mapped, mapped_column
+
+from oncelery.models.base import Base, BigId
+from oncelery.models.runs import _enum
+
+
+class IntentState(enum.Enum):
+    """Where a model call is: prepared -> sent -> done | failed | lost | cancelled."""
+
+    PREPARED = "prepared"  # committed, create maybe sent: the create window
+    SENT = "sent"  # the provider answered the create: `reference` finds the call again
+    DONE = "done"  # answered; the step's checkpoint and the ledger row committed with this state
+    FAILED = "failed"  # the provider refused or failed it (a later attempt is a new intent)
+    LOST = "lost"  # its outcome cannot be known (never answered, or forgotten by the provider)
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """Return whether no more can happen to this call (a reservation on it can be released)."""
+        return self not in (IntentState.PREPARED, IntentState.SENT)
+
+
+class RepeatReason(enum.Enum):
+    """Why a call had to be sent again (a new attempt of the same step), as the ledger labels it."""
+
+    CREATE_WINDOW = "create_window"  # the last holder died between sending and saving the reference
+    SYNC_UNKNOWN = "sync_unknown"  # a synchronous call whose holder died: the provider may have made it
+    LOST = "lost"  # the provider no longer had the response (404 or past its retention)
+    FAILED = "failed"  # the provider failed the earlier attempt
+    CANCELLED = "cancelled"  # the earlier attempt was cancelled
+    SUPERSEDED = "superseded"  # the earlier attempt ended but its step was re-run
+
+
+class LlmIntent(Base):
+    """One model call of one step attempt of one run (no foreign key: it outlives nothing its run does not)."""
+
+    __tablename__ = "llm_intents"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    # What the provider sees in the request's metadata: opaque, never a key or a tenant.
+    public_id: Mapped[str] = mapped_column(String(40), nullable=False, unique=True)
+    run_id: Mapped[int] = mapped_column(BigId, nullable=False)
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    step_name: Mapped[str] = mapped_column(String(255), nullable=False)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    token: Mapped[int] = mapped_column(Integer, nullable=False)  # the fencing token of the holder that prepared it
+    provider: Mapped[str] = mapped_column(String(64), nullable=False)
+    endpoint: Mapped[str] = mapped_column(String(64), nullable=False)
+    model: Mapped[str] = mapped_column(String(255), nullable=False)
+    mode: Mapped[str] = mapped_column(String(16), nullable=False)  # background | sync
+    request_digest: Mapped[str] = mapped_column(String(64), nullable=False)
+    state: Mapped[IntentState] = mapped_column(_enum(IntentState, "intent_state"), nullable=False)
+    reference: Mapped[str | None] = mapped_column(String(255))
+    cursor: Mapped[int | None] = mapped_column(Integer)
+    repeat_reason: Mapped[RepeatReason | None] = mapped_column(_enum(RepeatReason, "repeat_reason"))
+    # How long the provider keeps the response for polling (None: not retrievable); past it, "at risk".
+    retention_s: Mapped[float | None] = mapped_column(Float)
+    prepared_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
+    )
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    input_tokens: Mapped[int | None] = mapped_column(Integer)
+    output_tokens: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        # One row per attempt of a step: the next holder finds the latest by (run, position).
+        Index("ix_llm_intents_run_id_position_attempt", "run_id", "position", "attempt", unique=True),
+        # Calls still open (prepared or sent), for `oncelery llm` and the at-risk report.
+        Index("ix_llm_intents_state", "state"),
+    )
