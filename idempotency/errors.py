@@ -15,7 +15,9 @@ __all__ = [
     "InvalidKey",
     "LeaseLost",
     "OnceleryError",
+    "PayloadError",
     "PayloadNotJSON",
+    "PayloadTooLarge",
     "PlaceholderSecret",
     "ResultNotJSON",
     "RunIsDead",
@@ -147,8 +149,27 @@ class InvalidKey(ConfigurationError):
     """Raised when an idempotency key is empty, longer than 255 characters, or has control characters."""
 
 
-class PayloadNotJSON(ConfigurationError):
+class PayloadError(ConfigurationError):
+    """Root of the errors about a call's arguments that no worker could take (not JSON, too large)."""
+
+
+class PayloadNotJSON(PayloadError):
     """Raised when a fingerprinted argument cannot be encoded as canonical JSON."""
+
+
+class PayloadTooLarge(PayloadError):
+    """Raised at the call when its arguments' JSON is over app.conf.oncelery_max_payload_bytes; nothing is sent."""
+
+    @classmethod
+    def of(cls, task_name: str, size: int, limit: int) -> PayloadTooLarge:
+        """The one-line message: the task, the payload's size, the limit, and what to send instead."""
+        return cls(
+            f"{task_name}: the arguments are {size} bytes of JSON, over oncelery_max_payload_bytes={limit}; "
+            f"nothing was sent: store the data (a table, object storage) and pass a reference (an id, a URL)",
+            task_name=task_name,
+            size=size,
+            limit=limit,
+        )
 
 
 class ClaimError(OnceleryError):

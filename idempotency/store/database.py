@@ -27,6 +27,7 @@ __all__ = [
     "first_and_count",
     "get_engine",
     "is_transient",
+    "is_unreachable",
     "normalize_url",
     "on_sqlite3",
     "raise_translated",
@@ -110,7 +111,26 @@ _TRANSIENT_MARKERS = (
     "canceling statement due to lock timeout",
     "consuming input failed",
     "ssl syscall error",
+    # The host name does not resolve (yet): compose's DNS knows a service only once its container runs.
+    "failed to resolve host",
+    "could not translate host name",
 )
+# Unreachable: no server answered, or it is not accepting connections yet. A subset of the transient errors: a
+# server that answers "no such database", "no such role" or "bad password" is reachable and misconfigured.
+_UNREACHABLE_MARKERS = (
+    "connection refused",
+    "could not connect",
+    "failed to resolve host",
+    "could not translate host name",
+    "timeout expired",
+    "no route to host",
+    "network is unreachable",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "server closed the connection unexpectedly",
+)
+_CANNOT_CONNECT_NOW = "57P03"  # SQLSTATE of "the database system is starting up"
 # SQLSTATE classes and codes that mean "try again": connection exceptions (08), operator intervention
 # (57: admin shutdown, crash shutdown, cannot connect now), serialization failure and deadlock (40001,
 # 40P01), lock not available (55P03).
@@ -127,6 +147,14 @@ def is_transient(exc: DBAPIError) -> bool:
         return True
     msg = _driver_text(exc).lower()
     return any(m in msg for m in _TRANSIENT_MARKERS)
+
+
+def is_unreachable(exc: DBAPIError) -> bool:
+    """Return whether a driver error says no database server answered (down, starting up, name not resolving)."""
+    if str(getattr(exc.orig, "sqlstate", "") or "") == _CANNOT_CONNECT_NOW:
+        return True
+    msg = _driver_text(exc).lower()
+    return any(m in msg for m in _UNREACHABLE_MARKERS)
 
 
 def _driver_text(exc: DBAPIError) -> str:

@@ -2,6 +2,10 @@
 a single message, when it has no claims database or that database's schema is missing or behind the code.
 
 Without it such a worker would take jobs and fail every one of them; refusing leaves them in the broker.
+A database that does not answer yet (a container still starting) is waited for, with backoff, for at most
+oncelery_startup_wait_s ($ONCELERY_STARTUP_WAIT_S, default 60 s), one log line per retry; a database that
+answers and is wrong (schema behind, no such database, a bad password) is refused at once: waiting cannot fix
+it. Then the broker's visibility timeout is settled against the tasks' leases (task/visibility.py).
 """
 
 from __future__ import annotations
@@ -9,20 +13,35 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import signals
+from sqlalchemy.exc import DBAPIError
 
-from oncelery.errors import OnceleryError
-from oncelery.settings import ENV_PASS_THROUGH, PASS_THROUGH_SEEN, check_settings, pass_through, require_database_url
-from oncelery.store.database import Database
+from oncelery.errors import OnceleryError, StoreUnavailable
+from oncelery.settings import (
+    CONF_STARTUP_WAIT,
+    ENV_PASS_THROUGH,
+    ENV_STARTUP_WAIT,
+    PASS_THROUGH_SEEN,
+    STARTUP_RETRY_CAP,
+    WAIT_BACKOFF_BASE,
+    check_settings,
+    pass_through,
+    require_database_url,
+    startup_wait_seconds,
+)
+from oncelery.store.database import Database, is_unreachable
 from oncelery.store.schema import check_schema
 from oncelery.store.tables import SECRETS
+from oncelery.task.visibility import settle_visibility
 
 __all__ = [
     "check_worker_app",
     "note_pass_through",
+    "wait_for_database",
     "watch_worker_start",
 ]
 
@@ -36,6 +55,59 @@ def check_worker_app(app: Any, task_class: type) -> str | None:
     check_settings(app.conf)  # a misspelt oncelery_* setting stops the worker here, not at the first job
     url = require_database_url(app.conf, "This worker")
     return check_schema(url)
+
+
+def wait_for_database(app: Any, task_class: type) -> str | None:
+    """Return check_worker_app's revision, trying again with backoff while the claims database does not answer,
+    for at most oncelery_startup_wait_s; any other refusal (schema behind, misconfiguration) is raised at once."""
+    attempt, deadline, bound = 0, 0.0, 0.0
+    while True:
+        try:
+            return check_worker_app(app, task_class)
+        except StoreUnavailable as exc:
+            if not _unreachable(exc):
+                raise
+            if attempt == 0:  # read here: a worker whose database answers never needs the setting
+                bound = startup_wait_seconds(app.conf)
+                deadline = time.monotonic() + bound
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreUnavailable(
+                    f"{_one_line(exc)} (waited {bound:g} s: raise {ENV_STARTUP_WAIT} or app.conf.{CONF_STARTUP_WAIT})",
+                    url=getattr(exc, "url", None),
+                ) from exc
+            attempt += 1
+            pause = min(WAIT_BACKOFF_BASE * 2 ** (attempt - 1), STARTUP_RETRY_CAP, left)
+            logger.warning(
+                "oncelery: claims database %s not reachable (%s); retry %d in %.1f s, waiting up to %g s (%s)",
+                getattr(exc, "url", "?"),
+                _reason(exc),
+                attempt,
+                pause,
+                bound,
+                ENV_STARTUP_WAIT,
+            )
+            time.sleep(pause)
+
+
+def _unreachable(exc: StoreUnavailable) -> bool:
+    # The driver's own error says whether any server answered; the typed error's message is ours.
+    cause = exc.__cause__
+    return isinstance(cause, DBAPIError) and is_unreachable(cause)
+
+
+def _reason(exc: StoreUnavailable) -> str:
+    # The driver's own words, shortest form: 'connection failed: ... port 5432 failed: Connection refused' (and a
+    # hint on the next line) -> 'Connection refused'; 'the database system is starting up'.
+    cause = exc.__cause__
+    text = str(getattr(cause, "orig", None) or cause or exc).strip()
+    first = text.splitlines()[0] if text else "no answer"
+    return first.rsplit(": ", 1)[-1].strip() or first
+
+
+def _one_line(exc: BaseException) -> str:
+    # Drivers add hints on further lines ("Is the server running on that host...?"): kept, on the one line.
+    return " ".join(str(exc).split())
 
 
 def note_pass_through(url: str, where: str) -> None:
@@ -61,14 +133,17 @@ def watch_worker_start(task_class: type) -> None:
 
 
 def _refuse_to_start_unless_ready(task_class: type, sender: Any) -> None:
-    # worker_init runs after the app's task modules are imported and before any consumer starts.
+    # worker_init runs after the app's task modules are imported and before any consumer starts (Celery makes
+    # the consumer's broker connection after it, from app.conf: the settled visibility timeout reaches kombu).
     # SystemExit passes through Celery's signal dispatch (it catches Exception), so the worker exits 1.
     app = getattr(sender, "app", None)
     try:
-        revision = check_worker_app(app, task_class)
+        revision = wait_for_database(app, task_class)
         passing = revision is not None and pass_through()
+        if revision is not None and app is not None:
+            settle_visibility(app, [task for task in app.tasks.values() if isinstance(task, task_class)])
     except OnceleryError as exc:
-        raise SystemExit(f"oncelery: this worker refuses to start: {exc}") from None
+        raise SystemExit(f"oncelery: this worker refuses to start: {_one_line(exc)}") from None
     if revision is not None:
         logger.info("oncelery: claims database schema at revision %s", revision)
     if passing and app is not None:
