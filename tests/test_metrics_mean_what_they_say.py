@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.signals import task_prerun
-from sqlalchemy import insert, text
+from sqlalchemy import insert, select, text
 
 from oncelery import IdempotentTask
 from oncelery.models import Outcome
@@ -24,7 +24,7 @@ from oncelery.models.migrate import head_revision
 from oncelery.models.totals import HISTOGRAMS
 from oncelery.runs.outcomes import record_outcome
 from oncelery.store.database import Database
-from oncelery.store.tables import LETTERS
+from oncelery.store.tables import LETTERS, RUNS, STEPS
 from oncelery.testing import wait_until
 from tests import services
 from tests.test_metrics import Samples, migrated_database, samples, scrape
@@ -113,9 +113,9 @@ def test_a_waiting_duplicate_counts_one_wait_and_the_histograms_equal_the_rows(
     assert waited[-1] == 1 and got["oncelery_in_progress_wait_seconds_sum", _key(labels, ended="replayed")] > 0
 
     with Database(db_url).read() as conn:
-        runs = conn.execute(text("SELECT created_at, finished_at FROM task_runs WHERE task_name = :t"), {"t": TASK})
+        runs = conn.execute(select(RUNS.c.created_at, RUNS.c.finished_at).where(RUNS.c.task_name == TASK))
         durations = [_seconds(done, begun) for begun, done in runs]
-        steps = list(conn.execute(text("SELECT seconds FROM step_results")).scalars())
+        steps = list(conn.execute(select(STEPS.c.seconds)).scalars())
     assert len(durations) == 2 and len(steps) == 2 and all(s is not None and s >= 0 for s in steps)
     assert _buckets(got, "run_duration", **labels) == _expected("run_duration", durations)
     assert got["oncelery_run_duration_seconds_sum", _key(labels)] == pytest.approx(sum(durations), abs=0.01)
@@ -126,9 +126,10 @@ def _key(labels: dict[str, str], **more: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted({**labels, **more}.items()))
 
 
-def test_series_exist_before_any_run_build_info_tenant_cap_and_call_latency(metrics_url: str) -> None:
+def test_series_exist_before_any_run_build_info_tenant_cap_call_latency_and_letters_created(metrics_url: str) -> None:
     """Before any run: every outcome of a known task at 0, and oncelery_build_info; then 4 tenants capped to 2
-    (the most active) plus "other", and the model-call histogram equal to the ledger rows (both stores)."""
+    (the most active) plus "other", the model-call histogram equal to the ledger rows, and a letters counter
+    that no purge lowers (both stores)."""
     empty = samples(_exposition(metrics_url, tasks=["oncelery.known"]))
     for outcome in Outcome:
         assert (
@@ -167,19 +168,12 @@ def test_series_exist_before_any_run_build_info_tenant_cap_and_call_latency(metr
         assert _buckets(got, "llm_call_duration", **labels) == _expected("llm_call_duration", seconds)
     other = (("model", "gpt-x"), ("name", TASK), ("tenant", "other"))
     assert got["oncelery_llm_call_duration_seconds_sum", other] == pytest.approx(90.7)
+    _letters_created_is_a_counter_no_purge_lowers(metrics_url)  # the same database: one fewer to create
 
 
-def _exposition(url: str, tasks: list[str] | None = None, max_tenants: int = 20) -> str:
-    from prometheus_client import generate_latest
-
-    from oncelery.ops.metrics import claims_registry
-
-    return generate_latest(claims_registry(url, tasks or [], max_tenants)).decode()
-
-
-def test_letters_created_is_a_counter_no_purge_lowers(metrics_url: str) -> None:
+def _letters_created_is_a_counter_no_purge_lowers(metrics_url: str) -> None:
     """3 letters, then purged (DELETE; on PostgreSQL also a TRUNCATE): oncelery_dead_letters falls to 0, while
-    oncelery_dead_letters_created_total stays 3 and counts the next one (both stores)."""
+    oncelery_dead_letters_created_total stays 3 and counts the next one."""
     db = Database(metrics_url)
 
     def created() -> float:
@@ -202,6 +196,14 @@ def test_letters_created_is_a_counter_no_purge_lowers(metrics_url: str) -> None:
     with db.begin() as conn:
         conn.execute(insert(LETTERS).values(task_name=TASK, reason="dead", attempts=1))
     assert kept() == 1 and created() == 4
+
+
+def _exposition(url: str, tasks: list[str] | None = None, max_tenants: int = 20) -> str:
+    from prometheus_client import generate_latest
+
+    from oncelery.ops.metrics import claims_registry
+
+    return generate_latest(claims_registry(url, tasks or [], max_tenants)).decode()
 
 
 def test_alert_rules_page_for_what_they_say(tmp_path: Path) -> None:
