@@ -102,8 +102,15 @@ def dlq(db_url: str, *args: str, exit_code: int = 0) -> str:
 
 
 def json_lines(output: str) -> list[dict[str, Any]]:
-    """Parse `dlq list --json` output: one JSON object per line."""
+    """Parse `dlq list --jsonl` output: one JSON object per line."""
     return [json.loads(line) for line in output.splitlines() if line.strip()]
+
+
+def listed(output: str) -> list[dict[str, Any]]:
+    """The letters of a `dlq list --json` document (and check its count)."""
+    document = json.loads(output)
+    assert document["count"] == len(document["letters"]), document
+    return list(document["letters"])
 
 
 def only_letter(db_url: str, task_name: str) -> LetterView:
@@ -452,21 +459,24 @@ def test_dlq_commands_list_show_and_purge(app: Celery, worker_factory: Any, db_u
         with pytest.raises(RuntimeError, match="rejected"):
             upload.delay(1).get(timeout=TIMEOUT)
 
-        # list --json: one object per line, filtered by task and reason; never the payload.
+        # list --json: one document, filtered by task and reason; never the payload.
         out = dlq(db_url, "list", "--json")
         assert secret not in out
-        every = json_lines(out)
+        every = listed(out)
         assert sorted((x["task"], x["key"], x["reason"]) for x in every) == [
             (a_name, "a:1", "never_succeeds"),
             (a_name, "a:2", "never_succeeds"),
             (b_name, "b:1", "retries_exhausted"),
         ]
         assert all(x["run_status"] == "DEAD" and x["attempts"] == 1 and x["replayed_at"] is None for x in every)
-        by_task = json_lines(dlq(db_url, "list", "--json", "--task", a_name))
+        by_task = listed(dlq(db_url, "list", "--json", "--task", a_name))
         assert sorted(x["key"] for x in by_task) == ["a:1", "a:2"]
-        by_reason = json_lines(dlq(db_url, "list", "--json", "--reason", "retries_exhausted"))
+        by_reason = listed(dlq(db_url, "list", "--json", "--reason", "retries_exhausted"))
         assert [(x["task"], x["key"]) for x in by_reason] == [(b_name, "b:1")]
-        assert json_lines(dlq(db_url, "list", "--json", "--task", a_name, "--reason", "retries_exhausted")) == []
+        assert listed(dlq(db_url, "list", "--json", "--task", a_name, "--reason", "retries_exhausted")) == []
+        # --jsonl: the lines `--json` printed before, one letter each.
+        lines = json_lines(dlq(db_url, "list", "--jsonl", "--task", a_name))
+        assert sorted(x["key"] for x in lines) == ["a:1", "a:2"] and all("replay" not in x for x in lines)
 
         # show: the traceback, and the message redacted unless --show-payload.
         a1 = next(x for x in every if x["key"] == "a:1")
@@ -483,7 +493,7 @@ def test_dlq_commands_list_show_and_purge(app: Celery, worker_factory: Any, db_u
         assert "2 dead letters purged" in dlq(db_url, "purge", "--task", a_name)
         assert DeadLetters(db_url).list(task_name=a_name, include_replayed=True, limit=None) == []
         assert Runs(db_url).get(a_name, "a:1") is None and Runs(db_url).get(a_name, "a:2") is None
-        assert [x["key"] for x in json_lines(dlq(db_url, "list", "--json"))] == ["b:1"]
+        assert [x["key"] for x in listed(dlq(db_url, "list", "--json"))] == ["b:1"]
         assert run_status(db_url, b_name, "b:1") is RunStatus.DEAD
 
         # The key may be sent again, and then it executes.

@@ -37,10 +37,13 @@ STEPS = 3
 RUN_TIMEOUT = 150.0  # seconds for one command; the runs below take 10-40 s on a 2-core machine
 
 
-def process(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = RUN_TIMEOUT) -> Done:
-    """Run `oncelery process <samples> *args` to completion; on timeout stop it and its workers, and fail."""
+def process(
+    *args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = RUN_TIMEOUT, sample: bool = False
+) -> Done:
+    """Run `oncelery process <samples> *args` (`--sample`: the packaged copy) to completion; on timeout stop it
+    and its workers, and fail."""
     summary_path = cwd / "summary.json"
-    argv = [ONCELERY, "process", str(SAMPLES), *args, "--summary-json", str(summary_path)]
+    argv = [ONCELERY, "process", "--sample" if sample else str(SAMPLES), *args, "--summary-json", str(summary_path)]
     env = dict(env) if env is not None else clean_env()
     code, out, err = run_to_completion(argv, cwd, env, timeout, kill_reported_workers)
     kill_reported_workers(out)  # normally none is left: checked by each test through `live_workers`
@@ -100,7 +103,9 @@ def check_exactly_once(state: dict[str, Any], articles: list[dict[str, Any]]) ->
 
 
 def test_hundred_articles_with_duplicates_on_the_embedded_default(tmp_path: Path) -> None:
-    done = process("--limit", "100", "--duplicates", "0.3", cwd=tmp_path)
+    """From a fresh folder with no settings and no servers: the sample shipped in the package (`--sample`), on the
+    embedded broker and ./oncelery.db, is scored exactly once."""
+    done = process("--limit", "100", "--duplicates", "0.3", cwd=tmp_path, sample=True)
     assert done.code == 0, f"{done.out}\n{done.err}"
     assert live_workers(done.out) == [], "the command left its worker running"
 

@@ -7,21 +7,31 @@ app), `format` (tables and JSON), then one module per command family: `runs`, `o
 """
 
 from oncelery.cli.group import (
+    DEMO,
     EXIT_CONFIGURATION,
+    INSPECT,
+    OPERATE,
+    OnceleryGroup,
     build_group,
     check_services,
     echo_json,
     format_table,
     oncelery,
+    refuse_unread_broker,
     resolve_database_url,
 )
 
 __all__ = [
+    "DEMO",
     "EXIT_CONFIGURATION",
+    "INSPECT",
+    "OPERATE",
+    "OnceleryGroup",
     "build_group",
     "check_services",
     "echo_json",
     "format_table",
     "oncelery",
+    "refuse_unread_broker",
     "resolve_database_url",
 ]

@@ -11,9 +11,19 @@ import click
 from celery import Celery
 from celery.app.utils import find_app
 
-from oncelery.errors import ConfigurationError
+from oncelery.errors import BrokerNotConfigured, ConfigurationError
 from oncelery.ops.reach import check_app, check_database
-from oncelery.settings import CONF_DATABASE_URL, ENV_DATABASE_URL, configured_database_url, embedded_database_url
+from oncelery.settings import (
+    CONF_DATABASE_URL,
+    ENV_BROKER_URL,
+    ENV_DATABASE_URL,
+    configured_database_url,
+    embedded_database_url,
+    is_embedded_database,
+)
+from oncelery.store.database import safe_url
+from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER_URL
+from oncelery.task.embedded_broker import is_embedded_broker
 
 __all__ = [
     "EXIT_CONFIGURATION",
@@ -21,8 +31,10 @@ __all__ = [
     "ConfigurationProblem",
     "celery_app_of",
     "check_services",
+    "refuse_unread_broker",
     "resolve_app",
     "resolve_database_url",
+    "resolve_publisher",
 ]
 
 URL_META = "oncelery.database_url"
@@ -97,3 +109,30 @@ def resolve_app(ctx: click.Context, app_path: str | None) -> Celery:
     app = Celery("oncelery")
     app.config_from_object("oncelery.celeryconfig")
     return app
+
+
+def refuse_unread_broker(broker_url: str | None, database_url: str, command: str) -> None:
+    """Raise BrokerNotConfigured if `command` would publish to the embedded broker for a database not the demo's.
+
+    The embedded broker (./.oncelery/broker) is the demo's: only workers of the demo's database read it, so a
+    message published there for any other claims database would wait for ever while the command says "done".
+    """
+    if is_embedded_broker(broker_url) and not is_embedded_database(database_url):
+        raise BrokerNotConfigured.of(command, safe_url(database_url))
+
+
+def resolve_publisher(ctx: click.Context, app_path: str | None, command: str) -> tuple[Celery, str]:
+    """The Celery app that publishes and the claims database, for a command that publishes (relay, dlq replay).
+
+    The app is --app, else `celery -A`'s, else one on oncelery.celeryconfig, whose broker is $ONCELERY_BROKER_URL
+    or the embedded one. A publish to the embedded broker is refused unless the database is the demo's
+    (BrokerNotConfigured, exit 2), before anything is read, written or created (not even ./.oncelery).
+    """
+    if not app_path and not isinstance(celery_app_of(ctx), Celery) and not os.environ.get(ENV_BROKER_URL, "").strip():
+        # The fallback app would use the embedded broker: decided from the environment, before celeryconfig
+        # is loaded (loading it creates the broker's folders).
+        refuse_unread_broker(EMBEDDED_BROKER_URL, resolve_database_url(ctx), command)
+    app = resolve_app(ctx, app_path)
+    url = resolve_database_url(ctx, app)
+    refuse_unread_broker(str(app.conf.broker_url or ""), url, command)
+    return app, url

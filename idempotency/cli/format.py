@@ -1,21 +1,31 @@
-"""How every `oncelery` command prints: plain-text tables, times in UTC, and the `--json` documents."""
+"""How every `oncelery` command prints: plain-text tables, times in UTC, and the `--json` documents.
+
+The one `--json` shape (docs/cli.md): exactly one JSON object on stdout, indented, keys sorted, every key always
+present (`null` for no value), times ISO 8601 in UTC, statuses as their strings; a command about several
+records lists them under a plural key (`runs`, `letters`, `replayed`) with `count`, how many it lists, beside it.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from oncelery.models import Outcome, RunStatus
 
 __all__ = [
+    "JSON_HELP",
     "echo_json",
     "format_table",
+    "json_option",
     "to_json",
 ]
+
+JSON_HELP = "Print one JSON document (for scripts; its shape: docs/cli.md) instead of text."
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -57,3 +67,8 @@ def to_json(value: Any) -> Any:
 def echo_json(document: dict[str, Any]) -> None:
     """Print `document` as the indented, key-sorted JSON every `--json` option prints."""
     click.echo(json.dumps(to_json(document), indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def json_option(help_text: str = JSON_HELP) -> Callable[[_F], _F]:
+    """The `--json` flag every command that prints for scripts takes (its value: the `as_json` parameter)."""
+    return click.option("--json", "as_json", is_flag=True, help=help_text)

@@ -8,6 +8,7 @@ This module holds the group, `db upgrade` and `outcomes`; the other commands liv
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -19,10 +20,11 @@ from oncelery.cli.context import (
     URL_META,
     ConfigurationProblem,
     check_services,
+    refuse_unread_broker,
     resolve_database_url,
 )
 from oncelery.cli.costs import costs
-from oncelery.cli.format import echo_json, format_table
+from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.cli.metrics import metrics
 from oncelery.cli.ops import dlq, purge_command, relay
 from oncelery.cli.runs import runs
@@ -34,18 +36,57 @@ from oncelery.store.schema import upgrade_schema
 
 # The public surface of `oncelery.cli`: the group, and what an application's own commands build on.
 __all__ = [
+    "DEMO",
     "EXIT_CONFIGURATION",
+    "INSPECT",
+    "OPERATE",
+    "OnceleryGroup",
     "build_group",
     "check_services",
     "echo_json",
     "format_table",
     "oncelery",
+    "refuse_unread_broker",
     "resolve_database_url",
 ]
 
 
-class _OnceleryGroup(click.Group):
-    """A group that turns Oncelery's and the driver's errors into a one-line message (exit 2 or 1)."""
+# The sections of `oncelery --help`, in this order; a command added without one is listed under OTHER.
+INSPECT = "Schema and runs"
+OPERATE = "Operations (publish, dead letters, retention, metrics)"
+DEMO = "The demo (embedded default: no servers)"
+OTHER = "Other commands"
+_SECTIONS = (INSPECT, OPERATE, DEMO)
+
+
+class OnceleryGroup(click.Group):
+    """A group that turns Oncelery's and the driver's errors into a one-line message (exit 2 or 1), and lists
+    its commands in sections (operations apart from the demo's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sections: dict[str, str] = {}
+
+    def add_command(self, cmd: click.Command, name: str | None = None, *, section: str = OTHER) -> None:
+        """Add `cmd`, listed by `--help` under `section` (INSPECT, OPERATE, DEMO, or a title of your own)."""
+        super().add_command(cmd, name)
+        self.sections[name or cmd.name or ""] = section
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Write the commands section by section: INSPECT, OPERATE, DEMO, then any other, each sorted by name."""
+        listed: dict[str, list[tuple[str, click.Command]]] = {}
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                listed.setdefault(self.sections.get(name, OTHER), []).append((name, cmd))
+        if not listed:
+            return
+        limit = formatter.width - 6 - max(len(name) for rows in listed.values() for name, _ in rows)
+        others = sorted(set(listed) - set(_SECTIONS))
+        for title in (*_SECTIONS, *others):
+            if title in listed:
+                with formatter.section(title):
+                    formatter.write_dl([(name, cmd.get_short_help_str(limit)) for name, cmd in listed[title]])
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -64,10 +105,12 @@ def _driver_message(exc: DBAPIError) -> str:
     return str(exc.orig if exc.orig is not None else exc).strip()
 
 
-def build_group() -> click.Group:
+def build_group() -> OnceleryGroup:
     """Return a fresh `oncelery` group with every command (an application may add its own commands)."""
 
-    @click.group(cls=_OnceleryGroup, name="oncelery")
+    @click.group(cls=OnceleryGroup, name="oncelery")
+    # The installed distribution's version (the first command of docs/adopting.md's walk): needs no database.
+    @click.version_option(package_name="oncelery", message="oncelery %(version)s")
     @click.option(
         "--database-url",
         metavar="URL",
@@ -77,19 +120,17 @@ def build_group() -> click.Group:
     )
     @click.pass_context
     def group(ctx: click.Context, database_url: str | None) -> None:
-        """Oncelery: exactly-once effects for Celery tasks. Inspect and migrate the claims database."""
+        """Oncelery: exactly-once effects for Celery tasks: inspect and operate the claims database, run the demo."""
         ctx.meta[URL_META] = database_url
 
-    group.add_command(db)
-    group.add_command(runs)
-    group.add_command(outcomes)
-    group.add_command(relay)
-    group.add_command(dlq)
-    group.add_command(purge_command)
-    group.add_command(costs)
-    group.add_command(metrics)
-    group.add_command(cache)
+    _add(group, INSPECT, (db, runs, outcomes, costs))
+    _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics))
     return group
+
+
+def _add(group: OnceleryGroup, section: str, commands: Sequence[click.Command]) -> None:
+    for cmd in commands:
+        group.add_command(cmd, section=section)
 
 
 # -- db ------------------------------------------------------------------------------------------
@@ -120,7 +161,7 @@ def db_upgrade(ctx: click.Context, branch: str) -> None:
 @click.command()
 @click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's deliveries.")
 @click.option("--tenant", metavar="TENANT", default=None, help="Only this tenant's deliveries ('' for none).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of a table.")
+@json_option()
 @click.pass_context
 def outcomes(ctx: click.Context, task_name: str | None, tenant: str | None, as_json: bool) -> None:
     """Print exact delivery outcome counts (every delivery records one, across all workers)."""

@@ -10,11 +10,11 @@ from typing import Any
 
 import click
 
-from oncelery.cli.context import celery_app_of, resolve_app, resolve_database_url
-from oncelery.cli.format import format_table
+from oncelery.cli.context import celery_app_of, resolve_app, resolve_database_url, resolve_publisher
+from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.errors import ConfigurationError
-from oncelery.ops.dead_letters import DeadLetters, LetterView
+from oncelery.ops.dead_letters import REPLAY_QUEUED, REPLAY_UNPUBLISHED, DeadLetters, LetterView
 from oncelery.ops.reach import check_app
 from oncelery.ops.relay import DEFAULT_MAX_PUBLISHES, Relay
 from oncelery.ops.retention import parse_age, purge
@@ -22,8 +22,14 @@ from oncelery.store.database import Database
 
 _APP_HELP = (
     "The Celery app to publish with (module or module:attribute). Default: the app of `celery -A`, "
-    "else one built from oncelery.celeryconfig (ONCELERY_BROKER_URL, else the embedded broker)."
+    "else one built from oncelery.celeryconfig on ONCELERY_BROKER_URL (the embedded broker only for the "
+    "demo's database ./oncelery.db)."
 )
+# How `dlq list`/`dlq show` say where a replayed letter's message is.
+_REPLAY_TEXT = {
+    REPLAY_QUEUED: "queued, not yet published",
+    REPLAY_UNPUBLISHED: "not published (its outbox row is DEAD)",
+}
 
 
 def _age(value: str | None, allow_off: bool = False) -> float | None:
@@ -80,6 +86,7 @@ def _age(value: str | None, allow_off: bool = False) -> float | None:
     show_default=True,
     help="Purge runs finished longer ago than this, hourly ('off' keeps them for ever).",
 )
+@json_option("With --once: print the round as a JSON document (the default --once output is one JSON line).")
 @click.pass_context
 def relay(
     ctx: click.Context,
@@ -92,11 +99,11 @@ def relay(
     max_attempts: int,
     max_publishes: int,
     retention: str,
+    as_json: bool,
 ) -> None:
     """Publish the outbox, re-publish what a broker lost, re-send lost runs; until SIGTERM/Ctrl-C."""
-    app = resolve_app(ctx, app_path)
+    app, url = resolve_publisher(ctx, app_path, "relay")
     check_app(app, backend=False)  # it publishes only: the broker must answer, the result backend need not
-    url = resolve_database_url(ctx, app)
     worker = Relay(
         app,
         url,
@@ -111,7 +118,10 @@ def relay(
         done = worker.run_once()
         if keep is not None:
             done.purged = purge(worker.db, keep, forget=purge_forgetter(app.conf, url)).runs
-        click.echo(json.dumps(vars(done), sort_keys=True))
+        if as_json:
+            echo_json(vars(done))
+        else:
+            click.echo(json.dumps(vars(done), sort_keys=True))
         return
     stop = threading.Event()
 
@@ -177,7 +187,13 @@ def _select(
 @_filters
 @click.option("--all", "include_replayed", is_flag=True, help="Include letters already replayed.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@json_option()
+@click.option(
+    "--jsonl",
+    "as_jsonl",
+    is_flag=True,
+    help="One JSON object per line, as `--json` printed before 0.2 (no `replay`; times as Python prints them).",
+)
 @click.pass_context
 def dlq_list(
     ctx: click.Context,
@@ -187,12 +203,18 @@ def dlq_list(
     include_replayed: bool,
     limit: int,
     as_json: bool,
+    as_jsonl: bool,
 ) -> None:
     """List dead letters, the most recent failure first (times in UTC)."""
+    if as_json and as_jsonl:
+        raise click.UsageError("--json and --jsonl: choose one")
     found = DeadLetters(resolve_database_url(ctx)).list(
         task_name=task_name, tenant=tenant, reason=reason, include_replayed=include_replayed, limit=limit
     )
     if as_json:
+        echo_json({"count": len(found), "letters": [_letter_json(x, payload=False, replay=True) for x in found]})
+        return
+    if as_jsonl:
         for letter in found:
             click.echo(json.dumps(_letter_json(letter, payload=False), sort_keys=True, default=str))
         return
@@ -206,16 +228,29 @@ def dlq_list(
             (x.error or "").splitlines()[0][:60] if x.error else None,
             x.last_failed_at,
             x.replayed_at,
+            _replay_text(x),
         )
         for x in found
     ]
-    click.echo(
-        format_table(("id", "task", "key", "reason", "attempts", "error", "last_failed_at", "replayed_at"), rows)
-    )
+    headers = ("id", "task", "key", "reason", "attempts", "error", "last_failed_at", "replayed_at", "replay")
+    click.echo(format_table(headers, rows))
     click.echo(f"({len(found)} letter{'s' if len(found) != 1 else ''})")
 
 
-def _letter_json(x: LetterView, payload: bool) -> dict[str, Any]:
+def _replay_text(x: LetterView) -> str | None:
+    return None if x.replay is None else _REPLAY_TEXT.get(x.replay, x.replay)
+
+
+def _replay_detail(x: LetterView) -> str | None:
+    """`dlq show`'s replay line: where the message is, and why its last publish failed if it did."""
+    if x.replay != REPLAY_QUEUED:
+        return _replay_text(x)
+    tried = f"; last try: {x.replay_error}" if x.replay_error else ""
+    return f"{_replay_text(x)} (`oncelery relay` publishes it{tried})"
+
+
+def _letter_json(x: LetterView, payload: bool, replay: bool = False) -> dict[str, Any]:
+    """One letter as JSON-ready data; `replay` adds where a replayed letter's message is (the --json shape)."""
     out = {
         "id": x.letter_id,
         "run_id": x.run_id,
@@ -231,18 +266,25 @@ def _letter_json(x: LetterView, payload: bool) -> dict[str, Any]:
         "replays": x.replays,
         "run_status": x.run_status.value if x.run_status else None,
     }
+    if replay:
+        out["replay"] = x.replay
+        out["replay_error"] = x.replay_error
     if payload:
         out["traceback"] = x.traceback
         out["message"] = x.message
     return out
 
 
+_PAYLOAD_KEPT = "<kept to replay it; --show-payload prints it>"
+
+
 @dlq.command("show")
 @click.argument("ref")
 @click.option("--show-payload", is_flag=True, help="Print the message's arguments (redacted otherwise).")
+@json_option()
 @click.pass_context
-def dlq_show(ctx: click.Context, ref: str, show_payload: bool) -> None:
-    """Show a dead letter (by id or key): why it died, its error, traceback, attempts and failures."""
+def dlq_show(ctx: click.Context, ref: str, show_payload: bool, as_json: bool) -> None:
+    """Show a dead letter (by id or key): why it died, its error, traceback, attempts, failures and replay."""
     letters = DeadLetters(resolve_database_url(ctx))
     if ref.isdigit():
         found = letters.list(ids=[int(ref)], include_replayed=True, limit=None)
@@ -250,12 +292,20 @@ def dlq_show(ctx: click.Context, ref: str, show_payload: bool) -> None:
         found = letters.list(keys=[ref], include_replayed=True, limit=None)
     if not found:
         raise click.ClickException(f"No dead letter {ref!r}: see `oncelery dlq list`")
-    for i, x in enumerate(found):
+    shown = []
+    for x in found:
+        data = _letter_json(x, payload=True, replay=True)
+        if not show_payload and x.message is not None:
+            data["message"] = _PAYLOAD_KEPT
+        shown.append(data)
+    if as_json:
+        echo_json({"count": len(shown), "letters": shown})
+        return
+    for i, (x, data) in enumerate(zip(found, shown, strict=True)):
         if i:
             click.echo()
-        data = _letter_json(x, payload=True)
-        if not show_payload and x.message is not None:
-            data["message"] = "<kept to replay it; --show-payload prints it>"
+        data["replay"] = _replay_detail(x)
+        del data["replay_error"]
         for name, value in data.items():
             if name != "traceback":
                 click.echo(f"{name:16}  {'-' if value is None else value}")
@@ -273,6 +323,7 @@ def _selection(func: Any) -> Any:
 @_selection
 @click.option("--app", "app_path", metavar="MODULE[:APP]", default=None, help=_APP_HELP)
 @click.option("--queue", default=None, help="Send to this queue (default: the one it came from).")
+@json_option()
 @click.pass_context
 def dlq_replay(
     ctx: click.Context,
@@ -283,20 +334,52 @@ def dlq_replay(
     every: bool,
     app_path: str | None,
     queue: str | None,
+    as_json: bool,
 ) -> None:
-    """Re-enqueue dead runs with the same key (completed steps replay from checkpoints). REFS: ids or keys."""
-    app = resolve_app(ctx, app_path)
+    """Re-enqueue dead runs with the same key (completed steps replay from checkpoints). REFS: ids or keys.
+
+    Each replay is written to the outbox with its run's reset, then published; one still queued there (the
+    broker refused it) makes the command exit 1: `oncelery relay` publishes it.
+    """
+    app, url = resolve_publisher(ctx, app_path, "dlq replay")
     check_app(app, backend=False)  # before a letter is marked replayed: its message must reach the broker
-    letters = DeadLetters(resolve_database_url(ctx, app))
+    letters = DeadLetters(url)
     found = _select(letters, refs, task_name, tenant, reason, every)
     report = letters.replay(app, found, queue)
-    for x in report.replayed:
-        click.echo(f"replayed {x.letter_id} {x.task_name}[{x.key}]")
-    for x, why in report.skipped:
-        click.echo(f"skipped  {x.letter_id} {x.task_name}[{x.key}]: {why}")
-    click.echo(f"{len(report.replayed)} replayed, {len(report.skipped)} skipped")
+    # Read back: where each replayed message is now (published, or still queued in the outbox).
+    ids = [x.letter_id for x in report.replayed]
+    replayed = letters.list(ids=ids, include_replayed=True, limit=None) if ids else []
+    queued = [x for x in replayed if x.replay == REPLAY_QUEUED]
+    if as_json:
+        echo_json(
+            {
+                "count": len(replayed),
+                "replayed": [_letter_json(x, payload=False, replay=True) for x in replayed],
+                "skipped": [{**_letter_json(x, payload=False, replay=True), "why": why} for x, why in report.skipped],
+                "publish_error": report.publish_error,
+            }
+        )
+    else:
+        for x in replayed:
+            where = f": {_replay_text(x)}" if x.replay == REPLAY_QUEUED else ""
+            click.echo(f"replayed {x.letter_id} {x.task_name}[{x.key}]{where}")
+        for x, why in report.skipped:
+            click.echo(f"skipped  {x.letter_id} {x.task_name}[{x.key}]: {why}")
+        click.echo(f"{len(report.replayed)} replayed, {len(report.skipped)} skipped")
     if not found:
         raise click.ClickException("no dead letter matched")
+    if queued:
+        cause = report.publish_error or next((x.replay_error for x in queued if x.replay_error), None)
+        raise click.ClickException(_unpublished(len(queued), cause, app_path))
+
+
+def _unpublished(queued: int, why: str | None, app_path: str | None) -> str:
+    """What to do when replays are committed to the outbox but not published: run the relay."""
+    return (
+        f"{queued} replayed letter{'s are' if queued != 1 else ' is'} queued in the outbox, not yet published "
+        f"({why or 'the broker did not take them'}): run `oncelery relay --app {app_path or 'MODULE:APP'}` "
+        "(or keep one running) to publish them"
+    )
 
 
 @dlq.command("purge")

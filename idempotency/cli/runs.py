@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from oncelery.cli.context import resolve_database_url
-from oncelery.cli.format import _cell, _utc, echo_json, format_table
+from oncelery.cli.format import _cell, _utc, echo_json, format_table, json_option
 from oncelery.models import RunStatus
 from oncelery.runs.views import CallView, Runs, RunView, StepView
 from oncelery.store.database import safe_url
@@ -50,7 +50,7 @@ _LIST_COLUMNS = ("id", "task", "key", "status", "token", "attempts", "owner", "l
 @click.option("--task", "task_name", metavar="NAME", default=None, help="Only runs of this task.")
 @click.option("--tenant", metavar="TENANT", default=None, help="Only runs of this tenant ('' for none).")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of a table.")
+@json_option()
 @click.pass_context
 def runs_list(
     ctx: click.Context, status: str | None, task_name: str | None, tenant: str | None, limit: int, as_json: bool
@@ -90,7 +90,7 @@ def runs_list(
 @click.option("--task", "task_name", metavar="NAME", default=None, help="The task (if several share the key).")
 @click.option("--tenant", metavar="TENANT", default=None, help="The tenant (if several share the key).")
 @click.option("--show-payload", is_flag=True, help="Print the stored message's arguments (redacted otherwise).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of text.")
+@json_option()
 @click.pass_context
 def runs_show(
     ctx: click.Context, key: str, task_name: str | None, tenant: str | None, show_payload: bool, as_json: bool
@@ -105,7 +105,8 @@ def runs_show(
         raise click.ClickException(f"No run with key {key!r}{where} in {safe_url(url)}")
     details = [(run, reader.steps(run.run_id), reader.model_calls(run.run_id)) for run in found]
     if as_json:
-        echo_json({"runs": [_run_detail(run, steps, calls, show_payload) for run, steps, calls in details]})
+        shown = [_run_detail(run, steps, calls, show_payload) for run, steps, calls in details]
+        echo_json({"count": len(shown), "runs": shown})
         return
     for i, (run, steps, calls) in enumerate(details):
         if i:

@@ -5,6 +5,10 @@ succeed (StepMismatch, ResultNotJSON, a ConfigurationError, a task's `dead_on`),
 `max_deliveries` deliveries (a poison message). No delivery runs a DEAD run. `replay` makes it FAILED again
 (retry and lost-delivery counts reset) and re-enqueues its message with the same key through the outbox, so
 its completed steps are replayed from their checkpoints and the job runs to completion once.
+
+A replayed letter says where its message is (`LetterView.replay`): `queued` while its outbox row waits for a
+relay to publish it (a PENDING row for its task, tenant and key), `unpublished` if that row was given up
+(DEAD, never published), else `published`. Both are read through the outbox's status index.
 """
 
 from __future__ import annotations
@@ -16,20 +20,28 @@ from datetime import datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Select, delete, select, update
+from sqlalchemy import Select, and_, case, delete, exists, select, update
 
-from oncelery.models import RunStatus
+from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import CONTINUATION, enqueue
 from oncelery.ops.relay import Relay
 from oncelery.settings import HEADER_LEASE, HEADER_ON_IN_PROGRESS
 from oncelery.store.database import Database
-from oncelery.store.tables import LETTERS, RUNS
+from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 
 __all__ = [
+    "REPLAY_PUBLISHED",
+    "REPLAY_QUEUED",
+    "REPLAY_UNPUBLISHED",
     "DeadLetters",
     "LetterView",
     "ReplayReport",
 ]
+
+# Where a replayed letter's message is (LetterView.replay; None: never replayed).
+REPLAY_QUEUED = "queued"  # in the outbox, not yet published: a relay publishes it
+REPLAY_PUBLISHED = "published"
+REPLAY_UNPUBLISHED = "unpublished"  # its outbox row was given up (DEAD) before any publish
 
 # The per-call option headers a replay sends again (the key and tenant go as the outbox's own options).
 _REPLAYED_HEADERS = (HEADER_LEASE, HEADER_ON_IN_PROGRESS)
@@ -54,6 +66,9 @@ class LetterView:
     replayed_at: datetime | None
     replays: int
     run_status: RunStatus | None
+    replay: str | None = None
+    # Why the last publish of a queued replay failed (its outbox row's last_error), if one was tried.
+    replay_error: str | None = None
 
     @property
     def replayable(self) -> bool:
@@ -67,11 +82,34 @@ class ReplayReport:
 
     replayed: list[LetterView] = field(default_factory=list)
     skipped: list[tuple[LetterView, str]] = field(default_factory=list)
+    # Why publishing the replayed messages failed after they were committed to the outbox (None: it did not).
+    publish_error: str | None = None
+
+
+def _letters_rows(status: OutboxStatus) -> Any:
+    """The outbox rows in `status` of the letter's task, tenant and key (found through the index on status)."""
+    d, o = LETTERS.c, OUTBOX.c
+    return and_(
+        o.status == status,
+        o.task_name == d.task_name,
+        o.tenant == d.tenant,
+        o.idempotency_key == d.idempotency_key,
+    )
 
 
 def _query() -> Select[Any]:
     d, r = LETTERS.c, RUNS.c
-    return select(LETTERS, r.status.label("run_status")).select_from(LETTERS.outerjoin(RUNS, d.run_id == r.id))
+    replay = case(
+        (d.replayed_at.is_(None), None),
+        (exists().where(_letters_rows(OutboxStatus.PENDING)), REPLAY_QUEUED),
+        (exists().where(_letters_rows(OutboxStatus.DEAD), OUTBOX.c.publishes == 0), REPLAY_UNPUBLISHED),
+        else_=REPLAY_PUBLISHED,
+    )
+    o = OUTBOX.c
+    last_error = select(o.last_error).where(_letters_rows(OutboxStatus.PENDING)).order_by(o.id.desc()).limit(1)
+    replay_error = case((d.replayed_at.is_(None), None), else_=last_error.scalar_subquery())
+    columns = (r.status.label("run_status"), replay.label("replay"), replay_error.label("replay_error"))
+    return select(LETTERS, *columns).select_from(LETTERS.outerjoin(RUNS, d.run_id == r.id))
 
 
 def _view(row: Any) -> LetterView:
@@ -91,6 +129,8 @@ def _view(row: Any) -> LetterView:
         replayed_at=row.replayed_at,
         replays=row.replays,
         run_status=row.run_status,
+        replay=row.replay,
+        replay_error=row.replay_error,
     )
 
 
@@ -140,7 +180,8 @@ class DeadLetters:
         """Make each letter's DEAD run FAILED again and re-enqueue its message with the same key.
 
         The reset and the outbox row commit together (a replay is never half done); the relay's publish
-        follows at once, and a running `oncelery relay` publishes it if this process cannot.
+        follows at once, and a running `oncelery relay` publishes it if this process cannot (the letter's
+        `replay` is then `queued`, and `publish_error` says why when the publish raised).
         """
         report = ReplayReport()
         r, d = RUNS.c, LETTERS.c
@@ -186,8 +227,22 @@ class DeadLetters:
                 enqueue(conn, sig)
             report.replayed.append(letter)
         if report.replayed:
-            Relay(app, self.db.url, sweep_interval=None).publish_pending()
+            report.publish_error = self._publish(app, [x.letter_id for x in report.replayed])
         return report
+
+    def _publish(self, app: Celery, letter_ids: Sequence[int]) -> str | None:
+        """Publish the outbox until these letters' rows are out or a round publishes nothing; the error, if any."""
+        relay = Relay(app, self.db.url, sweep_interval=None)
+        try:
+            # Rows of other writers may come first (the outbox is published in id order): go on while it moves.
+            while relay.publish_pending().published and self._queued(letter_ids):
+                pass
+        except Exception as exc:  # the rows are committed: the relay publishes them once the cause is gone
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _queued(self, letter_ids: Sequence[int]) -> bool:
+        return any(x.replay == REPLAY_QUEUED for x in self.list(ids=letter_ids, include_replayed=True, limit=None))
 
     def purge(self, letters: Sequence[LetterView]) -> int:
         """Delete these letters and their DEAD runs (the key may then be sent again); return how many letters."""

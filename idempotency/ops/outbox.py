@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus
+from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import validate_key
 from oncelery.runs.legacy import stored_names
 from oncelery.settings import HEADER_KEY, HEADER_TENANT
@@ -148,6 +149,7 @@ def send_keyed(
         if tenant:
             headers[HEADER_TENANT] = tenant
     try:
+        fault_point("publish", task_name=task_name, key=key)  # a test's broker refusal is handled as a real one
         app.send_task(
             task_name,
             args=list(args or ()),

@@ -28,6 +28,7 @@ POINTS = (
     "heartbeat",  # before a holder's lease renewal (on the heartbeat thread, while the body runs)
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "ledger_write",  # before a model call's ledger row (and running totals) is written
+    "ledger_committed",  # after a model call's ledger row committed, before its writer learns so (a lost answer)
     "step_save",  # before a step's checkpoint is written
     "effects_begin",  # before a run's first effects() block begins its transaction (SQLite: the write lock)
     "effects_flush",  # before an effects() block is flushed
@@ -36,6 +37,7 @@ POINTS = (
     "count_outcome",  # before a replay, conflict, in-progress wait or lost lease is counted
     "dead_letter",  # before a poison run is made DEAD, or a run-less message (conflict, bad) is dead-lettered
     "flush_replays",  # inside the transaction that writes the replay cache's counted replays, before its writes
+    "publish",  # before a stored job is sent to the broker (relay, sweeper, dead-letter replay): a broker refusal
     "relay_published",  # after the relay published a batch, before it marks the rows sent
     "purge_batch",  # inside a purge batch's transaction, after its deletes, before it commits
 )

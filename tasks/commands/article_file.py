@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib.resources import as_file, files
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,17 @@ class Article:
     text: str
     title: str | None = None
     line: int = 0
+
+
+# The sample articles shipped in the package (the repository's samples/articles.jsonl links to this file).
+SAMPLE = ("oncelery.tasks", "samples/articles.jsonl")
+
+
+def load_sample() -> list[Article]:
+    """Return the packaged sample articles (`oncelery process --sample`), from a clone or a pip install alike."""
+    package, name = SAMPLE
+    with as_file(files(package).joinpath(name)) as path:
+        return load_articles(path)
 
 
 def load_articles(path: Path) -> list[Article]:

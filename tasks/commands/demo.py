@@ -12,7 +12,7 @@ import click
 from kombu.utils.url import maybe_sanitize_url
 
 from oncelery import Outcome, Runs, RunStatus, is_embedded_broker
-from oncelery.cli import check_services, format_table, resolve_database_url
+from oncelery.cli import check_services, format_table, refuse_unread_broker, resolve_database_url
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
     plan_deliveries,
@@ -131,11 +131,13 @@ def demo(
 
     check_services(app)  # a broker or result backend that is down: one line now, not a hang while sending
     url = resolve_database_url(ctx, app, embedded=True)
-    for line in prepare_database(url):
-        click.echo(line)
     broker = str(app.conf.broker_url)
     if start_worker is None:
         start_worker = is_embedded_broker(broker)
+    if not start_worker:  # on the embedded broker, only the demo's own workers would read the jobs
+        refuse_unread_broker(broker, url, "demo --no-start-worker")
+    for line in prepare_database(url):
+        click.echo(line)
 
     docs = sample_documents(jobs)
     calls = [(doc_id, doc_version, text, work_seconds) for doc_id, text in docs]

@@ -18,8 +18,8 @@ from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 
 from oncelery import Database, Identity, InvalidKey, Relay, Runs, differing_fields, is_embedded_broker, outbox
-from oncelery.cli import check_services, resolve_database_url
-from oncelery.tasks.commands.article_file import Article, load_articles
+from oncelery.cli import check_services, refuse_unread_broker, resolve_database_url
+from oncelery.tasks.commands.article_file import Article, load_articles, load_sample
 from oncelery.tasks.commands.local_worker import LocalWorker
 from oncelery.tasks.commands.producer import (
     ENV_LEASE,
@@ -37,7 +37,12 @@ NON_TTY_WIDTH = 110
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("path", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--sample",
+    is_flag=True,
+    help="Score the sample articles shipped with oncelery (112 of them) instead of a FILE: runs from a pip install.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N articles of the file.")
 @click.option(
     "--duplicates",
@@ -97,7 +102,8 @@ NON_TTY_WIDTH = 110
 @click.pass_context
 def process(
     ctx: click.Context,
-    path: Path,
+    path: Path | None,
+    sample: bool,
     limit: int | None,
     duplicates: float,
     temperature: float,
@@ -110,8 +116,12 @@ def process(
     timeout: float,
     summary_json: Path | None,
 ) -> None:
-    """Score every article of a JSON Lines file (id, version, text) exactly once: summary, keywords, quality."""
-    articles = load_articles(path)[:limit]  # the whole file is checked first: a bad line sends nothing
+    """Score every article of a JSON Lines FILE (id, version, text), or --sample, exactly once: summary, keywords,
+    quality."""
+    if sample == (path is not None):
+        raise click.UsageError("give a FILE.jsonl of articles, or --sample for the ones shipped with oncelery")
+    # The whole file is checked first: a bad line sends nothing.
+    articles = (load_sample() if path is None else load_articles(path))[:limit]
     from oncelery.tasks.app import app  # imported here: loading celeryconfig creates the embedded broker's folders
     from oncelery.tasks.articles import STEPS, score_article
     from oncelery.tasks.llm import default_client
@@ -128,6 +138,8 @@ def process(
         raise click.UsageError(
             "--kill-worker-every and --lease act on a worker this command starts: add --start-worker"
         )
+    if not start_worker:  # on the embedded broker, only the demo's own workers would read the jobs
+        refuse_unread_broker(broker, resolve_database_url(ctx, app, embedded=True), "process --no-start-worker")
     if queue:
         app.conf.task_default_queue = queue  # before the first send: Celery reads it when routing
     calls = [(a.id, a.version, a.text, temperature) for a in articles]
