@@ -192,7 +192,7 @@ def _select(
     "--jsonl",
     "as_jsonl",
     is_flag=True,
-    help="One JSON object per line, as `--json` printed before 0.2 (no `replay`; times as Python prints them).",
+    help="One JSON object per line, as `--json` printed in 0.1.0 (no `replay`; times as Python prints them).",
 )
 @click.pass_context
 def dlq_list(
