@@ -7,6 +7,8 @@
 Guarantees:
 - one row per real call, committed in its OWN transaction as the block ends (never the run's effects
   transaction): it survives a rollback of the effects, and a worker killed right after the call leaves it;
+- a row the database cannot take (down, restarting, SQLite locked) waits in a spool file and is written when it
+  answers again (oncelery.task.ledger_spool); each row's `call_id` makes every write of it count once;
 - a step replayed from its checkpoint never runs its body, so it makes no call and writes no row;
 - the block's error is re-raised as it was; a ledger that cannot be written is logged, never raised;
 - the cost is computed when the row is written, at that day's price (`app.conf.oncelery_prices`).
@@ -21,6 +23,7 @@ import logging
 import math
 import operator
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -28,15 +31,15 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from celery import current_app
 from celery._state import get_current_task
-from sqlalchemy import BigInteger, Connection, Float, bindparam, insert, update
 
 from oncelery.delivery.steps import current_step
-from oncelery.errors import ConfigurationError
+from oncelery.errors import ConfigurationError, StoreUnavailable
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.store.database import Database
-from oncelery.store.tables import CALLS, RUNS, TOTALS
 from oncelery.task.idempotent import IdempotentTask
+from oncelery.task.ledger_rows import write_call
+from oncelery.task.ledger_spool import spool_row, wake_spools
 
 __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_of"]
 
@@ -44,20 +47,6 @@ logger = logging.getLogger("oncelery.ledger")  # a stable name (users filter on 
 
 PER_TOKENS = 1_000_000  # prices are per this many tokens
 MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
-
-_INSERT = insert(CALLS)
-_TOTAL_FIGURES = ("calls", "failed_calls", "input_tokens", "output_tokens", "cost", "unpriced_calls")
-# The run's ok calls (what each of its replays saves), added as each is recorded.
-_ADD_TO_RUN = (
-    update(RUNS)
-    .where(RUNS.c.id == bindparam("p_run_id"))
-    .values(
-        llm_calls=RUNS.c.llm_calls + 1,
-        llm_input_tokens=RUNS.c.llm_input_tokens + bindparam("p_input", type_=BigInteger),
-        llm_output_tokens=RUNS.c.llm_output_tokens + bindparam("p_output", type_=BigInteger),
-        llm_cost=RUNS.c.llm_cost + bindparam("p_cost", type_=Float),
-    )
-)
 # Where SDKs put token counts: Anthropic and OpenAI Responses, OpenAI Chat Completions, Google Gemini.
 _INPUT_FIELDS = ("input_tokens", "prompt_tokens", "prompt_token_count")
 _OUTPUT_FIELDS = ("output_tokens", "completion_tokens", "candidates_token_count")
@@ -111,6 +100,8 @@ class MeteredCall:
     def __init__(self, model: str, prompt: str | None, meta: Mapping[str, Any] | None) -> None:
         self.model = model
         self.prompt = prompt
+        #: The row's id (model_calls.call_id), chosen before the call: every write of the row counts once.
+        self.call_id = uuid.uuid4().hex
         #: JSON details stored with the row (model version, seed, temperature...); add to it in the block.
         self.meta: dict[str, Any] = dict(meta or {})
         self.input_tokens = 0
@@ -315,11 +306,13 @@ def _database(url: str) -> Database:
 
 
 def _record(origin: _Origin, call: MeteredCall) -> None:
-    """Commit the call's row in its own durable transaction (never the caller's: it must survive a rollback)."""
+    """Commit the call's row in its own durable transaction (never the caller's: it must survive a rollback),
+    or, if the database cannot take it now, spool it to be written when it can."""
     if origin.url is None:
         logger.debug("model call %s not recorded: not in a task and no %s", call.model, ENV_DATABASE_URL)
         return
     row = {
+        "call_id": call.call_id,
         "task_name": origin.task_name,
         "tenant": origin.tenant,
         "idempotency_key": origin.key,
@@ -339,30 +332,14 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
     }
     db = _database(origin.url)
     db.require_file()  # never creates a SQLite file as a side effect of a call
-    figures = {
-        "calls": 1,
-        "failed_calls": 0 if call.ok else 1,
-        "input_tokens": call.input_tokens,
-        "output_tokens": call.output_tokens,
-        "cost": call.cost or 0.0,
-        "unpriced_calls": 1 if call.cost is None else 0,
-    }
-
-    # One transaction: the row, the running totals the exporter reads, and the run's (what replays save);
-    # tried once more if a restart or a killed backend had broken the pooled connection (as `Database.one`).
-    def write(conn: Connection) -> None:
-        conn.execute(_INSERT, row)
-        totals = db.dialect.insert(TOTALS).values(
-            task_name=origin.task_name or "", tenant=origin.tenant, model=call.model, **figures
-        )
-        added = {name: TOTALS.c[name] + totals.excluded[name] for name in _TOTAL_FIGURES}
-        conn.execute(totals.on_conflict_do_update(index_elements=["task_name", "tenant", "model"], set_=added))
-        if call.ok and origin.run_id is not None:
-            params = {"p_run_id": origin.run_id, "p_input": call.input_tokens, "p_output": call.output_tokens}
-            conn.execute(_ADD_TO_RUN, {**params, "p_cost": call.cost or 0.0})
-
     fault_point("ledger_write", task=origin.task_name, key=origin.key, model=call.model)
-    db.write(write)
+    try:
+        write_call(db, row)  # the row, the running totals the exporter reads, and the run's (what replays save)
+        fault_point("ledger_committed", task=origin.task_name, key=origin.key, model=call.model)
+    except StoreUnavailable as exc:
+        _spool(origin, call, row, exc)
+        return
+    wake_spools()  # the database answers: rows this process spooled earlier go in now
     logger.debug(
         "ledger: %s %s[%s] step=%s ok=%s tokens=%d/%d",
         call.model,
@@ -372,4 +349,31 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
         call.ok,
         call.input_tokens,
         call.output_tokens,
+    )
+
+
+def _spool(origin: _Origin, call: MeteredCall, row: dict[str, Any], exc: StoreUnavailable) -> None:
+    """Keep a row the database could not take (or whose commit went unanswered) in this process's spool."""
+    url = cast(str, origin.url)
+    try:
+        path = spool_row(url, origin.conf, row)
+    except OSError as spool_exc:
+        # Neither the database nor the spool took it: the log line is the only record left, so it has the row.
+        logger.error(
+            "could not record model call %s (%s) in the cost ledger (%s) nor spool it (%s): %s",
+            call.model,
+            call.prompt,
+            exc,
+            spool_exc,
+            json.dumps(row, default=str),
+        )
+        return
+    logger.warning(
+        "ledger: model call %s %s[%s] call_id=%s spooled to %s (%s); it is written once the database answers",
+        call.model,
+        origin.task_name,
+        origin.key,
+        call.call_id,
+        path,
+        exc,
     )
