@@ -72,7 +72,7 @@ def test_retry_replays_finished_steps_and_executes_only_the_failed_one(
     # The exporter's lifetime counters, kept with the outcome counts: 3 checkpointed steps (2 by the failed
     # attempt, 1 by the retry), 2 replayed by the retry, 1 takeover.
     got = scrape(db_url)
-    labels = (("task", "oncelery.t_steps"), ("tenant", ""))
+    labels = (("name", "oncelery.t_steps"), ("tenant", ""))
     assert got["oncelery_steps_executed_total", labels] == 3
     assert got["oncelery_steps_replayed_total", labels] == 2
     assert got["oncelery_takeovers_total", labels] == 1
