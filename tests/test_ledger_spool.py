@@ -24,7 +24,8 @@ from sqlalchemy.pool import NullPool
 from oncelery import IdempotentTask, StoreUnavailable, model_call
 from oncelery.runs.faults import fault_injected
 from oncelery.settings import CONF_LEDGER_SPOOL_DIR, ENV_DATABASE_URL, ENV_LEDGER_SPOOL_DIR, ENV_SQLITE_BUSY_TIMEOUT
-from oncelery.task.ledger_spool import PREFIX, spool_row, spooled_rows
+from oncelery.task.ledger_files import PREFIX, spooled_rows
+from oncelery.task.ledger_spool import spool_row
 from tests.conftest import migrated, running_worker
 from tests.services import close_app, effects_table, unique_queue, wait_for
 from tests.store_faults import JOB_TIMEOUT, LEASE, Db, LogLines, Once, expected, job_key, report

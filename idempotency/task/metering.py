@@ -39,7 +39,7 @@ from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database
 from oncelery.store.database import Database
 from oncelery.task.idempotent import IdempotentTask
 from oncelery.task.ledger_rows import write_call
-from oncelery.task.ledger_spool import spool_row, wake_spools
+from oncelery.task.ledger_spool import after_write, spool_row
 
 __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_of"]
 
@@ -339,7 +339,7 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
     except StoreUnavailable as exc:
         _spool(origin, call, row, exc)
         return
-    wake_spools()  # the database answers: rows this process spooled earlier go in now
+    after_write(origin.url, origin.conf)  # the database answers: rows spooled earlier go in now
     logger.debug(
         "ledger: %s %s[%s] step=%s ok=%s tokens=%d/%d",
         call.model,
