@@ -24,6 +24,7 @@ from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, 
 from oncelery.errors import OnceleryError
 from oncelery.models import Outcome
 from oncelery.ops.histograms import TenantCap, histogram_families, tenant_cap
+from oncelery.ops.ledger_metrics import ledger_families, lifetime_families
 from oncelery.runs.waits import WAIT_FAMILY
 from oncelery.settings import DEFAULT_METRICS_MAX_TENANTS
 from oncelery.store.database import Database
@@ -36,7 +37,6 @@ from oncelery.store.tables import (
     RUN_STATUS_TOTALS,
     RUNS,
     STEPS,
-    TOTALS,
 )
 
 __all__ = ["COMPLETING_OUTCOMES", "DUPLICATE_OUTCOMES", "ClaimsCollector", "claims_registry"]
@@ -195,34 +195,6 @@ def wait_ends(conn: Connection) -> dict[str, dict[str, int]]:
     return ended
 
 
-_LIFETIME = {
-    "steps_executed": ("steps_executed", "Checkpointed steps of completed runs, executed by any of their holders."),
-    "steps_replayed": ("steps_replayed", "Steps completing deliveries took from checkpoints instead of executing."),
-    "takeovers": ("takeovers", "Takeovers (fencing_token - 1) of completed runs: retries and lost holders."),
-    "saved_calls": ("llm_saved_calls", "Model calls replays did not make (each replay x the run's ok calls)."),
-    "saved_cost": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
-}
-
-
-def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Metric]:
-    """Counters kept with the outcome counts (steps, takeovers, what replays saved) per task and tenant."""
-    index = {name: i for i, name in enumerate(OUTCOME_TOTALS)}
-    families = {
-        name: CounterMetricFamily(f"{PREFIX}_{metric}", help_text, labels=["name", "tenant"])
-        for name, (metric, help_text) in _LIFETIME.items()
-    }
-    tokens = CounterMetricFamily(
-        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=["name", "tenant", "direction"]
-    )
-    for (task, tenant), figures in sorted(totals.items()):
-        for name, family in families.items():
-            value = figures[index[name]]
-            family.add_metric([task, tenant], value if name == "saved_cost" else int(value))
-        tokens.add_metric([task, tenant, "input"], int(figures[index["saved_input_tokens"]]))
-        tokens.add_metric([task, tenant, "output"], int(figures[index["saved_output_tokens"]]))
-    yield from (*families.values(), tokens)
-
-
 # -- runs (the partial index of RUNNING runs; run_status_totals for FAILED and DEAD) -------------------------
 
 
@@ -369,34 +341,7 @@ def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
     yield from (backlog, age, dead, replayed, created)
 
 
-# -- the model-call ledger (ledger_totals: a row per task, tenant and model) ----------------------------------
-
-
-def ledger_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
-    """Model calls made, their tokens and estimated USD, per task, tenant and model (running totals)."""
-    labels = ["name", "tenant", "model"]
-    calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Model calls made (failed ones included).", labels=labels)
-    failed = CounterMetricFamily(f"{PREFIX}_llm_failed_calls", "Model calls that raised.", labels=labels)
-    tokens = CounterMetricFamily(
-        f"{PREFIX}_llm_tokens", "Tokens of the model calls made.", labels=[*labels, "direction"]
-    )
-    cost = CounterMetricFamily(f"{PREFIX}_llm_cost_usd", "Estimated USD of the priced calls made.", labels=labels)
-    t = TOTALS.c
-    merged: dict[tuple[str, str, str], list[float]] = {}  # tenants past the cap summed as "other"
-    for row in conn.execute(
-        select(t.task_name, t.tenant, t.model, t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost)
-    ):
-        into = merged.setdefault((row.task_name, cap(row.tenant), row.model), [0.0] * 5)
-        for i, figure in enumerate((row.calls, row.failed_calls, row.input_tokens, row.output_tokens, row.cost)):
-            into[i] += float(figure or 0)
-    for (task, tenant, model), (n, n_failed, tokens_in, tokens_out, usd) in sorted(merged.items()):
-        key = [task, tenant, model]
-        calls.add_metric(key, int(n))
-        failed.add_metric(key, int(n_failed))
-        tokens.add_metric([*key, "input"], int(tokens_in))
-        tokens.add_metric([*key, "output"], int(tokens_out))
-        cost.add_metric(key, usd)
-    yield from (calls, failed, tokens, cost)
+# -- build ----------------------------------------------------------------------------------------------------
 
 
 def build_info(conn: Connection) -> Metric:

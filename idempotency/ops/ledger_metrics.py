@@ -1,0 +1,72 @@
+"""The running totals' metrics: what completed runs did (steps, takeovers) and saved (replays), and the model
+calls made (ledger_totals).
+
+Each is written in the transaction of what it counts (a completion, a replay's count, a ledger row), so a scrape
+reads a row per task, tenant (and model), never step_results or model_calls. Tenants past the cap are "other".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from sqlalchemy import Connection, select
+
+from oncelery.ops.histograms import PREFIX, TenantCap
+from oncelery.store.tables import OUTCOME_TOTALS, TOTALS
+
+__all__ = ["ledger_families", "lifetime_families"]
+
+_LIFETIME = {
+    "steps_executed": ("steps_executed", "Checkpointed steps of completed runs, executed by any of their holders."),
+    "steps_replayed": ("steps_replayed", "Steps completing deliveries took from checkpoints instead of executing."),
+    "takeovers": ("takeovers", "Takeovers (fencing_token - 1) of completed runs: retries and lost holders."),
+    "saved_calls": ("llm_saved_calls", "Model calls replays did not make (each replay x the run's ok calls)."),
+    "saved_cost": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
+}
+
+
+def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Metric]:
+    """Counters kept with the outcome counts (steps, takeovers, what replays saved) per task and tenant."""
+    index = {name: i for i, name in enumerate(OUTCOME_TOTALS)}
+    families = {
+        name: CounterMetricFamily(f"{PREFIX}_{metric}", help_text, labels=["name", "tenant"])
+        for name, (metric, help_text) in _LIFETIME.items()
+    }
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_llm_saved_tokens", "Tokens replays did not spend.", labels=["name", "tenant", "direction"]
+    )
+    for (task, tenant), figures in sorted(totals.items()):
+        for name, family in families.items():
+            value = figures[index[name]]
+            family.add_metric([task, tenant], value if name == "saved_cost" else int(value))
+        tokens.add_metric([task, tenant, "input"], int(figures[index["saved_input_tokens"]]))
+        tokens.add_metric([task, tenant, "output"], int(figures[index["saved_output_tokens"]]))
+    yield from (*families.values(), tokens)
+
+
+def ledger_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
+    """Model calls made, their tokens and estimated USD, per task, tenant and model (running totals)."""
+    labels = ["name", "tenant", "model"]
+    calls = CounterMetricFamily(f"{PREFIX}_llm_calls", "Model calls made (failed ones included).", labels=labels)
+    failed = CounterMetricFamily(f"{PREFIX}_llm_failed_calls", "Model calls that raised.", labels=labels)
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_llm_tokens", "Tokens of the model calls made.", labels=[*labels, "direction"]
+    )
+    cost = CounterMetricFamily(f"{PREFIX}_llm_cost_usd", "Estimated USD of the priced calls made.", labels=labels)
+    t = TOTALS.c
+    merged: dict[tuple[str, str, str], list[float]] = {}  # tenants past the cap summed as "other"
+    for row in conn.execute(
+        select(t.task_name, t.tenant, t.model, t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost)
+    ):
+        into = merged.setdefault((row.task_name, cap(row.tenant), row.model), [0.0] * 5)
+        for i, figure in enumerate((row.calls, row.failed_calls, row.input_tokens, row.output_tokens, row.cost)):
+            into[i] += float(figure or 0)
+    for (task, tenant, model), (n, n_failed, tokens_in, tokens_out, usd) in sorted(merged.items()):
+        key = [task, tenant, model]
+        calls.add_metric(key, int(n))
+        failed.add_metric(key, int(n_failed))
+        tokens.add_metric([*key, "input"], int(tokens_in))
+        tokens.add_metric([*key, "output"], int(tokens_out))
+        cost.add_metric(key, usd)
+    yield from (calls, failed, tokens, cost)
