@@ -29,7 +29,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # reads its age. docker-compose.yml gives each service its health check (deploy/bin/oncelery-healthcheck).
 # A fixed uid/gid, so a volume's ownership is the same on every host.
 RUN groupadd --system --gid 10001 oncelery \
-    && useradd --system --uid 10001 --gid oncelery --home-dir /var/lib/oncelery --create-home oncelery
+    && useradd --system --uid 10001 --gid oncelery --home-dir /var/lib/oncelery --create-home oncelery \
+    && install -d -o oncelery -g oncelery -m 0700 /var/lib/oncelery/ledger-spool
+# /var/lib/oncelery/ledger-spool: the worker's ledger spool, a named volume in docker-compose.yml; made here so
+# the volume starts owned by oncelery (an empty mount point would be root's).
 # Installed offline from the builder's wheels (a bind mount, so the wheels are not kept in a layer).
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels 'oncelery[postgres]' flower
