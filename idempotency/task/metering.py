@@ -371,8 +371,8 @@ def _spool(origin: _Origin, call: MeteredCall, row: dict[str, Any], exc: StoreUn
     logger.warning(
         "ledger: model call %s %s[%s] call_id=%s spooled to %s (%s); it is written once the database answers",
         call.model,
-        origin.task_name,
-        origin.key,
+        origin.task_name or "-",
+        origin.key or "-",
         call.call_id,
         path,
         exc,
