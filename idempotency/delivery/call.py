@@ -14,6 +14,7 @@ from oncelery.delivery.renewal import Heartbeat
 from oncelery.delivery.replay_cache import ReplayCache
 from oncelery.delivery.steps import StepRunner
 from oncelery.errors import ConfigurationError, ResultNotJSON, StepMismatch
+from oncelery.llm.errors import CallOutcomeUnknown, ProviderRejected, ResponseLost
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim, EntityVersionOf
@@ -23,7 +24,16 @@ from oncelery.settings import DEFAULT_LEASE_SECONDS
 __all__ = ["UNFIXABLE_ERRORS", "Call", "DeliveredTask", "RunContext", "max_retries"]
 
 # Errors that no retry of the same message can fix: the run goes DEAD at once (with a dead letter).
-UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (StepMismatch, ResultNotJSON, ConfigurationError)
+# A model call whose outcome is unknown under at_most_once, a response the provider forgot under
+# on_lost="dead_letter", and a request the provider refuses (4xx) wait for a person, never for a retry.
+UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (
+    StepMismatch,
+    ResultNotJSON,
+    ConfigurationError,
+    CallOutcomeUnknown,
+    ResponseLost,
+    ProviderRejected,
+)
 
 
 @dataclass

@@ -31,6 +31,7 @@ __all__ = [
     "Checkpoint",
     "StepInfo",
     "StepRunner",
+    "WithWrites",
     "args_digest",
     "current_step",
     "load_checkpoints",
@@ -163,6 +164,15 @@ def save_checkpoint_txn(
     conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "position"], set_=values))
 
 
+@dataclass(frozen=True)
+class WithWrites:
+    """A step's value with writes that must commit in its checkpoint's transaction (a model call's intent and
+    ledger row: the answer, its bill and its end are recorded together or not at all)."""
+
+    value: Any
+    writes: Callable[[Connection], None]
+
+
 class StepRunner:
     """Executes or replays the named steps of one run, in order."""
 
@@ -194,11 +204,14 @@ class StepRunner:
         kwargs: dict[str, Any],
         meta: Any = None,
         rerun_on_change: bool = False,
+        digest: str | None = None,
     ) -> Any:
         """Return the step's stored result if checkpointed, else execute `fn` and checkpoint its result.
 
         `meta` (JSON) describes what produces the result (model, prompt hash...): a checkpoint whose meta
-        differs raises StepMismatch, or is re-executed (with later steps) when `rerun_on_change`.
+        differs raises StepMismatch, or is re-executed (with later steps) when `rerun_on_change`. `digest`
+        replaces the arguments' digest (a model call's is its request's, `oncelery.llm.request`). `fn` may
+        return `WithWrites`: its value is the result, and its writes commit with the checkpoint.
         """
         validate_step_name(name)
         if meta is not None and not isinstance(meta, dict):
@@ -206,7 +219,7 @@ class StepRunner:
         meta = encode_result(meta, f"The meta of step {name!r}") if meta is not None else None
         # The arguments are part of what produced a result: a replay with other arguments at this position
         # (a loop over items in another order) must never return another item's checkpoint.
-        digest = args_digest(args, kwargs)
+        digest = digest or args_digest(args, kwargs)
         # The position is taken before the step runs: a step that raises (and is caught by the body) keeps
         # its slot, so the positions of later steps are the same on every attempt.
         position = self.position
@@ -285,12 +298,17 @@ class StepRunner:
             started = time.perf_counter()
             value = fn(*args, **kwargs)
             seconds = time.perf_counter() - started
+        writes = None
+        if isinstance(value, WithWrites):
+            value, writes = value.value, value.writes
         result = encode_result(value, f"Step {name!r} of {self.claim.task_name}[{self.claim.key}]")
         fault_point("step_save", task=self.claim.task_name, key=self.claim.key, step=name)
         with self.store.transaction() as conn:
             save_checkpoint_txn(
                 conn, self.store, self.claim, position, name, result, meta, self.superseded, digest, seconds
             )
+            if writes is not None:
+                writes(conn)  # after the fence: a holder that lost the run writes none of them
         self.superseded = False
         self.executed.append(name)
         return result

@@ -50,6 +50,7 @@ from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim
+from oncelery.runs.faults import fault_point
 
 __all__ = ["Answered", "CallPolicy", "Recorder", "call_model"]
 
@@ -168,6 +169,8 @@ def _row(step: _Step, digest: str) -> dict[str, Any]:
 
 def _send(step: _Step, intent: Intent) -> Answered:
     """Create the call (the intent is already durable), record where it went, then wait for its end."""
+    where = {"task": step.claim.task_name, "key": step.claim.key, "step": step.name}
+    fault_point("llm_create", **where)
     try:
         first = step.adapter.create(step.request, intent.public_id, background=intent.mode == "background")
     except ProviderUnavailable as exc:
@@ -179,6 +182,7 @@ def _send(step: _Step, intent: Intent) -> Answered:
         # Refused (429, 4xx): the provider made nothing. A later attempt is a new intent.
         end_intent(step.store, step.claim, intent, IntentState.FAILED, error=str(exc))
         raise
+    fault_point("llm_created", **where)
     if first.terminal or not first.reference:
         return _ended(step, intent, first, reattached=False)
     return _wait(step, mark_sent(step.store, step.claim, intent, first.reference, first.cursor), first)
@@ -190,6 +194,7 @@ def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattac
     while look is None or not look.terminal:
         if look is not None:
             time.sleep(look.poll_after_s or step.policy.poll_s)
+        fault_point("llm_poll", task=step.claim.task_name, key=step.claim.key, step=step.name)
         try:
             look = step.adapter.poll(intent.reference or "")
             failures = 0
@@ -230,7 +235,9 @@ def _ended(step: _Step, intent: Intent, look: Observed, *, reattached: bool) -> 
 
 def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
     """The provider forgot a sent call: by policy, dead-letter it or send it again (labelled `lost`)."""
-    if step.policy.on_lost == "dead_letter":
+    if step.policy.on_lost == "dead_letter" or intent.repeat_reason is RepeatReason.LOST:
+        # Lost twice in a row: the provider keeps nothing long enough for this step; re-calling again would
+        # pay for ever, so a person decides.
         end_intent(step.store, step.claim, intent, IntentState.LOST, error=str(exc))
         raise ResponseLost.of(step.claim.task_name, step.claim.key, step.name) from exc
     row = {

@@ -29,6 +29,9 @@ POINTS = (
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "ledger_write",  # before a model call's ledger row (and running totals) is written
     "ledger_committed",  # after a model call's ledger row committed, before its writer learns so (a lost answer)
+    "llm_create",  # a model call's intent is committed `prepared`; before its create request is sent
+    "llm_created",  # the provider answered the create; before the intent is marked `sent` (the create window)
+    "llm_poll",  # before a sent call is polled (its reference is saved)
     "step_save",  # before a step's checkpoint is written
     "effects_begin",  # before a run's first effects() block begins its transaction (SQLite: the write lock)
     "effects_flush",  # before an effects() block is flushed

@@ -1,4 +1,4 @@
-"""The API a task body calls on `self`: step(), effects(), run_id, seeds, and the progress each step reports.
+"""The API a task body calls on `self`: step(), llm(), effects(), run_id, seeds, and the progress each step reports.
 
 Each works on the live run of this thread's delivery (its RunContext, attached by the delivery), or, under
 $ONCELERY_PASS_THROUGH, as a plain call with no run.
@@ -115,6 +115,39 @@ class RunBody(Announcing):
             )
         self._report_progress(ctx, name)
         return ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
+
+    def llm(
+        self,
+        name: str,
+        /,
+        *,
+        adapter: Any = None,
+        background: bool = True,
+        at_most_once: bool | None = None,
+        on_lost: str | None = None,
+        **request: Any,
+    ) -> Any:
+        """Make the model call `request` as step `name`: paid once where the provider allows it, replayed after.
+
+        A write-ahead intent is committed before the call; a later holder re-attaches to a background call
+        instead of paying again (docs/llm.md has the recovery table). Returns the provider's response JSON
+        (`oncelery.llm.output_text(response)` gives its text) and records the call in the cost ledger.
+        """
+        # Imported here: the ledger's pricing (task.metering) imports IdempotentTask, which this class makes.
+        from oncelery.task.llm_step import call_unclaimed, policy_of, resolve_adapter, run_llm_step
+
+        chosen = resolve_adapter(self, adapter)
+        policy = policy_of(self, at_most_once, on_lost, background)
+        if self._passing():
+            return call_unclaimed(chosen, request)
+        ctx = self.run_context("self.llm()")
+        ctx.heartbeat.check()
+        if ctx.effects.connection is not None:
+            raise ConfigurationError(
+                f"{self.name}: self.llm({name!r}) called after effects(); run every model call before effects()"
+            )
+        self._report_progress(ctx, name)
+        return run_llm_step(self, ctx, name, chosen, request, policy)
 
     @property
     def run_id(self) -> int | None:

@@ -93,6 +93,15 @@ class TaskOptions(Task):  # type: ignore[misc]
     entity_version: str | None = None
     #: Template or callable naming the entity that entity_version orders; default: concurrency_key.
     entity: KeySpec = None
+    #: The provider adapter `self.llm()` calls (oncelery.llm: OpenAIResponses, OpenAIChat, AnthropicMessages),
+    #: or a zero-argument callable making one; per call: self.llm(..., adapter=...).
+    llm_adapter: Any = None
+    #: A synchronous model call whose holder died mid-call may have been made: False sends it again (labelled
+    #: sync_unknown in the ledger); True dead-letters the run for a person (CallOutcomeUnknown). Per call too.
+    llm_at_most_once: bool = False
+    #: A response the provider no longer has (404, past its retention): "recall" sends it again (labelled
+    #: lost), "dead_letter" dead-letters the run (ResponseLost). Per call too.
+    llm_on_lost: str = "recall"
 
     def __init__(self) -> None:
         super().__init__()

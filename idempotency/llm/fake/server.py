@@ -1,7 +1,8 @@
 """The fake provider's HTTP side: routes, headers, held and hung answers, and the `/_fake/*` control API.
 
 Control endpoints (JSON): `GET /_fake/stats`, `POST /_fake/knobs` (a partial `Knobs`), `POST /_fake/release`
-(held answers), `POST /_fake/reset`, `GET /_fake/health`. They drive a fake run as a thread or as a process alike.
+(held answers), `POST /_fake/forget` (one call, or all: past retention now), `POST /_fake/reset`,
+`GET /_fake/health`. They drive a fake run as a thread or as a process alike.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, knobs)
         elif path == "/_fake/release":
             self._json(200, {"released": state.release()})
+        elif path == "/_fake/forget":
+            self._json(200, {"forgotten": state.forget(body.get("id"))})
         elif path == "/_fake/reset":
             state.reset()
             self._json(200, {"ok": True})
@@ -327,6 +330,10 @@ class FakeProviderControl:
     def release(self) -> int:
         """Release every held create answer; return how many were held."""
         return int(self._call("POST", "/_fake/release", {})["released"])
+
+    def forget(self, call_id: str | None = None) -> int:
+        """Drop a call (or all of them), as a provider past its retention does; its retrieve answers 404."""
+        return int(self._call("POST", "/_fake/forget", {} if call_id is None else {"id": call_id})["forgotten"])
 
     def reset(self) -> None:
         """Forget every call and counter; restore the default knobs."""

@@ -124,6 +124,7 @@ class Stats:
     billed_input_tokens: int = 0
     billed_output_tokens: int = 0
     batches_submitted: int = 0
+    forgotten: int = 0  # calls dropped by `forget` (a test's "past retention, now")
 
     def as_json(self) -> dict[str, Any]:
         """Return the counters as a JSON-ready dict."""
@@ -291,6 +292,14 @@ class ProviderState:
                 call.cancelled = True
                 call.stuck = False
                 call.finished_by_cancel = self.knobs.complete_after_cancel
+
+    def forget(self, call_id: str | None = None) -> int:
+        """Drop one call (or every call) as a provider past its retention does; return how many were dropped."""
+        with self.lock:
+            gone = [call_id] if call_id is not None else list(self.calls)
+            dropped = sum(1 for c in gone if self.calls.pop(c, None) is not None)
+            self.stats.forgotten += dropped
+            return dropped
 
     def reset(self) -> None:
         """Forget every call and counter and restore the default knobs (a fresh provider)."""

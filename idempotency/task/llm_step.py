@@ -1,0 +1,135 @@
+"""`self.llm(step, **request)`: a model call as a checkpointed step, through the write-ahead intent protocol.
+
+The task room's part is what the call layer (`oncelery.llm`, which knows no Celery) leaves to it: which adapter,
+which policy, and the ledger row, priced from `oncelery_prices` and written in the transaction that ends the
+intent (with the step's checkpoint when the call is done).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import Connection
+
+from oncelery.delivery.call import RunContext
+from oncelery.delivery.steps import WithWrites, current_step
+from oncelery.errors import ConfigurationError
+from oncelery.llm.adapters.base import Adapter, CallState, Usage
+from oncelery.llm.call import CallPolicy, call_model
+from oncelery.llm.intents import Intent
+from oncelery.llm.request import request_digest
+from oncelery.runs.encoding import canonical_json
+from oncelery.task.ledger_rows import add_call
+from oncelery.task.metering import price_of
+
+__all__ = ["LedgerRecorder", "output_text", "policy_of", "resolve_adapter", "run_llm_step"]
+
+ON_LOST = ("recall", "dead_letter")
+
+
+def resolve_adapter(task: Any, adapter: Any) -> Adapter:
+    """Return the call's adapter: `adapter=`, else the task's `llm_adapter` (an adapter or a factory of one)."""
+    chosen = adapter if adapter is not None else getattr(task, "llm_adapter", None)
+    if chosen is not None and not hasattr(chosen, "create") and callable(chosen):
+        chosen = chosen()
+    if chosen is None or not all(hasattr(chosen, name) for name in ("create", "poll", "capabilities", "usage")):
+        raise ConfigurationError(
+            f"{task.name}: self.llm() needs a provider adapter: set llm_adapter on the task, or pass adapter=, "
+            f"e.g. oncelery.llm.adapters.openai_responses.OpenAIResponses(base_url, api_key) (got {chosen!r})"
+        )
+    return chosen  # type: ignore[no-any-return]
+
+
+def policy_of(task: Any, at_most_once: bool | None, on_lost: str | None, background: bool) -> CallPolicy:
+    """Return the call's policy: the per-call values, else the task's `llm_*` options."""
+    lost = on_lost if on_lost is not None else task.llm_on_lost
+    if lost not in ON_LOST:
+        raise ConfigurationError(f"{task.name}: llm on_lost={lost!r}: use one of {', '.join(ON_LOST)}")
+    once = at_most_once if at_most_once is not None else task.llm_at_most_once
+    return CallPolicy(background=background, at_most_once=bool(once), on_lost=lost)
+
+
+class LedgerRecorder:
+    """Writes a call's ledger row (priced now) in the caller's transaction; the intent's id makes it once."""
+
+    def __init__(self, ctx: RunContext, request: Mapping[str, Any], conf: Any) -> None:
+        self.ctx = ctx
+        self.model = str(request.get("model", ""))
+        self.price = price_of(self.model, conf)
+        self.started = time.perf_counter()
+
+    def __call__(
+        self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
+        error: str | None,
+    ) -> None:  # fmt: skip
+        """Add the row (and the running totals, once) for `intent`'s call."""
+        claim, step = self.ctx.claim, current_step()
+        cost = None if self.price is None else self.price.cost(usage.input_tokens, usage.output_tokens)
+        row = {
+            "call_id": intent.public_id,
+            "task_name": claim.task_name,
+            "tenant": claim.tenant,
+            "idempotency_key": claim.key,
+            "step": step.name if step is not None else None,
+            "run_id": claim.run_id,
+            "fencing_token": claim.token,
+            "model": self.model,
+            "prompt": None,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "latency_ms": (time.perf_counter() - self.started) * 1000,
+            "ok": ok,
+            "error": error,
+            "cost": cost,
+            "meta": {"attempt": intent.attempt, "mode": intent.mode},
+            "reason": reason,
+            "reattached": reattached,
+        }
+        add_call(conn, self.ctx.steps.store.db.dialect, row)
+
+
+def run_llm_step(
+    task: Any, ctx: RunContext, name: str, adapter: Adapter, request: Mapping[str, Any], policy: CallPolicy
+) -> Any:
+    """Run the call as step `name` of the live run: replayed if checkpointed, else made or found again."""
+    request = json.loads(canonical_json(dict(request)))  # JSON only, checked before anything is written
+    meta = {"llm": {"provider": adapter.provider, "endpoint": adapter.endpoint, "model": request.get("model")}}
+
+    def call() -> WithWrites:
+        step = current_step()
+        if step is None:  # StepRunner always runs `call` inside its step
+            raise ConfigurationError(f"{task.name}: self.llm() ran outside its step")
+        recorder = LedgerRecorder(ctx, request, task.app.conf)
+        answered = call_model(ctx.steps.store, ctx.claim, step.position, name, adapter, request, policy, recorder)
+        return WithWrites(dict(answered.response), answered.writes)
+
+    return ctx.steps.run(name, call, (), {}, meta, False, request_digest(request))
+
+
+def call_unclaimed(adapter: Adapter, request: Mapping[str, Any], poll_s: float = 0.5) -> Any:
+    """Make the call with no run (pass-through mode): create, then poll to its end; nothing is recorded."""
+    look = adapter.create(request, "pass-through", background=False)
+    while not look.terminal:
+        time.sleep(look.poll_after_s or poll_s)
+        look = adapter.poll(look.reference or "")
+    if look.state is not CallState.DONE:
+        raise ConfigurationError(f"the model call ended {look.state.value}: {look.response.get('error')}")
+    return dict(look.response)
+
+
+def output_text(response: Mapping[str, Any]) -> str:
+    """Return the answer's text from an OpenAI Response, a Chat Completion or an Anthropic Message."""
+    if "output" in response:  # Responses API
+        return "".join(
+            part.get("text", "")
+            for item in response.get("output") or []
+            if item.get("type") == "message"
+            for part in item.get("content") or []
+            if part.get("type") == "output_text"
+        )
+    if "choices" in response:  # chat completions
+        return str((response["choices"][0].get("message") or {}).get("content") or "")
+    return "".join(b.get("text", "") for b in response.get("content") or [] if b.get("type") == "text")
