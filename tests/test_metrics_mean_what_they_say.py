@@ -9,7 +9,7 @@ import subprocess
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,11 @@ from sqlalchemy import insert, select, text
 
 from oncelery import IdempotentTask
 from oncelery.models import Outcome
-from oncelery.models.migrate import head_revision
+from oncelery.models.migrate import downgrade, head_revision
 from oncelery.models.totals import HISTOGRAMS
 from oncelery.runs.outcomes import record_outcome
-from oncelery.store.database import Database
+from oncelery.store.database import Database, get_engine
+from oncelery.store.schema import upgrade_schema
 from oncelery.store.tables import LETTERS, RUNS, STEPS
 from oncelery.testing import wait_until
 from tests import services
@@ -59,6 +60,10 @@ def _expected(metric: str, values: list[float]) -> list[float]:
     for value in values:
         per[bisect_left(bounds, max(0.0, value))] += 1
     return [float(sum(per[: i + 1])) for i in range(len(per))]
+
+
+def _s(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
 
 
 def _seconds(later: datetime, earlier: datetime) -> float:
@@ -233,3 +238,46 @@ def test_alert_rules_page_for_what_they_say(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode != 0 and "OnceleryDeadLettersIncreasing" in done.stdout + done.stderr
+
+
+def test_the_upgrade_to_0012_counts_what_is_already_there(metrics_url: str) -> None:
+    """A database at 0011 with completed runs, model calls and letters: after `db upgrade` the run and latency
+    histograms equal the rows, letters created equals the letters kept, and the next completion is counted."""
+    engine = get_engine(metrics_url)
+    downgrade(engine, "0011")
+    with engine.begin() as conn:
+        for key, seconds in (("a", 0.2), ("b", 7.0), ("c", 4000.0)):
+            conn.execute(
+                text(
+                    "INSERT INTO task_runs (task_name, tenant, idempotency_key, fingerprint, field_digests, status, "
+                    "fencing_token, attempts, created_at, finished_at) VALUES (:t, '', :k, 'f', '{}', 'COMPLETED', "
+                    "1, 1, :begun, :done)"
+                ),
+                {"t": TASK, "k": key, "begun": datetime(2026, 1, 1), "done": datetime(2026, 1, 1) + _s(seconds)},
+            )
+        conn.execute(
+            text(
+                "INSERT INTO model_calls (task_name, tenant, model, input_tokens, output_tokens, latency_ms, ok) "
+                "VALUES (:t, '', 'gpt-x', 1, 1, 1500, true)"
+            ),
+            {"t": TASK},
+        )
+        conn.execute(insert(LETTERS).values(task_name=TASK, reason="dead", attempts=1))
+    upgrade_schema(metrics_url)
+    got = scrape(metrics_url)
+    labels = {"name": TASK, "tenant": ""}
+    assert _buckets(got, "run_duration", **labels) == _expected("run_duration", [0.2, 7.0, 4000.0])
+    assert _buckets(got, "llm_call_duration", **labels, model="gpt-x") == _expected("llm_call_duration", [1.5])
+    assert got["oncelery_dead_letters_created_total", (("name", TASK), ("reason", "dead"))] == 1
+    with engine.begin() as conn:  # the trigger counts the next completion
+        conn.execute(
+            text(
+                "INSERT INTO task_runs (task_name, tenant, idempotency_key, fingerprint, field_digests, status, "
+                "fencing_token, attempts) VALUES (:t, '', 'd', 'f', '{}', 'RUNNING', 1, 1)"
+            ),
+            {"t": TASK},
+        )
+        conn.execute(
+            text("UPDATE task_runs SET status = 'COMPLETED', finished_at = created_at WHERE idempotency_key = 'd'")
+        )
+    assert _buckets(scrape(metrics_url), "run_duration", **labels)[-1] == 4

@@ -57,24 +57,32 @@ FAMILIES = {
 
 
 class TenantCap:
-    """Maps a tenant to its label: itself if among the `keep` most active tenants, else OTHER_TENANT."""
+    """Maps a tenant to its label: itself if among the `keep` most active tenants, else OTHER_TENANT.
 
-    def __init__(self, keep: Iterable[str]) -> None:
+    While fewer tenants than the cap have deliveries (`full` False), every tenant keeps its label: one seen only
+    in the ledger or the histograms (no delivery counted yet) is not summed away for nothing.
+    """
+
+    def __init__(self, keep: Iterable[str], full: bool = True) -> None:
         self.keep = frozenset(keep)
+        self.full = full
 
     def __call__(self, tenant: str) -> str:
         """The tenant label to publish for `tenant`."""
-        return tenant if tenant in self.keep else OTHER_TENANT
+        return tenant if tenant in self.keep or not self.full else OTHER_TENANT
 
 
 def tenant_cap(conn: Connection, max_tenants: int) -> TenantCap:
     """The `max_tenants` tenants with the most deliveries ever (ties by name) keep their label; others are "other"."""
     c = OUTCOMES.c
     total = func.sum(c.count)
-    rows = conn.execute(
-        select(c.tenant).group_by(c.tenant).order_by(total.desc(), c.tenant).limit(max_tenants)
-    ).scalars()
-    return TenantCap(rows)
+    # One more than the cap: whether any tenant is left over decides if the cap is full.
+    ranked = list(
+        conn.execute(
+            select(c.tenant).group_by(c.tenant).order_by(total.desc(), c.tenant).limit(max_tenants + 1)
+        ).scalars()
+    )
+    return TenantCap(ranked[:max_tenants], full=len(ranked) > max_tenants)
 
 
 def histogram_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
