@@ -2,20 +2,24 @@
 
 Checked through Flower's own JSON (`/api/tasks`, what its pages render): an executed job, a replayed duplicate,
 an in-progress wait (state IN_PROGRESS, no exception, no traceback) and a 3-step job while a step runs
-(state PROGRESS, "step 2/3 ..."). Flower shows only Celery's standard fields, so the decision rides in the
-`kwargs` field after the task's own kwargs (docs/flower.md).
+(state PROGRESS, "step 2/3 ..."). Flower shows only Celery's standard fields, so the decision rides at the start
+of the `kwargs` field, before the task's own kwargs, and the task list shows it in its kwargs column (Flower run
+with deploy/bin/oncelery-flower's FLOWER_TASKS_COLUMNS). The name stays the task's: Flower's /metrics label by
+task; `oncelery_flower_name_suffix = True` writes "[executed]" after the name again (docs/flower.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -32,6 +36,11 @@ from tests.conftest import ON_SQLITE
 from tests.services import wait_for
 
 TIMEOUT = 60.0
+# The task list's columns as deploy/bin/oncelery-flower sets them (kwargs shows the decision): read there, so the
+# test sees what a deployment sees.
+TASKS_COLUMNS = re.search(
+    r"FLOWER_TASKS_COLUMNS:-([a-z_,]+)}", (Path(__file__).parents[1] / "deploy/bin/oncelery-flower").read_text()
+)
 
 
 def chromium(url: str, tmp_path: Path, shot: str | None = None) -> str:
@@ -56,7 +65,7 @@ def chromium(url: str, tmp_path: Path, shot: str | None = None) -> str:
         "--no-first-run",
         f"--user-data-dir={profile}",
         "--virtual-time-budget=5000",
-        "--window-size=1500,900",
+        "--window-size=1700,900",
     ]
     if shot is not None:
         folder = Path(os.environ.get("ONCELERY_SCREENSHOTS") or tmp_path)
@@ -72,10 +81,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def flower_tasks(port: int) -> dict[str, Any]:
-    """Flower's /api/tasks (every task it knows, by id), or {} while it is not up yet."""
+def flower_tasks(port: int, search: str = "") -> dict[str, Any]:
+    """Flower's /api/tasks (every task it knows, or those its `search` finds, by id), or {} while it is not up."""
+    query = f"?search={urllib.parse.quote(search)}" if search else ""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks{query}", timeout=5) as resp:
             return dict(json.loads(resp.read()))
     except OSError:
         return {}
@@ -92,7 +102,14 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
             raise TimeoutError("the test never released the holder")
         return n * 10
 
-    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_flower_steps", total_steps=3)
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="oncelery.t_flower_steps",
+        total_steps=3,
+        idempotency_key="s:{text}",
+    )
     def steps(self: IdempotentTask, text: str) -> str:
         a = self.step("summarize", str.upper, text)
         b = self.step("keywords", lambda t: t if step_gate.wait(TIMEOUT) else "", a)
@@ -103,7 +120,8 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
         return "pong"
 
     port = free_port()
-    env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
+    assert TASKS_COLUMNS is not None, "deploy/bin/oncelery-flower no longer sets FLOWER_TASKS_COLUMNS"
+    env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true", "FLOWER_TASKS_COLUMNS": TASKS_COLUMNS.group(1)}
     cmd = [sys.executable, "-m", "celery", f"--broker={redis_url}", "flower", f"--port={port}", "--address=127.0.0.1"]
     log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115  (closed below, after the process)
     flower = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -153,13 +171,34 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
             # The waiter, once its re-sent copy ran, says what that copy did: replayed the holder's result.
             wait_for(lambda: "oncelery: replayed key=f:3" in (_kwargs(port, waiter.id) or ""), TIMEOUT, what="w")
             assert "token=1" in (_kwargs(port, executed.id) or "")
-            listing = chromium(f"http://127.0.0.1:{port}/tasks", tmp_path, "flower-tasks.png")
-            # The list shows name, state and times only: the outcome rides after the name.
-            for shown, times in (("oncelery.t_flower_job [executed]", 2), ("oncelery.t_flower_job [replayed]", 2)):
-                assert listing.count(shown) >= times, listing[-3000:]
-            assert "oncelery.t_flower_steps [executed]" in listing
+            listing = _task_list(port, tmp_path, [executed.id, replayed.id, waiter.id, running.id])
+            # In the task list, a replay and an execution differ in the kwargs column; the name is the task's.
+            for result, outcome in ((executed, "executed"), (replayed, "replayed"), (waiter, "replayed")):
+                row = _row(listing, result.id)
+                assert ">oncelery.t_flower_job<" in row and f"oncelery: {outcome} key=f:" in row, row
+            assert "oncelery: executed key=" in _row(listing, running.id), listing[-3000:]
+            assert "[executed]" not in listing and "[replayed]" not in listing, listing[-3000:]
+            replays = flower_tasks(port, 'kwargs:"oncelery: replayed"')  # Flower's search box finds them
+            assert {replayed.id, waiter.id} <= set(replays) and executed.id not in replays, replays
             page = chromium(f"http://127.0.0.1:{port}/task/{replayed.id}", tmp_path, "flower-replayed.png")
             assert "SUCCESS" in page and "oncelery: replayed key=f:1 token=1" in page, page[-3000:]
+            # Flower's own /metrics: one task label per task, whatever the outcomes and steps were.
+            # (Other tests' workers may publish events on the same Redis: only this test's tasks are judged.)
+            labels = {(task, kind) for task, kind in _metric_labels(port) if task.startswith("oncelery.t_flower_")}
+            assert {task for task, _ in labels} <= {job.name, steps.name, ping.name}, labels
+            for seen_pair in ((job.name, "task-executed"), (job.name, "task-replayed"), (steps.name, "task-progress")):
+                assert seen_pair in labels, labels
+            # Opted in, the name carries the outcome again, and so does every monitor's task label (asked of
+            # /metrics, which labels by the event's own name: the task's name may be overwritten later by a
+            # task-sent event that reaches Flower after the worker's, when the producer is descheduled).
+            app.conf.oncelery_flower_name_suffix = True
+            suffixed = job.delay(5)
+            assert suffixed.get(timeout=TIMEOUT) == 50
+            wait_for(
+                lambda: (f"{job.name} [executed]", "task-executed") in _metric_labels(port),
+                TIMEOUT,
+                what="the suffixed task label in Flower's /metrics",
+            )
     finally:
         gate.set()
         step_gate.set()
@@ -196,6 +235,40 @@ def _up(port: int) -> bool:
 def _state(port: int, task_id: str) -> str | None:
     task = flower_tasks(port).get(task_id)
     return None if task is None else task.get("state")
+
+
+def _task_list(port: int, tmp_path: Path, task_ids: list[str]) -> str:
+    """Flower's task list as Chromium rendered it (screenshot flower-tasks.png), once it has a row per task id.
+
+    Its rows come from an AJAX call: on a loaded machine the page may be dumped before they arrive, so it is
+    loaded again (bounded) rather than judged empty.
+    """
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        listing = chromium(f"http://127.0.0.1:{port}/tasks", tmp_path, "flower-tasks.png")
+        if all(_row(listing, task_id) for task_id in task_ids) or time.monotonic() > deadline:
+            return listing
+
+
+def _row(listing: str, task_id: str) -> str:
+    """The task list's table row (HTML) of `task_id`, or "" when the list does not show it."""
+    return next((row for row in re.findall(r"<tr\b.*?</tr>", listing, re.S) if task_id in row), "")
+
+
+def _metric_labels(port: int) -> set[tuple[str, str]]:
+    """The (task, event type) label pairs of Flower's flower_events_total on its /metrics (none if it is slow)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return set()
+    pairs = set()
+    for line in text.splitlines():
+        if line.startswith("flower_events_total{"):
+            task, kind = re.search(r'task="([^"]*)"', line), re.search(r'type="([^"]*)"', line)
+            if task and kind:
+                pairs.add((task.group(1), kind.group(1)))
+    return pairs
 
 
 def _kwargs(port: int, task_id: str) -> str | None:

@@ -10,6 +10,7 @@ from celery.utils.saferepr import saferepr
 from oncelery.errors import IdempotencyConflict
 from oncelery.models import Outcome
 from oncelery.runs.keys import Identity
+from oncelery.settings import CONF_FLOWER_NAME_SUFFIX
 from oncelery.task.caller import tell_caller
 from oncelery.task.options import TaskOptions
 
@@ -32,8 +33,8 @@ class Announcing(TaskOptions):
         """Publish this delivery's outcome: a task event for Flower, and `outcome_of(result)` for the caller.
 
         The event `task-<outcome>` (e.g. task-replayed) carries outcome, key, tenant and token as fields.
-        Flower shows only Celery's standard fields, so its `kwargs` field also gets a line saying what Oncelery
-        decided (after the task's own kwargs): every Flower page that lists kwargs shows the outcome.
+        Flower shows only Celery's standard fields, so its `kwargs` field also starts with a line saying what
+        Oncelery decided (before the task's own kwargs): Flower's kwargs column and task page show the outcome.
         """
         req = self.request
         if getattr(req, "is_eager", False) or getattr(req, "called_directly", True):
@@ -54,17 +55,24 @@ class Announcing(TaskOptions):
             tell_caller(self.backend, req.id, outcome, ident.key, ident.tenant, token)
 
     def _announce(self, event: str, decided: str, fields: dict[str, Any], label: str) -> None:
-        """Send task event `event` with `fields`, `decided` after the task's own kwargs, `label` after its name.
+        """Send task event `event` with `fields` and `decided` at the start of its kwargs; the name stays the task's.
 
-        Flower displays only Celery's standard fields, and its task list only name, state and times: so the
-        name reads "shop.charge [replayed]" in the list, and the task page's kwargs row says the whole decision.
+        Why kwargs (docs/flower.md): of the fields Flower shows, it is the one a finished task keeps (its
+        task-succeeded event overwrites state and result) that Flower's task list, task page and search all show,
+        and it is Celery's display-only text of the kwargs (the body ran with the real ones). The name stays the
+        task's own, so Flower's /metrics and celery-exporter label by task, not by task x outcome x step;
+        `oncelery_flower_name_suffix = True` also writes `[label]` after the name.
         """
         req = self.request
         # Only where task events are on (worker_send_task_events, as for Flower): else no extra publish per job.
         if not req.id or not self.send_events or not self.app.conf.worker_send_task_events:
             return
         own = req.kwargsrepr if getattr(req, "kwargsrepr", None) else saferepr(req.kwargs or {})
+        # The decision first: the kwargs column is one line, and a long prompt would push an ending out of view.
+        fields = {**fields, "kwargs": f"oncelery: {decided} | {own}"}
+        if self.settings().get(CONF_FLOWER_NAME_SUFFIX):
+            fields["name"] = f"{self.name} [{label}]"
         try:
-            self.send_event(event, **fields, kwargs=f"{own} | oncelery: {decided}", name=f"{self.name} [{label}]")
+            self.send_event(event, **fields)
         except Exception as exc:  # monitoring must never fail the job
             logger.debug("could not send the %s event of %s: %s", event, req.id, exc)
