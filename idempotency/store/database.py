@@ -284,8 +284,8 @@ class Database:
     def write(self, body: Callable[[Connection], None]) -> None:
         """Run `body` in one transaction, once more on a fresh connection if a killed pooled one failed it.
 
-        For writes whose repeat is harmless, as in `one` (e.g. a ledger row, which a repeat could only write
-        twice if the first commit's answer were lost): never for effects.
+        For writes whose repeat is harmless, as in `one` (e.g. a ledger row: its call_id makes a repeat after a
+        lost answer to COMMIT a no-op): never for effects.
         """
 
         def transaction() -> None:
@@ -304,9 +304,9 @@ class Database:
                     raise
                 # A pooled connection that a restart or failover killed: SQLAlchemy has invalidated the pool,
                 # so one more try gets a fresh connection instead of costing the job a re-send. Repeating is
-                # safe for claims, renewals and completions (ON CONFLICT and the token fence guard them); an
-                # outcome counter or ledger row whose commit succeeded but whose answer was lost would be
-                # written twice (rare).
+                # safe for claims, renewals, completions (ON CONFLICT and the token fence guard them) and ledger
+                # rows (ON CONFLICT on their call_id); an outcome counter whose commit succeeded but whose answer
+                # was lost would be written twice (rare).
                 return attempt()
         except DBAPIError as exc:
             raise_translated(exc, self.url)
