@@ -26,10 +26,14 @@ __all__ = [
 
 @dataclass
 class OnceleryDb:
-    """A migrated claims database for one test: its URL, and reads of runs, outcomes, steps and the ledger."""
+    """A migrated claims database for one test: its URL, and reads of runs, outcomes, steps and the ledger.
+
+    `cluster`: the throwaway PostgreSQL cluster it lives on (`oncelery_cluster_db`), which `database_down` stops.
+    """
 
     url: str
     runs: Runs = field(init=False)
+    cluster: Any = None
 
     def __post_init__(self) -> None:
         self.runs = Runs(self.url)

@@ -1,32 +1,27 @@
-"""The test kit's faults: duplicate deliveries, a killed or frozen holder, an expired lease, a flushed broker,
-a step that fails once; and the real worker subprocess they act on. Each waits for what it needs to see first.
+"""The test kit's delivery faults: duplicate deliveries, a killed or frozen holder, an expired lease, a step
+that fails once (the broker's in `broker`, the database's in `database_faults`). Each waits for what it needs
+to see first.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-import pytest
-import redis
 from sqlalchemy import update
 
-from oncelery.errors import ConfigurationError
 from oncelery.models import RunStatus
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.views import RunView
-from oncelery.settings import ENV_DATABASE_URL
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS
+from oncelery.testing.broker import flush_broker, restore_delivery
 from oncelery.testing.db import OnceleryDb, _name
+from oncelery.testing.waiting import DEFAULT_TIMEOUT, poll, wait_until
+from oncelery.testing.worker import WorkerProcess
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -42,30 +37,6 @@ __all__ = [
     "wait_until",
 ]
 
-DEFAULT_TIMEOUT = 60.0  # seconds any helper waits for an observable condition before failing the test
-
-
-def poll(condition: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """Poll `condition` until it returns a truthy value (returned) or `timeout` seconds pass (None)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval)
-
-
-def wait_until(
-    condition: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, interval: float = 0.05, what: str = ""
-) -> Any:
-    """Poll `condition` until it returns a truthy value (returned), or fail the test after `timeout` seconds."""
-    value = poll(condition, timeout, interval)
-    if not value:
-        pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
-    return value
-
 
 def expire_lease(db: OnceleryDb | str, task: Any, key: str, tenant: str = "") -> None:
     """Move the run's lease into the past by the database clock: as if its holder froze (no sleeping)."""
@@ -78,59 +49,6 @@ def expire_lease(db: OnceleryDb | str, task: Any, key: str, tenant: str = "") ->
     )
     with store.begin() as conn:
         conn.execute(stmt, {"p_lease": store.dialect.lease_param(-3600.0)})
-
-
-# -- worker subprocesses -------------------------------------------------------------------------------------
-
-
-class WorkerProcess:
-    """A real `celery worker` subprocess (its own process group), stopped by its PID when the test ends."""
-
-    def __init__(self, app_path: str, db: OnceleryDb, hostname: str, concurrency: int, env: dict[str, str]) -> None:
-        self.hostname = hostname
-        self.log = Path(env.get("ONCELERY_TEST_LOG_DIR", "/tmp")) / f"{hostname}.log"
-        cmd = [sys.executable, "-m", "celery", "-A", app_path, "worker", "--loglevel=INFO", "-n", hostname]
-        cmd += ["--pool", "prefork", "--concurrency", str(concurrency), "--without-gossip", "--without-mingle"]
-        env = {**os.environ, **env, ENV_DATABASE_URL: db.url}
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wait_until(lambda: self.ready() or self.proc.poll() is not None, 120, what=f"worker {hostname} to be ready")
-        if self.proc.poll() is not None:
-            pytest.fail(f"worker {hostname} exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-
-    @property
-    def pid(self) -> int:
-        """The worker's main process id (its pool children share its process group)."""
-        return self.proc.pid
-
-    def output(self) -> str:
-        """What the worker has logged so far."""
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def ready(self) -> bool:
-        """Whether the worker has started consuming."""
-        return " ready." in self.output()
-
-    def signal(self, sig: int) -> None:
-        """Send `sig` to the worker and its pool children (its process group)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the worker and its children at once (as the OOM killer would) and reap it."""
-        self.signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        """Stop the worker: SIGCONT (if frozen), SIGTERM, then SIGKILL after 30 s."""
-        if self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 # -- fault helpers -------------------------------------------------------------------------------------------
@@ -170,11 +88,31 @@ def _held(db: OnceleryDb, task: Any, key: str, tenant: str, after_steps: int) ->
 
 
 def kill_holder(
-    worker: WorkerProcess, db: OnceleryDb, task: Any, key: str, tenant: str = "", after_steps: int = 0
+    worker: WorkerProcess,
+    db: OnceleryDb,
+    task: Any,
+    key: str,
+    tenant: str = "",
+    after_steps: int = 0,
+    wait_timeouts: bool = False,
 ) -> RunView:
-    """SIGKILL the worker once the key's run is RUNNING with `after_steps` steps checkpointed; return the run."""
+    """SIGKILL the worker once the key's run is RUNNING with `after_steps` steps checkpointed; return the run.
+
+    Then, since the holder is dead for certain, what its timeouts would do later happens now: its lease is
+    expired by the database clock, and (on Redis, `task` given as a task) its unacked message is put back on
+    its queue by kombu's own restore, so the next worker resumes the run within seconds. With
+    `wait_timeouts=True` the test waits them out instead: the worker's visibility timeout, then the lease.
+    """
     run = _held(db, task, key, tenant, after_steps)
     worker.kill()
+    if wait_timeouts:
+        return run
+    expire_lease(db, task, key, tenant)  # first: the restored message must find the lease already gone
+    app = getattr(task, "app", None)
+    if app is not None and run.celery_task_id:
+        options = worker.transport_options(app)
+        if options:  # Redis: the kit's worker kept the message in bookkeeping keys of its own
+            restore_delivery(app, run.celery_task_id, options)
     return run
 
 
@@ -195,18 +133,6 @@ def frozen_past_lease(
         yield
     finally:
         worker.signal(signal.SIGCONT)
-
-
-def flush_broker(app: Any) -> None:
-    """Empty the app's Redis broker database (FLUSHDB), as a failover or a lost Redis would."""
-    url = str(app.conf.broker_url or "")
-    if not url.startswith(("redis://", "rediss://")):
-        raise ConfigurationError(f"flush_broker needs a Redis broker, not {url.split(':')[0]}://")
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
 
 
 class StepFailedOnce(RuntimeError):
