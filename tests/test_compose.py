@@ -1,9 +1,12 @@
-"""The deployment: docker-compose.yml validates (and refuses to without its secrets), and every service's
-command, a deploy/bin script, runs outside containers against real PostgreSQL and Redis.
+"""The deployment: docker-compose.yml validates (and refuses to without its secrets), every long-running service
+has a health check it can run and memory/CPU limits, and every service's command, a deploy/bin script, runs
+outside containers against real PostgreSQL and Redis: the health checks against the running processes, the
+placeholder refusal with the example's values, secrets read from files.
 
-No Docker engine is needed: `docker-compose config` only parses and interpolates. The scripts run against
-a database of this module's own (created and dropped here) and a throwaway password-protected
-`redis-server` this module starts and stops by PID, so nothing shared is touched.
+No Docker engine is needed: `docker-compose config` only parses and interpolates (rendered once per module and
+read with the YAML parser of docker-compose's own Python). The scripts run against a database of this module's
+own (created and dropped here) and throwaway password-protected `redis-server`s this module starts and stops by
+PID, so nothing shared is touched.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ SERVICES = ("postgres", "redis", "migrate", "worker", "relay", "flower", "metric
 REDIS_PASSWORD = "test-" + uuid.uuid4().hex
 FLOWER_AUTH = ("ops", "pw-" + uuid.uuid4().hex[:8])
 STOP_TIMEOUT = 30.0
+LONG_RUNNING = ("postgres", "redis", "worker", "relay", "flower", "metrics")
+SCRIPT_SERVICES = ("migrate", "worker", "relay", "flower", "metrics")
+HEALTHCHECK = BIN / "oncelery-healthcheck"
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -51,11 +57,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[str]:
-    """Run `docker-compose --env-file ENV_FILE ARGS` with none of the secrets inherited from this shell."""
+def compose_exe() -> str:
+    """The docker-compose binary, or skip (CI installs it)."""
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("the docker-compose binary is missing (.ci/run installs it: apt-get install docker-compose)")
+    return exe
+
+
+def compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[str]:
+    """Run `docker-compose --env-file ENV_FILE ARGS` with none of the secrets inherited from this shell."""
+    exe = compose_exe()
     # The shell's environment overrides an env file in compose: drop the secrets so only ENV_FILE counts.
     env = {k: v for k, v in os.environ.items() if k not in REQUIRED_SECRETS}
     return subprocess.run(
@@ -91,6 +103,36 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
         pytest.fail(f"{proc.args!r} did not stop within {STOP_TIMEOUT}s of SIGTERM")
 
 
+def base_env(**extra: str) -> dict[str, str]:
+    """This environment with the virtualenv's console scripts (oncelery, celery, python) first, as in the image."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def healthcheck(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run deploy/bin/oncelery-healthcheck ARGS as a container's health check does."""
+    return subprocess.run([str(HEALTHCHECK), *args], env=env or base_env(), capture_output=True, text=True, timeout=30)
+
+
+def healthy(*args: str, env: dict[str, str] | None = None) -> bool:
+    """Whether the health check `oncelery-healthcheck ARGS` passes right now."""
+    return healthcheck(*args, env=env).returncode == 0
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argument vector of process `pid` (what `ps` shows every user of the host)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def memory_bytes(value: str | int | float) -> int:
+    """A compose or Redis memory figure (1536m, 1g, 768mb, or bytes) in bytes."""
+    number = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)b?", str(value).strip().lower())
+    assert number is not None, f"not a memory figure: {value!r}"
+    return int(float(number.group(1)) * 1024 ** "_kmg".index(number.group(2) or "_"))
+
+
 def log_has(log: Path, needle: str) -> bool:
     """Return whether `log` contains `needle` (the process announced a state)."""
     return needle in log.read_text(errors="replace") if log.exists() else False
@@ -106,13 +148,34 @@ def exited(proc: subprocess.Popen[bytes], log: Path) -> bool:
 # -- docker-compose config -------------------------------------------------------------------------------
 
 
-def test_compose_config_is_valid_with_the_example_env() -> None:
-    """`docker-compose config` accepts the file with .env.example; the stack has every service it should."""
+@pytest.fixture(scope="module")
+def rendered() -> str:
+    """`docker-compose config` of docker-compose.yml with .env.example: the file as compose will run it."""
     done = compose("-f", str(COMPOSE_FILE), "config", env_file=EXAMPLE_ENV)
     assert done.returncode == 0, done.stderr
-    services = compose("-f", str(COMPOSE_FILE), "config", "--services", env_file=EXAMPLE_ENV)
-    assert set(services.stdout.split()) == set(SERVICES)
-    rendered = done.stdout
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def services(rendered: str) -> dict[str, dict[str, Any]]:
+    """The rendered services, parsed by the YAML library of docker-compose's own Python (v1 depends on it)."""
+    with open(compose_exe()) as script:
+        python = script.readline().removeprefix("#!").strip() or "python3"
+    parse = "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"
+    done = subprocess.run([python, "-c", parse], input=rendered, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    parsed: dict[str, dict[str, Any]] = json.loads(done.stdout)["services"]
+    return parsed
+
+
+def unescaped(command: str) -> str:
+    """A compose string as the container gets it: `$$` is compose's escape for a literal `$`."""
+    return command.replace("$$", "$")
+
+
+def test_compose_config_is_valid_with_the_example_env(rendered: str, services: dict[str, Any]) -> None:
+    """`docker-compose config` accepts the file with .env.example; the stack has every service it should."""
+    assert set(services) == set(SERVICES)
     # Production: AOF + password on Redis, password auth on PostgreSQL, never trust; Flower behind auth.
     assert "appendonly" in rendered and "requirepass" in rendered
     assert "trust" not in rendered
@@ -122,13 +185,11 @@ def test_compose_config_is_valid_with_the_example_env() -> None:
     assert "container_name" not in rendered
 
 
-def test_metrics_listens_on_every_interface_only_inside_its_container() -> None:
+def test_metrics_listens_on_every_interface_only_inside_its_container(rendered: str) -> None:
     """`oncelery metrics` binds 127.0.0.1 by default (the metrics name tenants); the compose file passes 0.0.0.0,
     which the published port needs inside the container, and publishes it on the host's loopback."""
-    done = compose("-f", str(COMPOSE_FILE), "config", env_file=EXAMPLE_ENV)
-    assert done.returncode == 0, done.stderr
-    service = re.search(r"^  metrics:\n(.*?)(?=^  \S)", done.stdout, flags=re.MULTILINE | re.DOTALL)
-    assert service is not None, done.stdout
+    service = re.search(r"^  metrics:\n(.*?)(?=^  \S)", rendered, flags=re.MULTILINE | re.DOTALL)
+    assert service is not None, rendered
     assert "ONCELERY_METRICS_ADDR: 0.0.0.0" in service.group(1)
     assert "- 127.0.0.1:19808:9808/tcp" in service.group(1)
 
@@ -161,11 +222,9 @@ def test_dev_compose_file_is_valid_and_needs_no_secrets(tmp_path: Path) -> None:
     assert "127.0.0.1:15432:5432/tcp" in done.stdout and "127.0.0.1:16379:6379/tcp" in done.stdout
 
 
-def test_every_service_command_is_a_shipped_script() -> None:
+def test_every_service_command_is_a_shipped_script(rendered: str) -> None:
     """Each oncelery service runs a deploy/bin script the image installs; the image is multi-stage, non-root."""
-    done = compose("-f", str(COMPOSE_FILE), "config", env_file=EXAMPLE_ENV)
-    assert done.returncode == 0, done.stderr
-    commands = re.findall(r"^    command:\n    - (oncelery-[a-z]+)$", done.stdout, flags=re.MULTILINE)
+    commands = re.findall(r"^    command:\n    - (oncelery-[a-z]+)$", rendered, flags=re.MULTILINE)
     assert sorted(commands) == [
         "oncelery-flower",
         "oncelery-metrics",
@@ -180,7 +239,193 @@ def test_every_service_command_is_a_shipped_script() -> None:
     assert "AS builder" in dockerfile and "pip wheel" in dockerfile and "from=builder" in dockerfile
     assert "COPY --chmod=0755 deploy/bin/ /usr/local/bin/" in dockerfile
     assert re.search(r"^USER oncelery$", dockerfile, flags=re.MULTILINE)
-    assert ":/app" not in done.stdout and "pip install" not in done.stdout  # no bind mount, no install at start
+    assert ":/app" not in rendered and "pip install" not in rendered  # no bind mount, no install at start
+
+
+def test_every_long_running_service_has_a_health_check_it_can_run(services: dict[str, Any]) -> None:
+    """Each service but the one-shot migrate has a health check. Ours run deploy/bin/oncelery-healthcheck (never
+    `celery inspect ping`): the worker and relay read the heartbeat file the image names, Flower and the exporter
+    are asked on the port they listen on inside the container."""
+    assert "healthcheck" not in services["migrate"]
+    for name in LONG_RUNNING:
+        check = services[name].get("healthcheck") or {}
+        assert check.get("test") and check.get("interval") and check.get("timeout") and check.get("retries"), name
+    tests = {name: services[name]["healthcheck"]["test"] for name in ("worker", "relay", "flower", "metrics")}
+    assert tests["worker"] == tests["relay"] == ["CMD", "oncelery-healthcheck", "heartbeat", "60"]
+    assert "inspect" not in json.dumps(tests)
+    assert tests["flower"] == ["CMD", "oncelery-healthcheck", "http", "http://127.0.0.1:5555/healthcheck"]
+    assert [str(p).rsplit(":", 1)[-1] for p in services["flower"]["ports"]] == ["5555/tcp"]
+    assert tests["metrics"] == ["CMD", "oncelery-healthcheck", "http", "http://127.0.0.1:9808/healthz"]
+    assert services["metrics"]["environment"]["ONCELERY_METRICS_PORT"] == "9808"
+    assert HEALTHCHECK.is_file() and os.access(HEALTHCHECK, os.X_OK)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "COPY --chmod=0755 deploy/bin/ /usr/local/bin/" in dockerfile  # the check is in the image
+    assert re.search(r"ONCELERY_HEARTBEAT_FILE=/tmp/\S+", dockerfile)  # container-local: one per replica
+
+
+def test_every_service_has_limits_and_a_worker_fits_in_its_own(services: dict[str, Any]) -> None:
+    """Memory and CPU limits on every service; the worker's children recycle (--max-memory-per-child) well under
+    its limit, and Redis refuses writes (maxmemory) before its container would be OOM-killed."""
+    for name in SERVICES:
+        limits = services[name].get("deploy", {}).get("resources", {}).get("limits", {})
+        assert memory_bytes(limits.get("memory", "0")) > 0 and float(limits.get("cpus", 0)) > 0, name
+    worker = services["worker"]
+    env = worker["environment"]
+    children = int(env["ONCELERY_WORKER_CONCURRENCY"]) * int(env["ONCELERY_WORKER_MAX_MEMORY_PER_CHILD"]) * 1024
+    assert children + 150 * 2**20 <= memory_bytes(worker["deploy"]["resources"]["limits"]["memory"])
+    assert "--max-memory-per-child" in (BIN / "oncelery-worker").read_text()  # the running worker: below
+    redis_service = services["redis"]
+    maxmemory = memory_bytes(redis_service["environment"]["REDIS_MAXMEMORY"])
+    assert maxmemory < memory_bytes(redis_service["deploy"]["resources"]["limits"]["memory"])
+    assert "--maxmemory" in redis_service["command"][-1]
+
+
+def test_heartbeat_check_judges_the_file_age(tmp_path: Path) -> None:
+    """`oncelery-healthcheck heartbeat`: no file or an old one is unhealthy (exit 1, saying why), a fresh one
+    healthy; `http` fails on a port nothing answers; anything else is a usage error (exit 2)."""
+    beat = tmp_path / "heartbeat"
+    env = base_env(ONCELERY_HEARTBEAT_FILE=str(beat))
+    none = healthcheck("heartbeat", "60", env=env)
+    assert none.returncode == 1 and "no heartbeat file" in none.stdout
+    beat.touch()
+    old = beat.stat().st_mtime - 120
+    os.utime(beat, (old, old))
+    stale = healthcheck("heartbeat", "60", env=env)
+    assert stale.returncode == 1 and re.search(r"last heartbeat 1[2-9]\ds ago \(> 60s\)", stale.stdout), stale.stdout
+    assert healthy("heartbeat", env=dict(env, ONCELERY_HEARTBEAT_MAX_AGE="300"))  # the default from the env
+    os.utime(beat)
+    assert healthy("heartbeat", "60", env=env)
+    closed = healthcheck("http", f"http://127.0.0.1:{free_port()}/healthz")
+    assert closed.returncode == 1 and closed.stdout.startswith("unhealthy:")
+    assert healthcheck("ping").returncode == 2
+
+
+def test_exporter_health_needs_no_login_and_no_database() -> None:
+    """The exporter's /healthz answers 200 without credentials and without collecting, while /metrics asks a
+    login: a health check every few seconds neither reads the claims database nor needs the password."""
+    from prometheus_client.registry import CollectorRegistry
+
+    from oncelery.ops.exporter import HEALTH_PATH, Exporter
+
+    class Unreachable:
+        def collect(self) -> Any:
+            raise AssertionError("a health check read the database")
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Unreachable())  # type: ignore[arg-type]
+    app = Exporter(9808, user="prometheus", password="pw").app(registry)
+
+    def get(path: str) -> tuple[str, bytes]:
+        answer: list[str] = []
+        body = b"".join(app({"PATH_INFO": path, "REQUEST_METHOD": "GET"}, lambda status, _h: answer.append(status)))
+        return answer[0], body
+
+    assert get(HEALTH_PATH) == ("200 OK", b"ok\n")
+    assert get("/metrics")[0] == "401 Unauthorized"
+
+
+def test_every_service_refuses_the_example_placeholders(services: dict[str, Any], tmp_path: Path) -> None:
+    """Given the environment compose renders from .env.example unedited, each oncelery service exits 2 at once
+    with one line naming the variable that holds `change-me`; VAR and VAR_FILE both set is refused the same way."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+
+    def launch(case: str, script: str, env: dict[str, str]) -> None:
+        procs[case] = subprocess.Popen(
+            [str(BIN / script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    for name in SCRIPT_SERVICES:  # all at once: each spends its time importing Python
+        service = services[name]
+        launch(name, service["command"][0], base_env(**{k: str(v) for k, v in service["environment"].items()}))
+    url_file = tmp_path / "database_url"
+    url_file.write_text("sqlite:///never.db\n")
+    launch(
+        "both",
+        "oncelery-relay",
+        base_env(ONCELERY_DATABASE_URL="sqlite:///x.db", ONCELERY_DATABASE_URL_FILE=str(url_file)),
+    )
+    said = {}
+    for case, proc in procs.items():
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and not out, (case, proc.returncode, out, err)
+        said[case] = err.strip()
+    for name in SCRIPT_SERVICES:
+        assert said[name].startswith(f"oncelery-{name}: ONCELERY_DATABASE_URL holds the placeholder 'change-me'")
+        assert len(said[name].splitlines()) == 1 and "openssl rand" in said[name]
+    assert said["both"].startswith("oncelery-relay: both ONCELERY_DATABASE_URL and ONCELERY_DATABASE_URL_FILE")
+
+
+def test_migrate_never_creates_the_demo_tables_for_a_user_app(tmp_path: Path) -> None:
+    """oncelery-migrate with a user's app creates Oncelery's tables and not the demo's (article_scores), says so,
+    and takes its database URL from a file."""
+    url_file = tmp_path / "database_url"
+    url_file.write_text(f"sqlite:///{tmp_path / 'app.db'}\n")
+    env = base_env(ONCELERY_DATABASE_URL_FILE=str(url_file), ONCELERY_CELERY_APP="myproj.celery:app")
+    env.pop("ONCELERY_DATABASE_URL", None)
+    done = subprocess.run(
+        [str(BIN / "oncelery-migrate")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "myproj.celery:app is not the bundled demo app" in done.stdout
+    engine = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+    try:
+        tables = set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    assert {"task_runs", "outbox"} <= tables and "article_scores" not in tables
+
+
+def test_redis_takes_its_password_from_a_file_never_its_command_line(services: dict[str, Any], tmp_path: Path) -> None:
+    """The redis service's own command (the image reads no *_FILE) starts redis-server with the password from
+    REDIS_PASSWORD_FILE handed over on stdin, not in its argv; its health check passes with the same file and
+    fails with another password; REDIS_PASSWORD and REDIS_PASSWORD_FILE both set is refused."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    need("redis-server", server is not None and cli is not None, "install the redis-server package")
+    port = free_port()
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    # The container's redis-server and redis-cli, on this host: on a port of this test's own, never the shared one.
+    (shims / "redis-server").write_text(
+        f'#!/bin/sh\nexec {server} "$@" --port {port} --bind 127.0.0.1 --dir {tmp_path}\n'
+    )
+    (shims / "redis-cli").write_text(f'#!/bin/sh\nexec {cli} -p {port} "$@"\n')
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    password = "pw-" + uuid.uuid4().hex
+    (tmp_path / "redis_password").write_text(password + "\n")
+    service = services["redis"]
+    command = [*service["command"][:-1], unescaped(service["command"][-1])]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS")}
+    env.update(PATH=f"{shims}{os.pathsep}{env['PATH']}", REDIS_PASSWORD_FILE=str(tmp_path / "redis_password"))
+    env["REDIS_MAXMEMORY"] = service["environment"]["REDIS_MAXMEMORY"]
+    check = ["sh", "-c", unescaped(service["healthcheck"]["test"][1])]
+    log = tmp_path / "redis.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=2)
+    try:
+
+        def pong() -> bool:
+            exited(proc, log)
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        wait_for(pong, timeout=20, what="redis-server started by the compose command")
+        argv = " ".join(cmdline(proc.pid))  # exec all the way: the PID compose stops is redis-server's
+        assert "redis-server" in argv.split()[0] and password not in argv, argv
+        assert client.config_get("maxmemory")["maxmemory"] == str(memory_bytes(env["REDIS_MAXMEMORY"]))
+        assert subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 0
+        (tmp_path / "wrong").write_text("not-the-password\n")
+        wrong = subprocess.run(check, env=dict(env, REDIS_PASSWORD_FILE=str(tmp_path / "wrong")), timeout=30)
+        assert wrong.returncode != 0
+    finally:
+        client.close()
+        code = stop(proc)
+    assert code == 0, log.read_text(errors="replace")
+    both = subprocess.run(command, env=dict(env, REDIS_PASSWORD="x"), capture_output=True, text=True, timeout=30)
+    assert both.returncode == 2 and "both REDIS_PASSWORD and REDIS_PASSWORD_FILE are set" in both.stderr
 
 
 # -- the services' commands, outside containers ----------------------------------------------------------
@@ -280,14 +525,23 @@ def test_migrate_creates_both_schemas(migrated: dict[str, str]) -> None:
 
 
 def test_worker_runs_a_job_and_stops_on_sigterm(migrated: dict[str, str], tmp_path: Path) -> None:
-    """oncelery-worker starts, runs a demo job sent with `celery call`, and stops on SIGTERM."""
+    """oncelery-worker starts with --max-memory-per-child, turns healthy (its heartbeat file, touched on each
+    Celery heartbeat), runs a demo job sent with `celery call`, and stops on SIGTERM."""
     from celery import Celery
 
     log = tmp_path / "worker.log"
-    worker = start("oncelery-worker", migrated, log, "-n", f"compose-{uuid.uuid4().hex[:8]}@%h")
+    env = dict(migrated, ONCELERY_HEARTBEAT_FILE=str(tmp_path / "heartbeat"))
+    assert not healthy("heartbeat", "60", env=env)  # no worker yet: no file
+    worker = start("oncelery-worker", env, log, "-n", f"compose-{uuid.uuid4().hex[:8]}@%h")
     client = Celery(broker=migrated["ONCELERY_BROKER_URL"], backend=migrated["ONCELERY_RESULT_BACKEND"])
     try:
         wait_for(lambda: exited(worker, log) or log_has(log, "ready."), timeout=60, what="the worker to be ready")
+        # exec all the way down: the PID compose signals is the worker's, and it recycles its children.
+        argv = cmdline(worker.pid)
+        assert "worker" in argv and argv[argv.index("--max-memory-per-child") + 1] == "524288", argv
+        wait_for(
+            lambda: exited(worker, log) or healthy("heartbeat", "60", env=env), timeout=10, what="a worker heartbeat"
+        )
         doc = f"compose-{uuid.uuid4().hex[:8]}"
         kwargs = json.dumps({"doc_id": doc, "version": 1, "text": "One short sentence. Another one."})
         sent = subprocess.run(
@@ -313,7 +567,8 @@ def test_worker_runs_a_job_and_stops_on_sigterm(migrated: dict[str, str], tmp_pa
 
 
 def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) -> None:
-    """oncelery-flower answers 401 without credentials and 200 with them; it refuses to start without them."""
+    """oncelery-flower answers 401 without credentials and 200 with them, read from FLOWER_BASIC_AUTH_FILE and
+    never on its command line; its health check (/healthcheck) needs none; it refuses to start without them."""
     refused = subprocess.run(
         [str(BIN / "oncelery-flower")],
         env={k: v for k, v in migrated.items() if k != "FLOWER_BASIC_AUTH"},
@@ -323,7 +578,9 @@ def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) ->
     )
     assert refused.returncode != 0 and "FLOWER_BASIC_AUTH" in refused.stderr
     port = free_port()
-    env = dict(migrated, FLOWER_BASIC_AUTH=":".join(FLOWER_AUTH), FLOWER_ADDRESS="127.0.0.1", FLOWER_PORT=str(port))
+    auth_file = tmp_path / "flower_basic_auth"
+    auth_file.write_text(":".join(FLOWER_AUTH) + "\n")
+    env = dict(migrated, FLOWER_BASIC_AUTH_FILE=str(auth_file), FLOWER_ADDRESS="127.0.0.1", FLOWER_PORT=str(port))
     log = tmp_path / "flower.log"
     flower = start("oncelery-flower", env, log)
     try:
@@ -332,16 +589,25 @@ def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) ->
             assert http.get("/").status_code == 401
             assert http.get("/", auth=("ops", "wrong")).status_code == 401
             assert http.get("/", auth=FLOWER_AUTH).status_code == 200
+        assert healthy("http", f"http://127.0.0.1:{port}/healthcheck")  # the compose check, with no login
+        assert not any(FLOWER_AUTH[1] in arg for arg in cmdline(flower.pid))
     finally:
         stop(flower)
 
 
 def test_relay_starts_and_stops_on_sigterm(migrated: dict[str, str], tmp_path: Path) -> None:
-    """oncelery-relay runs until SIGTERM, then exits 0 with its totals."""
+    """oncelery-relay, its database and broker URLs read from files (*_FILE), turns healthy (its heartbeat file,
+    touched after each round), runs until SIGTERM, then exits 0 with its totals."""
+    env = {k: v for k, v in migrated.items() if k not in ("ONCELERY_DATABASE_URL", "ONCELERY_BROKER_URL")}
+    for name in ("ONCELERY_DATABASE_URL", "ONCELERY_BROKER_URL"):
+        (tmp_path / name).write_text(migrated[name] + "\n")
+        env[f"{name}_FILE"] = str(tmp_path / name)
+    env["ONCELERY_HEARTBEAT_FILE"] = str(tmp_path / "heartbeat")
     log = tmp_path / "relay.log"
-    relay = start("oncelery-relay", migrated, log)
+    relay = start("oncelery-relay", env, log)
     try:
         wait_for(lambda: exited(relay, log) or log_has(log, "relay: publishing"), timeout=60, what="the relay")
+        wait_for(lambda: exited(relay, log) or healthy("heartbeat", "60", env=env), timeout=10, what="a relay round")
     finally:
         code = stop(relay)
     assert code == 0, log.read_text(errors="replace")
@@ -349,7 +615,8 @@ def test_relay_starts_and_stops_on_sigterm(migrated: dict[str, str], tmp_path: P
 
 
 def test_metrics_answers(migrated: dict[str, str], tmp_path: Path) -> None:
-    """oncelery-metrics serves /metrics (skipped while `oncelery metrics` does not exist yet)."""
+    """oncelery-metrics serves /metrics, and /healthz to its health check (skipped while `oncelery metrics` does
+    not exist yet)."""
     has_metrics = subprocess.run(["oncelery", "metrics", "--help"], env=migrated, capture_output=True, timeout=60)
     if has_metrics.returncode != 0:
         pytest.skip("`oncelery metrics` is not part of this tree yet; deploy/bin/oncelery-metrics runs it")
@@ -360,6 +627,7 @@ def test_metrics_answers(migrated: dict[str, str], tmp_path: Path) -> None:
         wait_for(lambda: exited(metrics, log) or port_open("127.0.0.1", port), timeout=60, what="the metrics port")
         answer = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert answer.status_code == 200 and "oncelery" in answer.text
+        assert healthy("http", f"http://127.0.0.1:{port}/healthz")  # the compose check
         assert not port_open("127.0.0.2", port)  # no ONCELERY_METRICS_ADDR: loopback only, as compose overrides
     finally:
         stop(metrics)
