@@ -9,6 +9,8 @@ The test that starts a worker sets:
     ONCELERY_VISIBILITY_TIMEOUT        seconds before Redis re-delivers an unacked message (default 3600)
     ONCELERY_UNACKED_RESTORE_INTERVAL  seconds between the worker's re-delivery sweeps (default 1)
     ONCELERY_CRASH_LEASE               the idempotent task's lease in seconds (default 60)
+    ONCELERY_FAKE_PROVIDER_URL         the fake model provider `oncelery.crash_llm` calls (the test's own)
+    ONCELERY_CRASH_MARKS               a folder: a job stopped at its fault point leaves a mark there (once only)
 
 Delivery settings are oncelery.CELERY_DELIVERY_DEFAULTS (what celeryconfig.py deploys): late ack, reject on
 worker lost, prefetch 1, JSON only.
@@ -18,15 +20,21 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
 from sqlalchemy import insert
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, IdempotentTask
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.runs.faults import fault_injected
 from oncelery.store.database import get_engine
+from oncelery.task.llm_step import output_text
 from tests.services import effects_table, executions_table
 
 ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"
@@ -156,3 +164,41 @@ def _entity_task(name: str, **options: Any) -> Any:
 crash_entity = _entity_task("oncelery.crash_entity")
 # As crash_entity, and a version not newer than the doc's applied one is stale (never applied).
 crash_entity_versioned = _entity_task("oncelery.crash_entity_versioned", entity_version="version")
+
+
+@contextmanager
+def _signal_once_at(point: str, key: str, sig: signal.Signals) -> Iterator[None]:
+    """Within the block, send `sig` to this process at fault point `point`, the first time `key` reaches it."""
+    mark = Path(os.environ["ONCELERY_CRASH_MARKS"]) / f"{key}.{point}"
+
+    def hook(_name: str, _context: dict[str, Any]) -> None:
+        try:
+            mark.touch(exist_ok=False)  # once per key and point: the next holder passes
+        except FileExistsError:
+            return
+        logger.info("signal %s at %s for %s in pid %d", sig.name, point, key, os.getpid())
+        os.kill(os.getpid(), sig)
+
+    with fault_injected(point, hook):
+        yield
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    name="oncelery.crash_llm",
+    idempotency_key="llm:{key}",
+    fingerprint=("key", "text"),  # where it is stopped is not what it computes
+    lease=LEASE,
+)
+def crash_llm(self: IdempotentTask, key: str, text: str, at: str | None = None, sig: str = "SIGKILL") -> dict[str, Any]:
+    """One model call (background, on the test's fake provider) then one effect; `at`: a fault point where this
+    process gets `sig` the first time (SIGKILL: a crash; SIGSTOP: a zombie)."""
+    record_execution(key)
+    with OpenAIResponses(os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1", "sk-crash") as adapter:
+        stop = _signal_once_at(at, key, signal.Signals[sig]) if at else nullcontext()
+        with stop:
+            response = self.llm("summary", adapter=adapter, model="gpt-crash", input=text, max_output_tokens=40)
+    with self.effects() as session:
+        session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"key": key, "text": output_text(response), "pid": os.getpid()}
