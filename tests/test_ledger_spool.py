@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 from oncelery import IdempotentTask, StoreUnavailable, model_call
 from oncelery.runs.faults import fault_injected
 from oncelery.settings import CONF_LEDGER_SPOOL_DIR, ENV_DATABASE_URL, ENV_LEDGER_SPOOL_DIR, ENV_SQLITE_BUSY_TIMEOUT
-from oncelery.task.ledger_files import PREFIX, spooled_rows
+from oncelery.task.ledger_files import PREFIX, REJECTED_FILE, spooled_rows
 from oncelery.task.ledger_spool import spool_row
 from tests.conftest import ON_POSTGRESQL, migrated, running_worker
 from tests.services import close_app, effects_table, unique_queue, wait_for
@@ -196,13 +196,17 @@ def test_processes_spooling_at_once_lose_no_row_and_a_worker_start_writes_what_t
     db_url: str, tmp_path: Path, redis_url: str
 ) -> None:
     """Two forked processes spool into one folder at once (as prefork children do) and exit with their rows
-    unwritten: every line is whole, and the next worker start writes all of them, each once."""
+    unwritten: every line is whole, and the next worker start writes all of them, each once; a line torn by a
+    crash is set aside in rejected.jsonl."""
     url = db_url
     folder = tmp_path / "spool"
     children = [spool_in_a_child(url, folder, 15) for _ in range(2)]
     for pid in children:
         assert os.waitpid(pid, 0)[1] == 0
     assert len(spool_files(folder)) == 2 and len(spooled_rows(folder)) == 30
+    torn = b'{"v":1,"db":"postgresql+psycopg://postgres@127.0.0.1/x","row":{"call_id":"ab'
+    with open(spool_files(folder)[0], "ab") as file:  # a child killed in the middle of its last write
+        file.write(torn)
     app = Celery("ledger-spool-start", set_as_current=False)
     app.conf.update(
         broker_url=redis_url,
@@ -218,3 +222,4 @@ def test_processes_spooling_at_once_lose_no_row_and_a_worker_start_writes_what_t
     assert spool_files(folder) == []
     calls, totals = ledger(url)
     assert len({c[0] for c in calls}) == 30 and totals == [("t", "m", 30, 30, 0)]
+    assert (folder / REJECTED_FILE).read_bytes() == torn + b"\n"  # set aside, once, never silently dropped

@@ -20,7 +20,7 @@ from typing import Any
 
 from celery import signals
 
-from oncelery.errors import StoreUnavailable
+from oncelery.errors import StoreError
 from oncelery.settings import (
     CONF_LEDGER_SPOOL_DIR,
     DEFAULT_DATA_DIR,
@@ -72,7 +72,7 @@ def spooled_rows(folder: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for path in spool_files(folder):
         with contextlib.suppress(FileNotFoundError):
-            rows.extend(entry["row"] for entry in _parse(path.read_bytes(), path, reject=False) if entry is not None)
+            rows.extend(entry["row"] for _, entry in _lines(path.read_bytes()) if entry is not None)
     return rows
 
 
@@ -136,20 +136,24 @@ def _same_file(path: Path, fd: int) -> bool:
 
 def replay_file(path: Path, fd: int) -> bool:
     """Write every row of the file `fd` (locked by us); remove the file once all are in; False: not all are."""
-    data = os.pread(fd, os.fstat(fd).st_size, 0) if os.fstat(fd).st_size else b""
-    for entry in _parse(data, path):
+    size = os.fstat(fd).st_size
+    rejected: list[tuple[bytes, str]] = []  # set aside once, as the file is removed (a retry would repeat them)
+    for raw, entry in _lines(os.pread(fd, size, 0) if size else b""):
         if entry is None:
+            rejected.append((raw, "not a spool line of this version (torn by a crash?)"))
             continue
         url = _urls.get(entry["db"])
         if url is None:
             return False  # rows for a database this process cannot name: left for a process that can
         try:
-            new = write_call(_database(url), entry["row"])
-        except StoreUnavailable as exc:
+            db = _database(url)
+            db.require_file()  # a SQLite file that is gone is not created empty by a replay
+            new = write_call(db, entry["row"])
+        except StoreError as exc:  # unreachable, locked, gone, or not upgraded yet: the rows wait for it
             logger.info("ledger spool %s: the database still cannot take its rows (%s); later", path.name, exc)
             return False
         except Exception as exc:  # refused for good (e.g. a value the database rejects): kept aside, not lost
-            _reject(path.parent, json.dumps(entry, default=str).encode("utf-8"), f"{type(exc).__name__}: {exc}")
+            rejected.append((raw, f"{type(exc).__name__}: {exc}"))
             continue
         row = entry["row"]
         logger.info(
@@ -160,28 +164,25 @@ def replay_file(path: Path, fd: int) -> bool:
             row.get("call_id"),
             "written" if new else "was already written",
         )
+    for raw, why in rejected:
+        _reject(path.parent, raw, why)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     fsync_folder(path.parent)
     return True
 
 
-def _parse(data: bytes, path: Path, reject: bool = True) -> Iterator[dict[str, Any] | None]:
-    """The file's entries; a line that is not one (torn by a crash, or from a newer format) is set aside."""
+def _lines(data: bytes) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
+    """Each line and its entry (None: not a line of this format, e.g. torn by a crash mid-write)."""
     for raw in data.splitlines():
         if not raw.strip():
             continue
         try:
             entry = json.loads(raw)
-            ok = isinstance(entry, dict) and entry.get("v") == FORMAT and isinstance(entry.get("row"), dict)
         except ValueError:
-            ok = False
-        if not ok:
-            if reject:
-                _reject(path.parent, raw, "not a spool line of this version")
-            yield None
-            continue
-        yield entry
+            entry = None
+        ok = isinstance(entry, dict) and entry.get("v") == FORMAT and isinstance(entry.get("row"), dict)
+        yield raw, entry if ok else None
 
 
 def _reject(folder: Path, raw: bytes, why: str) -> None:
