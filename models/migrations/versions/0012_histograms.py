@@ -44,7 +44,8 @@ def _bucket(family: str, seconds: str) -> str:
     return f"CASE {whens} ELSE {len(bounds)} END"
 
 
-# -- PostgreSQL: one row trigger per measured write, each an upsert of one bucket counter ----------------------
+# -- PostgreSQL: a row trigger per completion or checkpoint (one upsert of a bucket counter), a statement one per
+#    insert of model calls -----------------------------------------------------------------------------------
 
 _PG_UPSERT = f"ON CONFLICT {_KEY} DO UPDATE SET count = h.count + 1, total = h.total + EXCLUDED.total"
 
@@ -75,12 +76,23 @@ _PG_STEP = _pg_function(
     f"INSERT INTO histogram_buckets AS h {_COLUMNS} SELECT 'step_duration', r.task_name, r.tenant, '', "
     f"{_bucket('step_duration', 's')}, NEW.id % 16, 1, s FROM task_runs r WHERE r.id = NEW.run_id",
 )
-_PG_CALL = _pg_function(
-    "oncelery_histogram_llm_call_duration",
-    "NEW.latency_ms / 1000.0",
-    f"INSERT INTO histogram_buckets AS h {_COLUMNS} VALUES ('llm_call_duration', COALESCE(NEW.task_name, ''), "
-    f"NEW.tenant, NEW.model, {_bucket('llm_call_duration', 's')}, NEW.id % 16, 1, s)",
-)
+# Model calls: a statement trigger summing its rows per bucket. Calls are written one per transaction, but a
+# spool replay or an import inserts many in one statement: a row trigger would then update the same bucket row
+# once per call within one transaction (each update leaving a version the next walks past: quadratic).
+_PG_CALL_SECONDS = "GREATEST(0, latency_ms / 1000.0)"
+_PG_CALL = f"""
+CREATE FUNCTION oncelery_histogram_llm_call_duration() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO histogram_buckets AS h {_COLUMNS}
+    SELECT 'llm_call_duration', task, tenant, model, bucket, shard, COUNT(*), SUM(s) FROM (
+        SELECT COALESCE(task_name, '') AS task, tenant, model, {_bucket("llm_call_duration", _PG_CALL_SECONDS)}
+               AS bucket, id % 16 AS shard, {_PG_CALL_SECONDS} AS s FROM new_rows
+    ) AS calls GROUP BY 2, 3, 4, 5, 6 ORDER BY 2, 3, 4, 5, 6
+    ON CONFLICT {_KEY} DO UPDATE SET count = h.count + EXCLUDED.count, total = h.total + EXCLUDED.total;
+    RETURN NULL;
+END
+$$
+"""
 
 # Letters: as 0009's function, plus `created` (+1 per inserted row); a TRUNCATE zeroes the kept counts only.
 
@@ -142,8 +154,8 @@ _PG = (
     "EXECUTE FUNCTION oncelery_histogram_run_duration()",
     "CREATE TRIGGER oncelery_histogram_step_duration AFTER INSERT OR UPDATE OF seconds ON step_results "
     "FOR EACH ROW WHEN (NEW.seconds IS NOT NULL) EXECUTE FUNCTION oncelery_histogram_step_duration()",
-    "CREATE TRIGGER oncelery_histogram_llm_call_duration AFTER INSERT ON model_calls FOR EACH ROW "
-    "EXECUTE FUNCTION oncelery_histogram_llm_call_duration()",
+    "CREATE TRIGGER oncelery_histogram_llm_call_duration AFTER INSERT ON model_calls "
+    "REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION oncelery_histogram_llm_call_duration()",
 )
 _PG_DROP = (
     "DROP TRIGGER IF EXISTS oncelery_histogram_run_duration ON task_runs",
