@@ -56,7 +56,7 @@ def records(doc: dict[str, Any], plural: str) -> list[dict[str, Any]]:
 
 
 def test_every_json_is_one_document_of_the_documented_shape(db_url: str) -> None:
-    """runs list/show, dlq list/show and outcomes print one object each; lists sit under a plural key with
+    """runs list/show, dlq list/show, costs and outcomes print one object each; lists sit under a plural key with
     `count`; letters carry `replay`; times are ISO 8601 UTC; `dlq list --jsonl` gives the old lines."""
     letter = dead_letter(db_url, "shape-1")
 
@@ -72,6 +72,8 @@ def test_every_json_is_one_document_of_the_documented_shape(db_url: str) -> None
     (shown,) = records(document(db_url, "dlq", "show", "shape-1"), "letters")
     assert set(shown) == LETTER_KEYS | REPLAY_KEYS | SHOW_KEYS
     assert shown["message"].startswith("<kept to replay it") and "Traceback" in shown["traceback"]
+
+    assert records(document(db_url, "costs"), "lines") == []  # no model call yet: count 0
 
     counted = document(db_url, "outcomes")
     assert counted["total"] == 0 and set(counted) == {"task", "tenant", "outcomes", "total"}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
 from oncelery.cli.context import resolve_database_url
-from oncelery.cli.format import format_table
+from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.ops.costs import Spend, cost_report
 
 _HEADERS = (
@@ -30,7 +29,7 @@ _HEADERS = (
 @click.command()
 @click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's calls.")
 @click.option("--tenant", metavar="TENANT", default=None, help="Only this tenant's calls ('' for none).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document (for scripts) instead of a table.")
+@json_option()
 @click.pass_context
 def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json: bool) -> None:
     """Print model calls made (ok/failed), tokens and estimated cost, and what replays saved.
@@ -42,7 +41,8 @@ def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json
     # Imported here: oncelery.cli adds this module's command to its group when it is imported.
     report = cost_report(resolve_database_url(ctx), task_name, tenant)
     if as_json:
-        click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+        document = report.as_dict()
+        echo_json({**document, "count": len(document["lines"])})  # the one --json shape: records and their count
         return
     rows = [_row(line.task_name or "-", line.tenant or "-", line.model, line.made, line.saved) for line in report.lines]
     rows.append(_row("total", "", "", report.made, report.saved))

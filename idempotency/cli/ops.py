@@ -14,7 +14,7 @@ from oncelery.cli.context import celery_app_of, resolve_app, resolve_database_ur
 from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.errors import ConfigurationError
-from oncelery.ops.dead_letters import REPLAY_QUEUED, REPLAY_UNPUBLISHED, DeadLetters, LetterView
+from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayState
 from oncelery.ops.reach import check_app
 from oncelery.ops.relay import DEFAULT_MAX_PUBLISHES, Relay
 from oncelery.ops.retention import parse_age, purge
@@ -27,8 +27,9 @@ _APP_HELP = (
 )
 # How `dlq list`/`dlq show` say where a replayed letter's message is.
 _REPLAY_TEXT = {
-    REPLAY_QUEUED: "queued, not yet published",
-    REPLAY_UNPUBLISHED: "not published (its outbox row is DEAD)",
+    ReplayState.QUEUED: "queued, not yet published",
+    ReplayState.PUBLISHED: "published",
+    ReplayState.UNPUBLISHED: "not published (its outbox row is DEAD)",
 }
 
 
@@ -238,12 +239,12 @@ def dlq_list(
 
 
 def _replay_text(x: LetterView) -> str | None:
-    return None if x.replay is None else _REPLAY_TEXT.get(x.replay, x.replay)
+    return None if x.replay is None else _REPLAY_TEXT[x.replay]
 
 
 def _replay_detail(x: LetterView) -> str | None:
     """`dlq show`'s replay line: where the message is, and why its last publish failed if it did."""
-    if x.replay != REPLAY_QUEUED:
+    if x.replay is not ReplayState.QUEUED:
         return _replay_text(x)
     tried = f"; last try: {x.replay_error}" if x.replay_error else ""
     return f"{_replay_text(x)} (`oncelery relay` publishes it{tried})"
@@ -267,7 +268,7 @@ def _letter_json(x: LetterView, payload: bool, replay: bool = False) -> dict[str
         "run_status": x.run_status.value if x.run_status else None,
     }
     if replay:
-        out["replay"] = x.replay
+        out["replay"] = x.replay.value if x.replay else None
         out["replay_error"] = x.replay_error
     if payload:
         out["traceback"] = x.traceback
@@ -349,7 +350,7 @@ def dlq_replay(
     # Read back: where each replayed message is now (published, or still queued in the outbox).
     ids = [x.letter_id for x in report.replayed]
     replayed = letters.list(ids=ids, include_replayed=True, limit=None) if ids else []
-    queued = [x for x in replayed if x.replay == REPLAY_QUEUED]
+    queued = [x for x in replayed if x.replay is ReplayState.QUEUED]
     if as_json:
         echo_json(
             {
@@ -361,7 +362,7 @@ def dlq_replay(
         )
     else:
         for x in replayed:
-            where = f": {_replay_text(x)}" if x.replay == REPLAY_QUEUED else ""
+            where = f": {_replay_text(x)}" if x.replay is ReplayState.QUEUED else ""
             click.echo(f"replayed {x.letter_id} {x.task_name}[{x.key}]{where}")
         for x, why in report.skipped:
             click.echo(f"skipped  {x.letter_id} {x.task_name}[{x.key}]: {why}")

@@ -14,6 +14,7 @@ relay to publish it (a PENDING row for its task, tenant and key), `unpublished` 
 from __future__ import annotations
 
 import builtins
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,18 +31,20 @@ from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 
 __all__ = [
-    "REPLAY_PUBLISHED",
-    "REPLAY_QUEUED",
-    "REPLAY_UNPUBLISHED",
     "DeadLetters",
     "LetterView",
     "ReplayReport",
+    "ReplayState",
 ]
 
-# Where a replayed letter's message is (LetterView.replay; None: never replayed).
-REPLAY_QUEUED = "queued"  # in the outbox, not yet published: a relay publishes it
-REPLAY_PUBLISHED = "published"
-REPLAY_UNPUBLISHED = "unpublished"  # its outbox row was given up (DEAD) before any publish
+
+class ReplayState(enum.StrEnum):
+    """Where a replayed letter's message is (LetterView.replay; None: never replayed)."""
+
+    QUEUED = "queued"  # in the outbox, not yet published: a relay publishes it
+    PUBLISHED = "published"
+    UNPUBLISHED = "unpublished"  # its outbox row was given up (DEAD) before any publish
+
 
 # The per-call option headers a replay sends again (the key and tenant go as the outbox's own options).
 _REPLAYED_HEADERS = (HEADER_LEASE, HEADER_ON_IN_PROGRESS)
@@ -66,7 +69,7 @@ class LetterView:
     replayed_at: datetime | None
     replays: int
     run_status: RunStatus | None
-    replay: str | None = None
+    replay: ReplayState | None = None
     # Why the last publish of a queued replay failed (its outbox row's last_error), if one was tried.
     replay_error: str | None = None
 
@@ -101,9 +104,9 @@ def _query() -> Select[Any]:
     d, r = LETTERS.c, RUNS.c
     replay = case(
         (d.replayed_at.is_(None), None),
-        (exists().where(_letters_rows(OutboxStatus.PENDING)), REPLAY_QUEUED),
-        (exists().where(_letters_rows(OutboxStatus.DEAD), OUTBOX.c.publishes == 0), REPLAY_UNPUBLISHED),
-        else_=REPLAY_PUBLISHED,
+        (exists().where(_letters_rows(OutboxStatus.PENDING)), ReplayState.QUEUED.value),
+        (exists().where(_letters_rows(OutboxStatus.DEAD), OUTBOX.c.publishes == 0), ReplayState.UNPUBLISHED.value),
+        else_=ReplayState.PUBLISHED.value,
     )
     o = OUTBOX.c
     last_error = select(o.last_error).where(_letters_rows(OutboxStatus.PENDING)).order_by(o.id.desc()).limit(1)
@@ -129,7 +132,7 @@ def _view(row: Any) -> LetterView:
         replayed_at=row.replayed_at,
         replays=row.replays,
         run_status=row.run_status,
-        replay=row.replay,
+        replay=None if row.replay is None else ReplayState(row.replay),
         replay_error=row.replay_error,
     )
 
@@ -242,7 +245,7 @@ class DeadLetters:
         return None
 
     def _queued(self, letter_ids: Sequence[int]) -> bool:
-        return any(x.replay == REPLAY_QUEUED for x in self.list(ids=letter_ids, include_replayed=True, limit=None))
+        return any(x.replay is ReplayState.QUEUED for x in self.list(ids=letter_ids, include_replayed=True, limit=None))
 
     def purge(self, letters: Sequence[LetterView]) -> int:
         """Delete these letters and their DEAD runs (the key may then be sent again); return how many letters."""
