@@ -384,7 +384,9 @@ def test_redis_takes_its_password_from_a_file_never_its_command_line(services: d
     port = free_port()
     shims = tmp_path / "bin"
     shims.mkdir()
-    # The container's redis-server and redis-cli, on this host: on a port of this test's own, never the shared one.
+    # The container's redis-server and redis-cli, on this host: on a port of this test's own, never the shared one;
+    # the image's entrypoint (which drops to the redis user there) execs its arguments.
+    (shims / "docker-entrypoint.sh").write_text('#!/bin/sh\nexec "$@"\n')
     (shims / "redis-server").write_text(
         f'#!/bin/sh\nexec {server} "$@" --port {port} --bind 127.0.0.1 --dir {tmp_path}\n'
     )
