@@ -21,6 +21,7 @@ from oncelery.testing import in_process_worker
 from tests import services
 from tests.pg_cluster import pg_cluster  # noqa: F401  (one throwaway cluster per session, for every module)
 from tests.services import close_app
+from tests.wheel_venv import oncelery_wheel  # noqa: F401  (the wheel, built once per session)
 
 # The store-fault tests' helpers assert too: rewritten like a test module's asserts (before the import below).
 pytest.register_assert_rewrite("tests.store_faults")
@@ -31,6 +32,7 @@ from tests.store_faults import logs, pg_app, pg_db, sqlite_app, sqlite_db  # noq
 
 ORDERED_TABLES = [
     "article_scores",
+    "llm_intents",
     "model_calls",
     "ledger_totals",
     "step_results",

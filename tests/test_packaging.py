@@ -10,126 +10,45 @@ from __future__ import annotations
 
 import configparser
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 import sysconfig
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from tests import services
+from tests.wheel_venv import Built, Venv, new_venv, run
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUILD_TIMEOUT = 180.0
-COMMAND_TIMEOUT = 60.0
 MARKER_TIMEOUT = 45.0
 STOP_TIMEOUT = 30.0
 OUTER_PTH = "zz_outer_dependencies.pth"
 # pyproject's package-dir: each repository folder's files and where the wheel must have them.
 PACKAGE_DIRS = {"idempotency": "oncelery", "models": "oncelery/models", "tasks": "oncelery/tasks"}
-PACKAGED_SUFFIXES = {".py", ".mako", ".typed"}
+PACKAGED_SUFFIXES = {".py", ".mako", ".typed", ".jsonl"}
+# The sample articles `oncelery process --sample` scores: package data of oncelery.tasks (samples/ links to it).
+SAMPLE_IN_WHEEL = "oncelery/tasks/samples/articles.jsonl"
 # The repository's folders and the module that the wheel maps into `oncelery`: none may be installed top-level.
 REPO_TOP_LEVEL = ("models", "tasks", "idempotency", "celeryconfig")
-# Left out of the copy the wheel is built from: VCS, virtualenvs, caches and earlier build output (a stale
-# build/lib would put deleted modules into the wheel).
-_NOT_SOURCE = {".git", ".venv", "build", "dist", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".oncelery"}
-
-
-@dataclass(frozen=True)
-class Built:
-    """The wheel, and the copy of the repository it was built from."""
-
-    wheel: Path
-    source: Path
-
-
-@dataclass(frozen=True)
-class Venv:
-    """A fresh virtualenv with the wheel installed, and the outer virtualenv's packages as its dependencies."""
-
-    root: Path
-    python: Path
-    site_packages: Path
-    env: dict[str, str] = field(repr=False)
-
-    def script(self, name: str) -> Path:
-        """Return the path of a console script installed into this virtualenv."""
-        return self.root / "bin" / name
-
-
-def _ignore_non_source(src: Path) -> Callable[[str, list[str]], Iterable[str]]:
-    def ignore(directory: str, names: list[str]) -> set[str]:
-        skipped = {n for n in names if n == "__pycache__" or n.endswith((".pyc", ".egg-info"))}
-        if Path(directory) == src:
-            skipped |= {n for n in names if n in _NOT_SOURCE or n.startswith("oncelery.db")}
-        return skipped
-
-    return ignore
-
-
-def run(argv: list[str | Path], cwd: Path, env: Mapping[str, str], timeout: float = COMMAND_TIMEOUT) -> services.Done:
-    """Run `argv` to completion in its own session (stopped and failed on timeout)."""
-    code, out, err = services.run_to_completion([str(a) for a in argv], cwd, dict(env), timeout, lambda _out: None)
-    return services.Done(code, out, err)
-
-
-def venv_env(root: Path, **extra: str) -> dict[str, str]:
-    """This environment as if `root` were activated: no Python path overrides, no ONCELERY_/CELERY_ settings."""
-    dropped = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH", "VIRTUAL_ENV", "__PYVENV_LAUNCHER__")
-    env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith(("ONCELERY_", "CELERY_"))}
-    env["VIRTUAL_ENV"] = str(root)
-    env["PATH"] = os.pathsep.join([str(root / "bin"), env.get("PATH", "")])
-    env.update(extra)
-    return env
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    """The project's wheel, built once from a copy of the repository with this virtualenv's setuptools."""
-    src = tmp_path_factory.mktemp("source") / "oncelery"
-    # A copy, so the build writes no build/ or *.egg-info into the work tree and sees one state of a tree that
-    # may be edited meanwhile (symlinks are kept as links).
-    shutil.copytree(REPO_ROOT, src, symlinks=True, ignore=_ignore_non_source(REPO_ROOT))
-    out = tmp_path_factory.mktemp("wheelhouse")
-    argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check"]
-    done = run([*argv, "-w", out, src], cwd=out, env=os.environ, timeout=BUILD_TIMEOUT)
-    assert done.code == 0, (
-        f"building the wheel failed with setuptools {metadata.version('setuptools')} "
-        f"(this virtualenv's build backend):\n{done.out[-3000:]}\n{done.err[-5000:]}"
-    )
-    wheels = sorted(out.glob("oncelery-*.whl"))
-    assert len(wheels) == 1, f"expected one wheel in {out}: {wheels}"
-    return Built(wheels[0], src)
+def built(oncelery_wheel: Built) -> Built:
+    """The project's wheel (built once per test session: tests/wheel_venv.py), and the copy it was built from."""
+    return oncelery_wheel
 
 
 @pytest.fixture(scope="module")
 def fresh_venv(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Venv:
     """A new virtualenv (no pip) with the wheel installed; its dependencies come from this virtualenv by a .pth."""
-    root = tmp_path_factory.mktemp("fresh") / "venv"
-    created = run([sys.executable, "-m", "venv", "--without-pip", root], cwd=root.parent, env=os.environ)
-    assert created.code == 0, created.err
-    python = root / "bin" / "python"
-    env = venv_env(root)
-    # This pip, run for the fresh interpreter: console scripts get its shebang. Installed before the .pth below
-    # exists, so pip sees no other `oncelery` (the outer editable install) in the target environment.
-    pip: list[str | Path] = [sys.executable, "-m", "pip", "--python", python, "--disable-pip-version-check"]
-    installed = run([*pip, "install", "--no-deps", "--no-index", built.wheel], cwd=root, env=env)
-    assert installed.code == 0, f"{installed.out}\n{installed.err}"
-    paths = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root, env=env)
-    assert paths.code == 0, paths.err
-    site_packages = Path(paths.out.strip())
-    assert site_packages.is_relative_to(root), site_packages
-    # Plain path entries: the outer site-packages' own .pth files (the editable finder) are not run.
+    venv = new_venv(built.wheel, tmp_path_factory.mktemp("fresh") / "venv")
+    # Plain path entries: the outer site-packages' own .pth files (the editable finder) are not run. All of this
+    # virtualenv's packages (pytest for oncelery.testing too); tests/test_adoption_walk.py gives only what a
+    # user installs.
     outer = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    (site_packages / OUTER_PTH).write_text("".join(f"{p}\n" for p in outer))
-    return Venv(root, python, site_packages, env)
+    (venv.site_packages / OUTER_PTH).write_text("".join(f"{p}\n" for p in outer))
+    return venv
 
 
 def packaged_sources(source: Path) -> set[str]:
@@ -143,15 +62,16 @@ def packaged_sources(source: Path) -> set[str]:
 
 
 def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
-    """The wheel installs only `oncelery/` and its dist-info: every module, migration, template and py.typed of
-    idempotency/, models/ and tasks/ is in it under oncelery/ (nothing more), the celeryconfig link is packaged
-    as the real file, and both entry points are declared."""
+    """The wheel installs only `oncelery/` and its dist-info: every module, migration, template, py.typed and
+    sample file of idempotency/, models/ and tasks/ is in it under oncelery/ (nothing more), the celeryconfig
+    link is packaged as the real file, the sample articles are package data, and both entry points are declared."""
     wheel = built.wheel
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
         top_level_txt = zf.read(next(n for n in names if n.endswith(".dist-info/top_level.txt"))).decode()
         packaged_config = zf.read("oncelery/celeryconfig.py")
+        packaged_sample = zf.read(SAMPLE_IN_WHEEL)
     source_config = (built.source / "celeryconfig.py").read_bytes()
 
     tops = {name.split("/", 1)[0] for name in names}
@@ -169,6 +89,7 @@ def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
         "oncelery/models/migrations/script.py.mako",
         "oncelery/tasks/__init__.py",
         "oncelery/tasks/app.py",
+        SAMPLE_IN_WHEEL,
     ):
         assert required in names, f"{required} is missing from {wheel.name}"
     # Every subpackage must be listed in pyproject's `packages`: a folder left out is missing from the wheel.
@@ -179,6 +100,9 @@ def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
     )
     # The link idempotency/celeryconfig.py -> ../celeryconfig.py is packaged as the file it points at.
     assert packaged_config.strip() and packaged_config == source_config
+    # The quickstart's sample runs from a pip install: the wheel holds the articles of samples/articles.jsonl.
+    assert packaged_sample == (built.source / "samples" / "articles.jsonl").read_bytes()
+    assert len(packaged_sample.splitlines()) >= 100
     assert top_level_txt.split() == ["oncelery"]
 
     parsed = configparser.ConfigParser()
@@ -294,6 +218,23 @@ print(json.dumps(seen))
 def source_rooms(source: Path) -> list[str]:
     """The framework's subpackages in the repository: every folder of idempotency/ with an __init__.py."""
     return sorted(p.parent.name for p in (source / "idempotency").glob("*/__init__.py"))
+
+
+SAMPLE_PROBE = """\
+import json
+from oncelery.tasks.commands.article_file import load_sample
+articles = load_sample()
+print(json.dumps({"count": len(articles), "first": articles[0].id}))
+"""
+
+
+def test_the_sample_loads_from_the_wheel(fresh_venv: Venv, tmp_path: Path) -> None:
+    """`oncelery process --sample` reads the articles from the installed package, in a folder with no samples/."""
+    neutral = tmp_path / "empty"
+    neutral.mkdir()
+    probed = run([fresh_venv.python, "-c", SAMPLE_PROBE], cwd=neutral, env=fresh_venv.env)
+    assert probed.code == 0, probed.err[-3000:]
+    assert json.loads(probed.out) == {"count": 112, "first": "a001"}
 
 
 def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_path: Path) -> None:
