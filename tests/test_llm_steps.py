@@ -21,9 +21,10 @@ from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.models import IntentState, RunStatus
+from oncelery.ops.retention import purge
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
-from oncelery.store.database import get_engine
+from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, INTENTS
 from oncelery.task.llm_step import output_text
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
@@ -98,6 +99,8 @@ def test_a_call_is_made_once_and_replayed_after(
     assert (row["call_id"], row["ok"], row["reason"], row["reattached"]) == (intent["public_id"], True, None, False)
     assert (row["input_tokens"], row["output_tokens"]) == (intent["input_tokens"], intent["output_tokens"]) != (0, 0)
     assert task.outcome_counts() == {"executed": 1, "replayed": 1}
+    # Retention takes a finished run's intents with it.
+    assert purge(Database(db_url), 0).intents == 1 and intents(db_url) == []
 
 
 def test_a_failed_holder_s_call_is_re_attached_not_paid_again(

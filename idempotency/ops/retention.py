@@ -24,7 +24,7 @@ from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database
-from oncelery.store.tables import LETTERS, OUTBOX, RUNS, STEPS
+from oncelery.store.tables import INTENTS, LETTERS, OUTBOX, RUNS, STEPS
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -66,6 +66,7 @@ class PurgeReport:
     steps: int = 0
     dead_letters: int = 0
     ledger: int = 0
+    intents: int = 0
     outbox: int = 0
     kept_referenced: int = 0
     batches: int = 0
@@ -165,6 +166,8 @@ def _delete(conn: Connection, ids: list[int], ledgers: list[str], report: PurgeR
     counts: dict[str, int] = {}
     counts["steps"] = conn.execute(delete(STEPS).where(STEPS.c.run_id.in_(ids))).rowcount or 0
     counts["dead_letters"] = conn.execute(delete(LETTERS).where(LETTERS.c.run_id.in_(ids))).rowcount or 0
+    # A finished run's call intents (digests and references only) go with it: nothing is left to re-attach.
+    counts["intents"] = conn.execute(delete(INTENTS).where(INTENTS.c.run_id.in_(ids))).rowcount or 0
     counts["ledger"] = 0
     for name in ledgers:
         ledger: Any = table(name, column("run_id"))
