@@ -26,6 +26,21 @@ from oncelery.errors import (
     StoreError,
     StoreUnavailable,
 )
+from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
+from oncelery.llm.adapters.base import output_text
+from oncelery.llm.adapters.openai_chat import OpenAIChat
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.errors import (
+    CallOutcomeUnknown,
+    ProviderCallFailed,
+    ProviderError,
+    ProviderRateLimited,
+    ProviderRejected,
+    ProviderUnavailable,
+    ResponseGone,
+    ResponseLost,
+)
+from oncelery.llm.fake import FakeProvider
 from oncelery.models import Outcome, RunStatus
 from oncelery.ops.costs import CostLine, CostReport, Spend, cost_report
 from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport
@@ -119,4 +134,18 @@ __all__ = [
     "cost_report",
     "model_call",
     "price_of",
+    # Model calls as durable steps (self.llm): provider adapters, the fake provider, their errors
+    "AnthropicMessages",
+    "CallOutcomeUnknown",
+    "FakeProvider",
+    "OpenAIChat",
+    "OpenAIResponses",
+    "ProviderCallFailed",
+    "ProviderError",
+    "ProviderRateLimited",
+    "ProviderRejected",
+    "ProviderUnavailable",
+    "ResponseGone",
+    "ResponseLost",
+    "output_text",
 ]

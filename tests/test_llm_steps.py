@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import select
 
-from oncelery import IdempotentTask
+from oncelery import IdempotentTask, output_text
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited
@@ -26,7 +26,6 @@ from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, INTENTS
-from oncelery.task.llm_step import output_text
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 
 TEXT = "The council approved the new library budget on Tuesday."

@@ -25,7 +25,7 @@ from oncelery.runs.encoding import canonical_json
 from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
 
-__all__ = ["LedgerRecorder", "output_text", "policy_of", "resolve_adapter", "run_llm_step"]
+__all__ = ["LedgerRecorder", "call_unclaimed", "policy_of", "resolve_adapter", "run_llm_step"]
 
 ON_LOST = ("recall", "dead_letter")
 
@@ -118,18 +118,3 @@ def call_unclaimed(adapter: Adapter, request: Mapping[str, Any], poll_s: float =
     if look.state is not CallState.DONE:
         raise ConfigurationError(f"the model call ended {look.state.value}: {look.response.get('error')}")
     return dict(look.response)
-
-
-def output_text(response: Mapping[str, Any]) -> str:
-    """Return the answer's text from an OpenAI Response, a Chat Completion or an Anthropic Message."""
-    if "output" in response:  # Responses API
-        return "".join(
-            part.get("text", "")
-            for item in response.get("output") or []
-            if item.get("type") == "message"
-            for part in item.get("content") or []
-            if part.get("type") == "output_text"
-        )
-    if "choices" in response:  # chat completions
-        return str((response["choices"][0].get("message") or {}).get("content") or "")
-    return "".join(b.get("text", "") for b in response.get("content") or [] if b.get("type") == "text")

@@ -30,11 +30,10 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import insert
 
-from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, IdempotentTask
+from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, IdempotentTask, output_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import get_engine
-from oncelery.task.llm_step import output_text
 from tests.services import effects_table, executions_table
 
 ENV_DATABASE_URL = "ONCELERY_DATABASE_URL"

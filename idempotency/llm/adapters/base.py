@@ -82,3 +82,18 @@ class Adapter(Protocol):
     def usage(self, response: Mapping[str, Any]) -> Usage:
         """Return the billable tokens of a finished response."""
         ...
+
+
+def output_text(response: Mapping[str, Any]) -> str:
+    """Return the answer's text from an OpenAI Response, a Chat Completion or an Anthropic Message."""
+    if "output" in response:  # Responses API
+        return "".join(
+            part.get("text", "")
+            for item in response.get("output") or []
+            if item.get("type") == "message"
+            for part in item.get("content") or []
+            if part.get("type") == "output_text"
+        )
+    if "choices" in response:  # chat completions
+        return str((response["choices"][0].get("message") or {}).get("content") or "")
+    return "".join(b.get("text", "") for b in response.get("content") or [] if b.get("type") == "text")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -120,7 +120,9 @@ class Transport:
             raise ProviderUnavailable.of(self.provider, f"{path} answered {type(data).__name__}, not an object", True)
         return data
 
-    def events(self, path: str, body: Mapping[str, Any] | None = None, model: str = "") -> Iterator[dict[str, Any]]:
+    def events(
+        self, path: str, body: Mapping[str, Any] | None = None, model: str = ""
+    ) -> Generator[dict[str, Any], None, None]:
         """Yield the JSON of each server-sent event of a streamed answer (POST with a body, GET without)."""
         method = "POST" if body is not None else "GET"
         try:
