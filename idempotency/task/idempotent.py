@@ -123,10 +123,10 @@ class IdempotentTask(RunBody):
     def _payload_limits(self) -> tuple[int | None, int | None]:
         # Read once per app configuration: a Celery setting that is not set costs ~4 us to look up, per call.
         conf = self.app.conf
-        seen = self.__dict__.get("_payload_limits")
+        seen = self.__dict__.get("_payload_limits_of")
         if seen is None or seen[0] is not conf:
             seen = (conf, payload_limits(self.settings()))
-            self.__dict__["_payload_limits"] = seen
+            self.__dict__["_payload_limits_of"] = seen
         return seen[1]  # type: ignore[no-any-return]
 
     # -- worker side -----------------------------------------------------------------------------
