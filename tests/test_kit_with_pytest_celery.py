@@ -91,26 +91,34 @@ def test_the_plugin_loads_by_its_entry_point_and_gives_a_fresh_postgresql_databa
     pytester: pytest.Pytester,
 ) -> None:
     """A user's pytest run, in a subprocess: the plugin is found by its entry point, and with --oncelery-db-url
-    each test gets a database of its own on that server, migrated, and dropped afterwards."""
+    each test gets a database of its own on that server, migrated, named with --oncelery-db-prefix, and dropped
+    afterwards, as is the session's template it was copied from."""
     pytester.makepyfile(
         test_user="""
         from sqlalchemy import create_engine, inspect
 
         def test_a(oncelery_db):
-            assert oncelery_db.url.startswith("postgresql") and "oncelery_test_" in oncelery_db.url
+            assert oncelery_db.url.startswith("postgresql") and "/kit_prefix_" in oncelery_db.url
             engine = create_engine(oncelery_db.url)
             assert {"task_runs", "step_results", "model_calls"} <= set(inspect(engine).get_table_names())
             engine.dispose()
             print("DB", oncelery_db.url.rsplit("/", 1)[1])
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", f"--oncelery-db-url={PG_ADMIN_URL}")
+    prefix = f"kit_prefix_{uuid.uuid4().hex[:6]}_"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-s", f"--oncelery-db-url={PG_ADMIN_URL}", f"--oncelery-db-prefix={prefix}"
+    )
     result.assert_outcomes(passed=1)
-    found = re.search(r"DB (oncelery_test_\w+)", result.stdout.str())
+    found = re.search(rf"DB ({prefix}\w+)", result.stdout.str())
     assert found, result.stdout.str()
     name = found.group(1)
     engine = create_engine(PG_ADMIN_URL)
     with engine.connect() as conn:
         left = conn.execute(text("SELECT count(*) FROM pg_database WHERE datname = :n"), {"n": name}).scalar_one()
+        # The session's template (<prefix>template_...) is gone too: nothing of the run is left on the server.
+        leftovers = conn.execute(text("SELECT datname FROM pg_database WHERE starts_with(datname, :p)"), {"p": prefix})
+        others = [row[0] for row in leftovers]
     engine.dispose()
     assert left == 0, f"the test database {name} was not dropped"
+    assert others == [], others

@@ -18,7 +18,7 @@ from oncelery.runs.faults import fault_injected
 from oncelery.runs.views import RunView
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS
-from oncelery.testing.broker import flush_broker, restore_delivery
+from oncelery.testing.broker import flush_broker, on_redis, restore_delivery
 from oncelery.testing.db import OnceleryDb, _name
 from oncelery.testing.waiting import DEFAULT_TIMEOUT, poll, wait_until
 from oncelery.testing.worker import WorkerProcess
@@ -109,10 +109,9 @@ def kill_holder(
         return run
     expire_lease(db, task, key, tenant)  # first: the restored message must find the lease already gone
     app = getattr(task, "app", None)
-    if app is not None and run.celery_task_id:
-        options = worker.transport_options(app)
-        if options:  # Redis: the kit's worker kept the message in bookkeeping keys of its own
-            restore_delivery(app, run.celery_task_id, options)
+    if app is not None and run.celery_task_id and on_redis(app):
+        # In the bookkeeping keys the worker used: the kit's own, or the app's where it kept the app's options.
+        restore_delivery(app, run.celery_task_id, worker.transport_options(app))
     return run
 
 
