@@ -2,8 +2,8 @@
 `celery.commands`).
 
 Reading order: `group` (the group, `db upgrade`, `outcomes`), `context` (how a command finds its database and
-app), `format` (tables and JSON), then one module per command family: `runs`, `ops` (relay, dlq, purge),
-`costs`, `metrics`. This module re-exports what the entry points and an application's own commands need.
+app), `format` (tables and JSON), then one module per command family: `runs`, `ops` (relay, purge), `dlq`,
+`costs`, `cache`, `metrics`. This module re-exports what the entry points and an application's own commands need.
 """
 
 from oncelery.cli.group import (

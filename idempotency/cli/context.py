@@ -26,6 +26,7 @@ from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER_URL
 from oncelery.task.embedded_broker import is_embedded_broker
 
 __all__ = [
+    "APP_HELP",
     "EXIT_CONFIGURATION",
     "URL_META",
     "ConfigurationProblem",
@@ -38,6 +39,12 @@ __all__ = [
 ]
 
 URL_META = "oncelery.database_url"
+# The --app option of every command that publishes (relay, dlq replay).
+APP_HELP = (
+    "The Celery app to publish with (module or module:attribute). Default: the app of `celery -A`, "
+    "else one built from oncelery.celeryconfig on ONCELERY_BROKER_URL (the embedded broker only for the "
+    "demo's database ./oncelery.db)."
+)
 _CHECKED_META = "oncelery.database_checked"
 # Exit codes: 0 done; 1 the command failed (no such run, a driver error, a timeout); 2 the configuration or
 # environment is wrong (a bad value, an unreachable service): nothing was done, fix the setting and re-run.

@@ -3,7 +3,8 @@
 Runs standalone (`oncelery ...`) or as a Celery subcommand (`celery -A proj oncelery ...`, through the
 `celery.commands` entry point); under Celery the database is the app's (`oncelery_database_url`).
 This module holds the group, `db upgrade` and `outcomes`; the other commands live in `runs.py`, `ops.py`,
-`costs.py` and `metrics.py`; printing in `format.py`; how a command finds its database in `context.py`.
+`dlq.py`, `costs.py`, `cache.py` and `metrics.py`; printing in `format.py`; how a command finds its database
+in `context.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from oncelery.cli.context import (
     resolve_database_url,
 )
 from oncelery.cli.costs import costs
+from oncelery.cli.dlq import dlq
 from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.cli.metrics import metrics
-from oncelery.cli.ops import dlq, purge_command, relay
+from oncelery.cli.ops import purge_command, relay
 from oncelery.cli.runs import runs
 from oncelery.errors import ConfigurationError, OnceleryError
 from oncelery.models import Outcome
