@@ -245,7 +245,8 @@ def sqlite_busy_timeout_ms() -> int:
 # Celery's delivery settings Oncelery is deployed with, written once: celeryconfig.py, the tests and the
 # benchmarks read them from here. Late acks + reject on worker lost give at-least-once delivery, which the
 # claim turns into exactly-once effects; prefetch 1 keeps a crashed worker from holding extra messages;
-# JSON only, never pickle.
+# JSON only, never pickle. No Redis visibility_timeout: it follows from the tasks' leases, which a static dict
+# cannot know, so a starting worker derives it where the app sets none (oncelery.task.visibility).
 CELERY_DELIVERY_DEFAULTS: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,
