@@ -211,7 +211,10 @@ for room in rooms:
     package = importlib.import_module("oncelery." + room)
     names = [m.name for m in pkgutil.iter_modules(package.__path__, package.__name__ + ".")]
     seen[room] = {"file": package.__file__, "modules": {n: importlib.import_module(n).__file__ for n in names}}
-print(json.dumps(seen))
+# What `oncelery process --sample` reads: the articles shipped as package data.
+from oncelery.tasks.commands.article_file import load_sample
+sample = load_sample()
+print(json.dumps({"rooms": seen, "sample": [len(sample), sample[0].id]}))
 """
 
 
@@ -220,34 +223,20 @@ def source_rooms(source: Path) -> list[str]:
     return sorted(p.parent.name for p in (source / "idempotency").glob("*/__init__.py"))
 
 
-SAMPLE_PROBE = """\
-import json
-from oncelery.tasks.commands.article_file import load_sample
-articles = load_sample()
-print(json.dumps({"count": len(articles), "first": articles[0].id}))
-"""
-
-
-def test_the_sample_loads_from_the_wheel(fresh_venv: Venv, tmp_path: Path) -> None:
-    """`oncelery process --sample` reads the articles from the installed package, in a folder with no samples/."""
-    neutral = tmp_path / "empty"
-    neutral.mkdir()
-    probed = run([fresh_venv.python, "-c", SAMPLE_PROBE], cwd=neutral, env=fresh_venv.env)
-    assert probed.code == 0, probed.err[-3000:]
-    assert json.loads(probed.out) == {"count": 112, "first": "a001"}
-
-
 def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_path: Path) -> None:
     """Each subpackage of the framework (task, delivery, runs, store, ops, cli, testing, and any room added
     later) and every module in it imports from the installed wheel, not from the repository: a room missing
-    from pyproject's `packages` fails here."""
+    from pyproject's `packages` fails here. In that folder (no samples/), the sample articles of `oncelery
+    process --sample` load from the installed package."""
     rooms = source_rooms(built.source)
     assert {"task", "delivery", "runs", "store", "ops", "cli", "testing"} <= set(rooms), rooms
     neutral = tmp_path / "elsewhere"
     neutral.mkdir()
     probed = run([fresh_venv.python, "-c", ROOM_PROBE, *rooms], cwd=neutral, env=fresh_venv.env)
     assert probed.code == 0, f"a room does not import from the wheel:\n{probed.err[-3000:]}"
-    seen = json.loads(probed.out)
+    probe = json.loads(probed.out)
+    assert probe["sample"] == [112, "a001"], probe["sample"]
+    seen = probe["rooms"]
     installed = fresh_venv.site_packages / "oncelery"
     for room in rooms:
         assert Path(seen[room]["file"]) == installed / room / "__init__.py", seen[room]
