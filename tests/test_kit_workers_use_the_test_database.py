@@ -33,7 +33,7 @@ from oncelery.testing import (
 )
 
 REDIS = os.environ.get("ONCELERY_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
-_DEV = tempfile.mkdtemp(prefix="labels-dev-")
+_DEV = Path(tempfile.gettempdir()) / f"labels-dev-{uuid.uuid4().hex[:8]}"  # made by the dev_db fixture
 os.environ.setdefault("LABELS_BROKER_URL", REDIS)
 os.environ.setdefault("LABELS_QUEUE", f"labels-{uuid.uuid4().hex[:10]}")
 # The developer's own claims database, named by the app's celeryconfig (subprocess workers inherit it).
@@ -50,7 +50,7 @@ TIMEOUT = 60
 def dev_db() -> Iterator[OnceleryDb]:
     """The developer's database, migrated and with the app's table: a worker that used it would succeed."""
     url = os.environ["LABELS_DATABASE_URL"]
-    Path(_DEV).mkdir(exist_ok=True)  # another module using this fixture may have removed it after its tests
+    _DEV.mkdir(exist_ok=True)  # again if another module using this fixture removed it after its tests
     upgrade_schema(url)
     engine = create_engine(url)
     labels.metadata.create_all(engine)
