@@ -1,4 +1,5 @@
-"""A command that publishes never sends a job where no worker reads: `dlq replay` and `relay` in a user project.
+"""A command that publishes never sends a job where no worker reads: `dlq replay`, `relay` and `process
+--no-start-worker` in a user project.
 
 With no `--app` and no ONCELERY_BROKER_URL the fallback broker is the demo's embedded one (./.oncelery/broker),
 read only by the demo's workers: for any claims database but the demo's ./oncelery.db the command refuses in
@@ -27,6 +28,7 @@ from oncelery.cli import oncelery as oncelery_cli
 from oncelery.runs.faults import fault_injected
 from oncelery.settings import ENV_BROKER_URL
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
+from oncelery.tasks.commands import main as console_script
 from tests.services import delete_queue_keys, unique_queue, wait_for
 
 TASK = "userproj.enrich"  # a task of the user's app: the command's app need not know it
@@ -183,3 +185,18 @@ def test_a_refused_publish_stays_queued_until_the_relay_publishes_it(
     finally:
         client.close()
         delete_queue_keys(redis_url, queue)
+
+
+def test_process_without_its_own_worker_refuses_the_embedded_broker(
+    tmp_path: Path, project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`process --no-start-worker` on the embedded broker for a database that is not the demo's: exit 2 in one
+    line, before the database is migrated (with its own worker, the command reads its own jobs: allowed)."""
+    monkeypatch.delitem(sys.modules, "oncelery.tasks.app", raising=False)  # configured afresh, as a new process
+    user_db = tmp_path / "user.db"
+    argv = ["--database-url", f"sqlite:///{user_db}", "process", "--sample", "--limit", "1", "--no-start-worker"]
+    done = CliRunner().invoke(console_script, argv, catch_exceptions=False)
+    assert done.exit_code == 2, done.output
+    (line,) = done.stderr.splitlines()
+    assert "`oncelery process --no-start-worker` publishes" in line and "--app MODULE:APP" in line, line
+    assert not user_db.exists() and "schema" not in done.stdout
