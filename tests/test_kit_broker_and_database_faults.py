@@ -28,6 +28,7 @@ from oncelery.testing import (
     terminate_connections,
     wait_until,
 )
+from tests.pg_cluster import PgCluster
 from tests.services import close_app
 from tests.test_kit_workers_use_the_test_database import LABELS, REDIS, labels, untouched
 from tests.test_kit_workers_use_the_test_database import dev_db as dev_db  # the fixture, here too
@@ -36,8 +37,9 @@ TIMEOUT = 60
 
 
 @pytest.fixture
-def oncelery_db(oncelery_cluster_db: OnceleryDb) -> OnceleryDb:
-    """The kit's database on its throwaway cluster (which database_down may stop), as this module's oncelery_db."""
+def oncelery_db(pg_cluster: PgCluster, oncelery_cluster_db: OnceleryDb) -> OnceleryDb:
+    """The kit's database on its throwaway cluster (which database_down may stop), as this module's oncelery_db
+    (`pg_cluster` first: without PostgreSQL's server binaries the test fails in CI instead of skipping)."""
     engine = create_engine(oncelery_cluster_db.url)
     labels.metadata.create_all(engine)
     engine.dispose()
@@ -63,7 +65,7 @@ def ended_once(db: OnceleryDb, doc: str) -> None:
     assert counts.get("executed", 0) + counts.get("resumed", 0) == 2 and not counts.get("failed"), counts
 
 
-def test_flush_broker_deletes_this_apps_jobs_and_nothing_else() -> None:
+def test_flush_broker_deletes_this_apps_jobs_and_nothing_else(redis_url: str) -> None:
     client = redis.Redis.from_url(REDIS)
     prefix = "labels:"  # the app's global_keyprefix: its keys, and its neighbour's, carry it
     queue = str(labels.app.conf.task_default_queue)
