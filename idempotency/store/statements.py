@@ -84,7 +84,7 @@ class Statements:
         insert, now, until = dia.insert, dia.now(), dia.lease_until()
         one_trip = dia.dml_in_cte  # PostgreSQL: two statements as one, through data-modifying CTEs
         # The claim: a new key, a takeover, an expired entity holder demoted (and PostgreSQL's one trip).
-        self.insert_claim = self._insert_claim(insert, until)
+        self.insert_claim = self._insert_claim(insert, now, until)
         self.takeover = self._takeover(now, until)
         self.demote_expired_entity = self._demote_expired_entity(now)
         self.claim_or_replay = claim_or_replay(self.insert_claim, now) if one_trip else None
@@ -121,8 +121,10 @@ class Statements:
     # -- claim -------------------------------------------------------------------------------------
 
     @staticmethod
-    def _insert_claim(insert: Any, until: ColumnElement[Any]) -> Any:
-        # A new key: INSERT ... ON CONFLICT DO NOTHING RETURNING id (no row back: the key exists).
+    def _insert_claim(insert: Any, now: ColumnElement[Any], until: ColumnElement[Any]) -> Any:
+        # A new key: INSERT ... ON CONFLICT DO NOTHING RETURNING id (no row back: the key exists). Its times are
+        # the database clock's, to the millisecond (SQLite's column default, CURRENT_TIMESTAMP, has whole seconds:
+        # a run's duration, finished_at - created_at, would read up to a second long).
         c = RUNS.c
         return (
             insert(RUNS)
@@ -140,6 +142,8 @@ class Statements:
                 concurrency_key=bindparam("p_entity"),
                 celery_task_id=bindparam("p_task_id"),
                 message=bindparam("p_message", type_=JSON),
+                created_at=now,
+                updated_at=now,
             )
             .on_conflict_do_nothing(index_elements=["task_name", "tenant", "idempotency_key"])
             .returning(c.id)
