@@ -18,14 +18,14 @@ from celery import Celery
 from celery.signals import task_prerun
 from sqlalchemy import insert, select, text
 
-from oncelery import IdempotentTask
+from oncelery import IdempotentTask, model_call
 from oncelery.models import Outcome
 from oncelery.models.migrate import downgrade, head_revision
 from oncelery.models.totals import HISTOGRAMS
 from oncelery.runs.outcomes import record_outcome
 from oncelery.store.database import Database, get_engine
 from oncelery.store.schema import upgrade_schema
-from oncelery.store.tables import LETTERS, RUNS, STEPS
+from oncelery.store.tables import CALLS, LETTERS, RUNS, STEPS
 from oncelery.testing import wait_until
 from tests import services
 from tests.test_metrics import Samples, migrated_database, samples, scrape
@@ -77,15 +77,20 @@ def test_a_waiting_duplicate_counts_one_wait_and_the_histograms_equal_the_rows(
     app: Celery, worker_factory: Any, db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A duplicate re-checks a held key at least 4 times: in_progress is 1, its wait is one observation (ended
-    replayed), the duplicate ratio over first deliveries is 1/2 (not 5/7), and the run and step histograms
-    equal what task_runs and step_results hold (real worker, both stores)."""
+    replayed), the duplicate ratio over first deliveries is 1/3 (2 keys, 1 duplicate), and the run, step and
+    model-call histograms equal what task_runs, step_results and model_calls hold (real worker, both stores)."""
     monkeypatch.setattr("oncelery.task.idempotent.wait_backoff", lambda waits: 0.02)  # re-checks come quickly
     release, started = threading.Event(), threading.Event()
     deliveries: dict[str, int] = {}
 
+    def double(n: int) -> int:
+        with model_call("gpt-x", prompt="double") as call:  # a real ledger row, written by the worker
+            call.usage((10, 2))
+        return n * 2
+
     @app.task(shared=False, base=IdempotentTask, bind=True, name=TASK, idempotency_key="k:{n}", lease=30)
     def held(self: IdempotentTask, n: int) -> int:
-        value = int(self.step("double", lambda: n * 2))
+        value = int(self.step("double", double, n))
         started.set()
         if not release.wait(30):
             raise TimeoutError("never released")
@@ -122,7 +127,10 @@ def test_a_waiting_duplicate_counts_one_wait_and_the_histograms_equal_the_rows(
         runs = conn.execute(select(RUNS.c.created_at, RUNS.c.finished_at).where(RUNS.c.task_name == TASK))
         durations = [_seconds(done, begun) for begun, done in runs]
         steps = list(conn.execute(select(STEPS.c.seconds)).scalars())
+        calls = [ms / 1000 for ms in conn.execute(select(CALLS.c.latency_ms)).scalars()]
     assert len(durations) == 2 and len(steps) == 2 and all(s is not None and s >= 0 for s in steps)
+    assert len(calls) == 2
+    assert _buckets(got, "llm_call_duration", **labels, model="gpt-x") == _expected("llm_call_duration", calls)
     assert _buckets(got, "run_duration", **labels) == _expected("run_duration", durations)
     assert got["oncelery_run_duration_seconds_sum", _key(labels)] == pytest.approx(sum(durations), abs=0.01)
     assert _buckets(got, "step_duration", **labels) == _expected("step_duration", steps)
