@@ -1,46 +1,21 @@
-"""The article pipeline: summarize -> keywords -> quality, each a checkpointed, ledgered model call.
+"""The article pipeline: summarize -> keywords -> quality, each a model call made as a durable step (`self.llm`).
 
 Keyed by `article:{article_id}:v{version}`: however often a job is delivered, each step's model call is
-paid for once, and the `ArticleScore` row is written once (its `generated_by_run_id` is UNIQUE).
+paid for once where the provider allows it (a worker killed mid-call leaves the call running; the next holder
+re-attaches to it), and the `ArticleScore` row is written once (its `generated_by_run_id` is UNIQUE).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from oncelery import IdempotentTask
+from oncelery import IdempotentTask, ProviderCallFailed, ProviderRateLimited, ProviderUnavailable, output_text
 from oncelery.models.jobs import ArticleScore
 from oncelery.tasks.app import app
-from oncelery.tasks.ledger import call_llm
-from oncelery.tasks.llm import LLMClient, LLMUnavailable, default_client, parse_keywords, parse_quality
+from oncelery.tasks.llm import parse_keywords, parse_quality
+from oncelery.tasks.llm.served import adapter, request
 
 STEPS = ("summarize", "keywords", "quality")
-_clients: dict[int, LLMClient] = {}
-
-
-def client() -> LLMClient:
-    """This process's model client (the offline LocalModel unless ONCELERY_LLM_BASE_URL is set)."""
-    pid = os.getpid()
-    if pid not in _clients:
-        _clients[pid] = default_client()
-    return _clients[pid]
-
-
-def _model_call(task: str, text: str, temperature: float, seed: int) -> str:
-    return call_llm(client(), task, text, temperature=temperature, seed=seed).text
-
-
-def _meta(task: IdempotentTask, step: str, text: str, temperature: float) -> dict[str, Any]:
-    # What the answer depends on: a replay under another model, version or prompt is refused.
-    c = client()
-    return {
-        "model": c.model,
-        "model_version": c.model_version,
-        "prompt_hash": c.prompt_hash(step, text),
-        "temperature": temperature,
-        "seed": task.step_seed(step),
-    }
 
 
 @app.task(
@@ -51,7 +26,7 @@ def _meta(task: IdempotentTask, step: str, text: str, temperature: float) -> dic
     concurrency_key="article:{article_id}",
     lease=60,
     total_steps=len(STEPS),
-    autoretry_for=(LLMUnavailable,),
+    autoretry_for=(ProviderUnavailable, ProviderRateLimited, ProviderCallFailed),
     retry_backoff=True,
     max_retries=5,
 )
@@ -61,10 +36,9 @@ def score_article(
     """Summarize, extract keywords and score one article version; exactly one ArticleScore per version."""
     step_results: dict[str, str] = {}
     for step in STEPS:
-        # Keywords and quality read the article itself; each step's inputs are in its meta.
-        step_results[step] = self.step(
-            step, _model_call, step, text, temperature, step_meta=_meta(self, step, text, temperature)
-        )
+        # Keywords and quality read the article itself; each step's request is in its intent's digest.
+        answer = self.llm(step, adapter=adapter(), **request(step, text, temperature, self.step_seed(step)))
+        step_results[step] = output_text(answer)
     keywords = parse_keywords(step_results["keywords"])
     quality = parse_quality(step_results["quality"])
     with self.effects() as session:

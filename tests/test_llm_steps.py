@@ -96,6 +96,7 @@ def test_a_call_is_made_once_and_replayed_after(
     assert fake.stats()["creates_by_intent"] == {intent["public_id"]: 1}, "the replay made no call"
     [row] = ledger(db_url)
     assert (row["call_id"], row["ok"], row["reason"], row["reattached"]) == (intent["public_id"], True, None, False)
+    assert (row["step"], row["run_id"], row["idempotency_key"]) == ("summary", intent["run_id"], "doc:d1")
     assert (row["input_tokens"], row["output_tokens"]) == (intent["input_tokens"], intent["output_tokens"]) != (0, 0)
     assert task.outcome_counts() == {"executed": 1, "replayed": 1}
     # Retention takes a finished run's intents with it.

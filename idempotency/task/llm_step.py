@@ -60,13 +60,15 @@ class LedgerRecorder:
         self.model = str(request.get("model", ""))
         self.price = price_of(self.model, conf)
         self.started = time.perf_counter()
+        # Made inside the step: its row is written later, by the checkpoint's transaction, outside the step's context.
+        self.step = current_step()
 
     def __call__(
         self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
         error: str | None,
     ) -> None:  # fmt: skip
         """Add the row (and the running totals, once) for `intent`'s call."""
-        claim, step = self.ctx.claim, current_step()
+        claim, step = self.ctx.claim, self.step
         cost = None if self.price is None else self.price.cost(usage.input_tokens, usage.output_tokens)
         row = {
             "call_id": intent.public_id,

@@ -9,7 +9,10 @@ any copy that was not needed; a job lost with a killed worker is never lost for 
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +34,8 @@ from oncelery.tasks.commands.producer import (
 )
 from oncelery.tasks.commands.report import Summary, render, scored, summarize, take_snapshot, write_json
 from oncelery.tasks.commands.watch import Watch
+from oncelery.tasks.llm.openai_compat import ENV_BASE_URL
+from oncelery.tasks.llm.served import ENV_FAKE_PROVIDER_URL, start_provider
 
 LOG_NAME = "process-worker.log"
 NON_TTY_WIDTH = 110
@@ -78,6 +83,14 @@ NON_TTY_WIDTH = 110
     help="Article lease (seconds) in the worker this command starts: a killed holder's job is taken over "
     "after this long. Default: the task's own (60).",
 )
+@click.option(
+    "--call-seconds",
+    default="0.02-0.1",
+    show_default=True,
+    metavar="MIN[-MAX]",
+    help="How long each model call takes at the local provider (spread between MIN and MAX): 0.2-1 lets a "
+    "--kill-worker-every kill land mid-call, and the next holder re-attach to it.",
+)
 @click.option("--queue", default=None, help="Queue to send to (and for the started worker to consume).")
 @click.option(
     "--quiet-seconds",
@@ -111,6 +124,7 @@ def process(
     start_worker: bool | None,
     concurrency: int,
     lease: float | None,
+    call_seconds: str,
     queue: str | None,
     quiet_seconds: float,
     timeout: float,
@@ -130,6 +144,7 @@ def process(
     # not a worker's error (or a publish retried for ever) later.
     default_client()
     check_services(app)
+    seconds = _call_seconds(call_seconds)
 
     broker = str(app.conf.broker_url)
     if start_worker is None:
@@ -156,7 +171,10 @@ def process(
     watch = Watch(app, score_article, runs, keys, calls, before.outcomes, None, console, kill_worker_every, relay)
     fresh = watch.pending_keys()
     worker_options = (concurrency, queue, lease) if start_worker else None
-    finished = _deliver(url, watch, score_article, calls, order, worker_options, timeout, quiet_seconds, fresh)
+    with _provider(seconds) as provider_env:
+        finished = _deliver(
+            url, watch, score_article, calls, order, worker_options, timeout, quiet_seconds, fresh, provider_env
+        )
 
     rows, missing = scored(url, [(a.id, a.version) for a in articles])
     summary = summarize(
@@ -209,6 +227,7 @@ def _deliver(
     timeout: float,
     quiet_seconds: float,
     fresh: list[str],
+    provider_env: dict[str, str],
 ) -> float | None:
     """Start the worker (if asked), send every delivery, follow them to the end; return when the last finished."""
     worker: LocalWorker | None = None
@@ -218,7 +237,7 @@ def _deliver(
             if worker_options is not None:
                 concurrency, queue, lease = worker_options
                 lease_env = {ENV_LEASE: str(lease)} if lease else {}
-                worker = start_local_worker(url, LOG_NAME, concurrency, queue, WORKER_APP, lease_env)
+                worker = start_local_worker(url, LOG_NAME, concurrency, queue, WORKER_APP, lease_env | provider_env)
                 click.echo(f"started a worker: pid {worker.pid}, {concurrency} processes, log {worker.log_path}")
             else:
                 click.echo("no local worker: the broker's workers will run the jobs (--start-worker starts one)")
@@ -242,6 +261,32 @@ def _deliver(
             if worker is not None:
                 worker.stop()
             watch.close()
+
+
+def _call_seconds(text: str) -> tuple[float, float]:
+    """Parse --call-seconds: "0.2" or "0.2-1" (seconds, MIN <= MAX)."""
+    try:
+        low, _, high = text.partition("-")
+        span = (float(low), float(high or low))
+    except ValueError:
+        span = (-1.0, -1.0)
+    if not 0 <= span[0] <= span[1] <= 600:
+        raise click.BadParameter(f"{text!r}: give seconds as MIN or MIN-MAX, e.g. 0.2-1", param_hint="--call-seconds")
+    return span
+
+
+@contextmanager
+def _provider(seconds: tuple[float, float]) -> Iterator[dict[str, str]]:
+    """Run the local model provider in this process for the whole run (its calls outlive a killed worker), and
+    yield the environment that points the started worker at it; nothing when a real server is configured."""
+    if os.environ.get(ENV_BASE_URL) or os.environ.get(ENV_FAKE_PROVIDER_URL):
+        yield {}
+        return
+    provider = start_provider(seconds)
+    try:
+        yield {ENV_FAKE_PROVIDER_URL: provider.url}
+    finally:
+        provider.stop()
 
 
 def _key(task: Any, article: Article, args: tuple[Any, ...]) -> str:
@@ -286,5 +331,6 @@ def _verdict(s: Summary, finished: bool, timeout: float, queue: str) -> None:
         )
     click.echo(
         f"exactly once: {s.score_rows} scores for {s.articles} articles from {s.deliveries_sent} deliveries; "
-        f"{s.llm_calls} model calls ({s.wasted_calls} wasted), {s.llm_calls_saved} saved"
+        f"{s.llm_calls} model calls ({s.wasted_calls} wasted, {s.calls_reattached} re-attached, "
+        f"{sum(s.repeated_calls.values())} repeated), {s.llm_calls_saved} saved"
     )

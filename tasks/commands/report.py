@@ -14,6 +14,7 @@ checkpointed (its worker was killed in between), so a later attempt had to call 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import Table as SqlTable
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 
 from oncelery import Database, Outcome, Runs
 from oncelery.models import ModelCall
@@ -40,6 +41,8 @@ class LedgerTotals:
     calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    reattached: int = 0  # calls whose answer a later holder took instead of paying again
+    repeated: tuple[tuple[str, int], ...] = ()  # calls made again for the same step, by reason (the ledger's)
 
 
 @dataclass(frozen=True)
@@ -57,15 +60,23 @@ def take_snapshot(runs: Runs, task_name: str, keys: Iterable[str]) -> Snapshot:
     stmt = (
         select(
             c.idempotency_key,
+            c.reason,
             func.count(),
             func.coalesce(func.sum(c.input_tokens), 0),
             func.coalesce(func.sum(c.output_tokens), 0),
+            func.coalesce(func.sum(case((c.reattached, 1), else_=0)), 0),
         )
         .where(c.task_name == task_name)
-        .group_by(c.idempotency_key)
+        .group_by(c.idempotency_key, c.reason)
     )
+    ledger: dict[str, LedgerTotals] = {}
     with runs.db.read() as conn:
-        ledger = {k: LedgerTotals(int(n), int(i), int(o)) for k, n, i, o in conn.execute(stmt) if k in wanted}
+        for key, reason, n, i, o, r in conn.execute(stmt):
+            if key not in wanted:
+                continue
+            t = ledger.get(key, LedgerTotals())
+            repeated = t.repeated + (((reason, int(n)),) if reason else ())
+            ledger[key] = LedgerTotals(t.calls + n, t.input_tokens + i, t.output_tokens + o, t.reattached + r, repeated)
     return Snapshot(runs.outcome_counts(task_name), ledger)
 
 
@@ -99,6 +110,8 @@ class Summary:
     llm_calls: int
     llm_calls_saved: int
     wasted_calls: int
+    calls_reattached: int
+    repeated_calls: dict[str, int]
     input_tokens: int
     output_tokens: int
     wall_seconds: float
@@ -149,6 +162,14 @@ def summarize(
     def total(ledger: dict[str, LedgerTotals], name: str) -> int:
         return sum(getattr(t, name) for t in ledger.values())
 
+    def by_reason(ledger: dict[str, LedgerTotals]) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for t in ledger.values():
+            counts.update(dict(t.repeated))
+        return counts
+
+    repeated = by_reason(after.ledger)
+    repeated.subtract(by_reason(before.ledger))
     checkpoints = runs.resumed_steps(task_name, fresh_keys)
     calls = total(after.ledger, "calls") - total(before.ledger, "calls")
     return Summary(
@@ -161,6 +182,8 @@ def summarize(
         llm_calls=calls,
         llm_calls_saved=steps_per_article * delta["replayed"] + checkpoints,
         wasted_calls=beyond(after.ledger) - beyond(before.ledger),
+        calls_reattached=total(after.ledger, "reattached") - total(before.ledger, "reattached"),
+        repeated_calls={reason: n for reason, n in sorted(repeated.items()) if n > 0},
         input_tokens=total(after.ledger, "input_tokens") - total(before.ledger, "input_tokens"),
         output_tokens=total(after.ledger, "output_tokens") - total(before.ledger, "output_tokens"),
         **figures,
@@ -199,12 +222,21 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
         ("worker kills", f"{s.worker_kills}", f"{s.jobs_interrupted} jobs interrupted mid-pipeline"),
         ("LLM calls made (ledger rows)", f"{s.llm_calls}", ""),
         ("LLM calls saved", f"{s.llm_calls_saved}", f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"),
-        ("wasted calls", f"{s.wasted_calls}", "returned, step never checkpointed"),
+        ("wasted calls", f"{s.wasted_calls}", "ledger rows beyond one per step"),
+        ("calls re-attached", f"{s.calls_reattached}", "a killed holder's call, answered to the next one"),
+        ("repeated calls", f"{sum(s.repeated_calls.values())}", _reasons(s.repeated_calls)),
         ("tokens in / out", f"{s.input_tokens:,} / {s.output_tokens:,}", ""),
         ("wall time", f"{s.wall_seconds:.1f} s", _wall_note(s)),
         ("articles/s", f"{s.articles_per_second:.1f}", _steady(s)),
     ]
     return rows
+
+
+def _reasons(repeated: dict[str, int]) -> str:
+    if not repeated:
+        return "no call made twice"
+    # unknown_outcome: the call a holder died in the create window of (estimated: maybe never sent).
+    return ", ".join(f"{n} {reason}" for reason, n in repeated.items())
 
 
 def _wall_note(s: Summary) -> str:
