@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from oncelery.llm.tokens import truncate_tokens
+from oncelery.llm.tokens import input_text, truncate_tokens
 
-#: A generator the demo may plug in: (model, input text, max output tokens) -> answer text.
-Generator = Callable[[str, str, int | None], str]
+#: What writes the answer of a create: the request (JSON) -> the answer's text. The demo plugs its LocalModel in.
+Generator = Callable[[Mapping[str, Any]], str]
 
 _SOURCE = (
     "the model reads each article and writes a short faithful summary of its main points while keeping names "
@@ -24,3 +25,8 @@ def generate_text(model: str, prompt: str, max_tokens: int | None = None) -> str
     words = [_WORDS[(digest[i % len(digest)] + i) % len(_WORDS)] for i in range(n)]
     text = " ".join(words).capitalize() + "."
     return text if max_tokens is None else truncate_tokens(text, max_tokens)
+
+
+def default_generator(request: Mapping[str, Any]) -> str:
+    """Answer a create request with `generate_text` over its model and billed input text."""
+    return generate_text(str(request.get("model", "")), input_text(request))

@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.generate import Generator, generate_text
+from oncelery.llm.fake.generate import Generator, default_generator
 from oncelery.llm.fake.state import KnobError, Knobs, ProviderState, retry_after_header
 from oncelery.llm.tokens import count_tokens, request_text
 
@@ -109,7 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
                 429, error(429, message), {"retry-after": retry_after_header(wait), **self._limits(model, anthropic)}
             )
             return
-        answer = self.server.generator(model, prompt, None)
+        answer = self.server.generator(body)
         call = state.create(kind, model, body, prompt, answer, intent)
         state.hold()
         hang = state.hang()
@@ -356,7 +356,7 @@ class FakeProvider(FakeProviderControl):
 
     def __init__(self, knobs: Knobs | None = None, generator: Generator | None = None, port: int = 0) -> None:
         self.state = ProviderState(knobs)
-        self._server = _Server(("127.0.0.1", port), self.state, generator or generate_text)
+        self._server = _Server(("127.0.0.1", port), self.state, generator or default_generator)
         self.port = int(self._server.server_address[1])
         super().__init__(f"http://127.0.0.1:{self.port}")
         self._thread = threading.Thread(target=self._server.serve_forever, name="oncelery-fake-provider", daemon=True)
@@ -388,7 +388,7 @@ class FakeProvider(FakeProviderControl):
 
 def serve(host: str, port: int, knobs: Knobs, ready: Callable[[str], None]) -> None:
     """Serve a fake provider in this thread until interrupted; call `ready(url)` once it listens."""
-    server = _Server((host, port), ProviderState(knobs), generate_text)
+    server = _Server((host, port), ProviderState(knobs), default_generator)
     ready(f"http://{host}:{server.server_address[1]}")
     try:
         server.serve_forever()

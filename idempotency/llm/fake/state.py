@@ -5,6 +5,7 @@ Times are the provider's own monotonic clock: the fake is the other side of the 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -31,6 +32,7 @@ class Knobs:
     """How the fake behaves; every field can be changed while it runs (`FakeProviderControl.set_knobs`)."""
 
     generation_s: float = 0.0  # how long a response takes to complete after its create
+    generation_max_s: float = 0.0  # above generation_s: each call takes between the two (fixed per call)
     poll_after_ms: int = 100  # the `openai-poll-after-ms` hint on background answers
     retention_s: float = 600.0  # a background response without store=true is gone this long after it ends
     stored_retention_s: float = 30 * 86400.0  # a stored response (store=true, the foreground default)
@@ -230,7 +232,7 @@ class ProviderState:
                 truncated=truncated,
                 created=now,
                 created_at=int(time.time()),
-                ends=now + self.knobs.generation_s,
+                ends=now + self._generation_s(answer),
                 background=bool(request.get("background")),
                 store=request.get("store", True) is not False,
                 stuck=bool(request.get("background")) and self.knobs.stuck_queued,
@@ -245,6 +247,14 @@ class ProviderState:
             self.stats.billed_input_tokens += call.input_tokens
             self.stats.billed_output_tokens += call.output_tokens
             return call
+
+    def _generation_s(self, answer: str) -> float:
+        """A call's generation time: generation_s, or spread up to generation_max_s by the answer's digest."""
+        low, high = self.knobs.generation_s, self.knobs.generation_max_s
+        if high <= low:
+            return low
+        fraction = int(hashlib.sha256(answer.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        return low + (high - low) * fraction
 
     def hold(self) -> bool:
         """Hold this create's answer until `release` (or the hold timeout) if a hold is armed; say if it was."""
