@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import services
-from tests.test_adoption_walk import Command, Walk, fresh_database, new_walker
+from tests.test_adoption_walk import Command, Walk, fresh_database, new_walker, stop_leftovers
 from tests.wheel_venv import build_wheel, run
 
 # "12.34s call     test_summaries.py::test_a_killed_worker_resumes_after_the_checkpoint"
@@ -75,6 +75,7 @@ def main() -> None:
                 for test, seconds in durations(done.out).items():
                     per_test[test].append(seconds)
         finally:
+            stop_leftovers(walker.project)
             services.delete_queue_keys(services.REDIS_URL, queue)
 
     figures = {

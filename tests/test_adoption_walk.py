@@ -28,11 +28,13 @@ The kill test's duration is a benchmark figure (bench/adoption_walk.py, docs/ben
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,6 +179,23 @@ class Walker:
         return dict(zip(OPTIONAL, (v == "True" for v in done.out.split()), strict=True))
 
 
+def stop_leftovers(project: Path) -> list[int]:
+    """SIGKILL every process still working in `project` (by PID; return them): the user's pytest stops its
+    worker subprocesses itself, but not when it was stopped on a timeout before its teardown ran."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            inside = proc.name.isdigit() and Path(os.readlink(proc / "cwd")).is_relative_to(project)
+        except OSError:  # gone, or not ours to read
+            continue
+        if inside and int(proc.name) != os.getpid():
+            left.append(int(proc.name))
+    for pid in left:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 @contextmanager
 def fresh_database() -> Iterator[str]:
     """A fresh, empty database on the local PostgreSQL (the doc's `summaries`), dropped at the end of the block."""
@@ -230,7 +249,9 @@ def test_the_adoption_walk_ends_in_a_green_test_of_the_users_task(
         for step in walk.steps:
             walker.step(step)
     finally:
+        leftovers = stop_leftovers(walker.project)
         services.delete_queue_keys(services.REDIS_URL, queue)
+    assert leftovers == [], "the user's pytest left processes running (SIGKILLed)"
 
     # -- installs: nothing the user did not ask for ---------------------------------------------------------------
     assert walker.importable == [
