@@ -209,13 +209,27 @@ rooms = sys.argv[1:]
 seen = {}
 for room in rooms:
     package = importlib.import_module("oncelery." + room)
-    names = [m.name for m in pkgutil.iter_modules(package.__path__, package.__name__ + ".")]
+    names = [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
     seen[room] = {"file": package.__file__, "modules": {n: importlib.import_module(n).__file__ for n in names}}
 # What `oncelery process --sample` reads: the articles shipped as package data.
 from oncelery.tasks.commands.article_file import load_sample
 sample = load_sample()
 print(json.dumps({"rooms": seen, "sample": [len(sample), sample[0].id]}))
 """
+
+
+def room_modules(folder: Path, package: str) -> set[str]:
+    """The dotted names of every module and subpackage under a room's folder (its own __init__ left out)."""
+    names = set()
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if "__pycache__" in parts:
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names.add(".".join((package, *parts)))
+    return names
 
 
 def source_rooms(source: Path) -> list[str]:
@@ -225,9 +239,10 @@ def source_rooms(source: Path) -> list[str]:
 
 def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_path: Path) -> None:
     """Each subpackage of the framework (task, delivery, runs, store, ops, cli, testing, and any room added
-    later) and every module in it imports from the installed wheel, not from the repository: a room missing
-    from pyproject's `packages` fails here. In that folder (no samples/), the sample articles of `oncelery
-    process --sample` load from the installed package."""
+    later) and every module and nested package in it (llm.adapters, llm.fake) imports from the installed wheel,
+    not from the repository: a room or a nested package missing from pyproject's `packages` fails here, and so
+    does a module that runs on import (a `__main__` without its guard). In that folder (no samples/), the
+    sample articles of `oncelery process --sample` load from the installed package."""
     rooms = source_rooms(built.source)
     assert {"task", "delivery", "runs", "store", "ops", "cli", "testing"} <= set(rooms), rooms
     neutral = tmp_path / "elsewhere"
@@ -240,8 +255,7 @@ def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_p
     installed = fresh_venv.site_packages / "oncelery"
     for room in rooms:
         assert Path(seen[room]["file"]) == installed / room / "__init__.py", seen[room]
-        expected = {f"oncelery.{room}.{p.stem}" for p in (built.source / "idempotency" / room).glob("*.py")}
-        expected.discard(f"oncelery.{room}.__init__")
+        expected = room_modules(built.source / "idempotency" / room, f"oncelery.{room}")
         assert set(seen[room]["modules"]) == expected, (room, sorted(seen[room]["modules"]), sorted(expected))
         for module, file in seen[room]["modules"].items():
             assert Path(file).is_relative_to(installed), f"{module} imported from {file}, not the wheel"

@@ -2,4 +2,6 @@
 
 from oncelery.testing.worker import main
 
-main()
+# Guarded: importing the module (tools that import every module of a package, the wheel's room check) runs nothing.
+if __name__ == "__main__":
+    main()
