@@ -32,6 +32,8 @@ FRAMEWORK_TABLES = {
     "ledger_totals",
     "run_status_totals",
     "letter_totals",
+    "histogram_buckets",
+    "llm_intents",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}

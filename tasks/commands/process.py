@@ -332,5 +332,5 @@ def _verdict(s: Summary, finished: bool, timeout: float, queue: str) -> None:
     click.echo(
         f"exactly once: {s.score_rows} scores for {s.articles} articles from {s.deliveries_sent} deliveries; "
         f"{s.llm_calls} model calls ({s.wasted_calls} wasted, {s.calls_reattached} re-attached, "
-        f"{sum(s.repeated_calls.values())} repeated), {s.llm_calls_saved} saved"
+        f"{s.repeated} repeated), {s.llm_calls_saved} saved"
     )

@@ -31,6 +31,7 @@ from oncelery.models import ModelCall
 from oncelery.models.jobs import ArticleScore
 
 _CALLS = cast(SqlTable, ModelCall.__table__)
+UNKNOWN_OUTCOME = "unknown_outcome"  # the ledger's reason for a call whose holder died before it was answered
 _SCORES = cast(SqlTable, ArticleScore.__table__)
 
 
@@ -125,6 +126,11 @@ class Summary:
         return self.sent_first + self.sent_duplicates + self.sent_again
 
     @property
+    def repeated(self) -> int:
+        """Calls made again for a step (every reason but the unknown predecessor's own estimated row)."""
+        return sum(n for reason, n in self.repeated_calls.items() if reason != UNKNOWN_OUTCOME)
+
+    @property
     def articles_per_second(self) -> float:
         """Articles over the wall time."""
         return self.articles / self.wall_seconds if self.wall_seconds > 0 else 0.0
@@ -136,6 +142,7 @@ class Summary:
         data["deliveries_sent"] = self.deliveries_sent
         data["articles_per_second"] = round(self.articles_per_second, 3)
         data["llm_calls_without_oncelery"] = self.llm_calls + self.llm_calls_saved
+        data["repeated"] = self.repeated
         return data
 
 
@@ -224,7 +231,7 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
         ("LLM calls saved", f"{s.llm_calls_saved}", f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"),
         ("wasted calls", f"{s.wasted_calls}", "ledger rows beyond one per step"),
         ("calls re-attached", f"{s.calls_reattached}", "a killed holder's call, answered to the next one"),
-        ("repeated calls", f"{sum(s.repeated_calls.values())}", _reasons(s.repeated_calls)),
+        ("repeated calls", f"{s.repeated}", _reasons(s.repeated_calls)),
         ("tokens in / out", f"{s.input_tokens:,} / {s.output_tokens:,}", ""),
         ("wall time", f"{s.wall_seconds:.1f} s", _wall_note(s)),
         ("articles/s", f"{s.articles_per_second:.1f}", _steady(s)),
@@ -233,10 +240,11 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
 
 
 def _reasons(repeated: dict[str, int]) -> str:
-    if not repeated:
-        return "no call made twice"
-    # unknown_outcome: the call a holder died in the create window of (estimated: maybe never sent).
-    return ", ".join(f"{n} {reason}" for reason, n in repeated.items())
+    known = {reason: n for reason, n in repeated.items() if reason != UNKNOWN_OUTCOME}
+    text = ", ".join(f"{n} {reason}" for reason, n in known.items()) or "no call made twice"
+    unknown = repeated.get(UNKNOWN_OUTCOME, 0)
+    # The call a holder died in the create window of: estimated in the ledger, maybe never sent.
+    return text + (f"; {unknown} earlier call(s) of unknown outcome (estimated)" if unknown else "")
 
 
 def _wall_note(s: Summary) -> str:

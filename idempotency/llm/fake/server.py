@@ -8,6 +8,7 @@ Control endpoints (JSON): `GET /_fake/stats`, `POST /_fake/knobs` (a partial `Kn
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import urllib.error
@@ -300,6 +301,11 @@ class _Server(ThreadingHTTPServer):
         self.state = state
         self.generator = generator
         self.stopping = threading.Event()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Stay quiet when a client vanished (a killed worker resets its connections); report anything else."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class FakeProviderControl:
