@@ -50,6 +50,7 @@ FRAMEWORK = Branch(
             "run_status_totals",
             "letter_totals",
             "histogram_buckets",
+            "llm_intents",
         }
     ),
 )

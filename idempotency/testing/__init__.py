@@ -17,6 +17,8 @@ Fault helpers are one-liners: `deliver_concurrently`, `kill_holder`, `frozen_pas
 `flush_broker` (this app's queues only), `fail_step_once` (`exc=` your own error), and the database's:
 `fail_at(point, fault)`, `terminate_connections`, `database_down`. Assertions: `assert_ran_once`,
 `assert_outcomes` (`ANY` or `ignore=` for timing-dependent counts), `assert_steps`, `assert_ledger`.
+Model calls: `FakeProvider` (a real HTTP server on 127.0.0.1 speaking OpenAI's and Anthropic's protocols, whose
+counters are what a provider would have billed; docs/llm.md), `FakeProviderControl`, `FakeProviderKnobs`.
 $ONCELERY_PASS_THROUGH=1 (fixture `oncelery_pass_through`) runs bodies unclaimed for plain unit tests
 (`self.run_id` is None there). See docs/testing.md.
 
@@ -26,6 +28,8 @@ throwaway PostgreSQL), `waiting`. This module re-exports them: it is the plugin 
 `pytest11`), and `from oncelery.testing import *` gives the kit.
 """
 
+from oncelery.llm.fake import FakeProvider, FakeProviderControl
+from oncelery.llm.fake import Knobs as FakeProviderKnobs
 from oncelery.testing.broker import TEST_VISIBILITY_TIMEOUT, flush_broker, restore_delivery
 from oncelery.testing.database_faults import InjectedFault, database_down, fail_at, terminate_connections
 from oncelery.testing.db import ANY, OnceleryDb, assert_ledger, assert_outcomes, assert_ran_once, assert_steps
@@ -66,6 +70,9 @@ __all__ = [
     "ANY",
     "DEFAULT_TIMEOUT",
     "TEST_VISIBILITY_TIMEOUT",
+    "FakeProvider",
+    "FakeProviderControl",
+    "FakeProviderKnobs",
     "InjectedFault",
     "OnceleryDb",
     "StepFailedOnce",
