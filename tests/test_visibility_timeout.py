@@ -77,6 +77,17 @@ def make_app(db_url: str, broker: str, queue: str, options: dict[str, Any] | Non
     def long(self: IdempotentTask, n: int) -> int:
         return n
 
+    return own_tasks_only(app)
+
+
+def own_tasks_only(app: Celery) -> Celery:
+    """Finalize `app` with its own idempotent tasks only: Celery adds every shared task this process has defined
+    (the demo's score_article, other tests' apps) to each app it finalizes, and one with no max_lease would stop
+    the derivation; a worker's app holds only its project's tasks."""
+    app.finalize()
+    for name, task in list(app.tasks.items()):
+        if isinstance(task, IdempotentTask) and not name.startswith("oncelery.t_vt_"):
+            del app.tasks[name]
     return app
 
 
@@ -259,6 +270,7 @@ def test_a_sigkilled_workers_job_comes_back_after_the_derived_timeout(
         monkeypatch.syspath_prepend(str(tmp_path))
         import vtkill  # the same app in this process: it sends the job, and its in-process worker survives
 
+        own_tasks_only(vtkill.app)
         vtkill.job.delay(21)
         wait_for(lambda: (tmp_path / f"started-{holder.pid}").exists(), timeout=60, what="the worker to start the job")
         os.killpg(holder.pid, signal.SIGKILL)

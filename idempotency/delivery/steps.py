@@ -159,6 +159,8 @@ def save_checkpoint_txn(
         "args_digest": digest,
         "token": claim.token,
         "seconds": seconds,
+        # The database clock, to the run's own precision (SQLite's column default has whole seconds only).
+        "created_at": store.db.dialect.now(),
     }
     stmt = store.db.dialect.insert(STEPS).values(run_id=claim.run_id, position=position, **values)
     conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "position"], set_=values))

@@ -11,6 +11,7 @@ again, labelled `sync_unknown` in the ledger).
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Mapping
@@ -55,7 +56,10 @@ def adapter() -> Any:
     """This process's adapter: chat completions on $ONCELERY_LLM_BASE_URL, else the (fake) provider's Responses."""
     pid = os.getpid()
     with _lock:
-        return _served.get(pid) or _served.setdefault(pid, _make_adapter())
+        if pid not in _served:
+            _served[pid] = made = _make_adapter()
+            atexit.register(made.close)  # its HTTP connections, closed when the process ends
+        return _served[pid]
 
 
 def _make_adapter() -> Any:

@@ -45,7 +45,7 @@ def _hold(doc: str) -> None:
         time.sleep(0.05)
 
 
-@app.task(base=IdempotentTask, bind=True, name="labels.label", idempotency_key="label:{doc}")
+@app.task(base=IdempotentTask, bind=True, name="labels.label", idempotency_key="label:{doc}", shared=False)
 def label(self: IdempotentTask, doc: str) -> str:
     """Label a document once: read it, hold (a slow model), classify, then store the label with the run."""
     words = self.step("read", lambda: len(doc.split("-")))

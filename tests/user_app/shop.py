@@ -68,7 +68,7 @@ def score(order: dict[str, object]) -> str:
     return verdict
 
 
-@app.task(base=IdempotentTask, bind=True, name="shop.charge", idempotency_key="charge:{order_id}")
+@app.task(base=IdempotentTask, bind=True, name="shop.charge", idempotency_key="charge:{order_id}", shared=False)
 def charge(self: IdempotentTask, order_id: str, amount: int) -> dict[str, object]:
     """Charge an order once: fetch, score (checkpointed steps), then write the charge with the run."""
     order = self.step("fetch", fetch, order_id)
