@@ -103,6 +103,7 @@ def test_a_call_is_made_once_and_replayed_after(
     assert purge(Database(db_url), 0).intents == 1 and intents(db_url) == []
 
 
+@ON_SQLITE
 def test_a_failed_holder_s_call_is_re_attached_not_paid_again(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:
@@ -116,6 +117,7 @@ def test_a_failed_holder_s_call_is_re_attached_not_paid_again(
     assert row["reattached"] is True and row["reason"] is None
 
 
+@ON_POSTGRESQL
 def test_the_create_window_re_sends_labelled_and_records_the_unknown_call(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:
@@ -159,6 +161,7 @@ def test_an_at_most_once_sync_call_of_unknown_outcome_goes_to_a_person(
     assert fake.stats()["creates"] == {}, "never sent again"
 
 
+@ON_SQLITE
 def test_a_forgotten_response_is_called_again_labelled_or_dead_lettered(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:

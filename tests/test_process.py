@@ -105,7 +105,8 @@ def check_exactly_once(state: dict[str, Any], articles: list[dict[str, Any]]) ->
 def test_hundred_articles_with_duplicates_on_the_embedded_default(tmp_path: Path) -> None:
     """From a fresh folder with no settings and no servers: the sample shipped in the package (`--sample`), on the
     embedded broker and ./oncelery.db, is scored exactly once."""
-    done = process("--limit", "100", "--duplicates", "0.3", cwd=tmp_path, sample=True)
+    # Calls answer at once (--call-seconds 0): the kill test below is where their time matters.
+    done = process("--limit", "100", "--duplicates", "0.3", "--call-seconds", "0", cwd=tmp_path, sample=True)
     assert done.code == 0, f"{done.out}\n{done.err}"
     assert live_workers(done.out) == [], "the command left its worker running"
 
