@@ -7,6 +7,7 @@ No retry here on purpose: a create retried by a transport would be a second paid
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
@@ -172,6 +173,22 @@ class HTTPAdapter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OpenAIAuthAdapter(HTTPAdapter):
+    """An adapter on an OpenAI-style API: a base URL and a bearer key ($OPENAI_API_KEY unless given)."""
+
+    def __init__(
+        self,
+        base_url: str = "https://api.openai.com/v1",
+        api_key: str | None = None,
+        *,
+        provider: str = "openai",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.provider = provider
+        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+        self.http = Transport(provider, base_url, {"Authorization": f"Bearer {key}"}, timeout_s)
 
 
 def _detail(response: httpx.Response) -> str:

@@ -7,33 +7,20 @@ billed) it, and nothing can be looked up. The intent id travels in the `X-Client
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from oncelery.llm.adapters.base import CallState, Capabilities, Observed, Usage
-from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, Transport
+from oncelery.llm.adapters.http import OpenAIAuthAdapter
 from oncelery.llm.errors import ProviderRejected
 
 INTENT_HEADER = "X-Client-Request-Id"
 
 
-class OpenAIChat(HTTPAdapter):
+class OpenAIChat(OpenAIAuthAdapter):
     """`POST /v1/chat/completions` over httpx, never streamed, never in the background."""
 
     endpoint = "chat.completions"
-
-    def __init__(
-        self,
-        base_url: str = "https://api.openai.com/v1",
-        api_key: str | None = None,
-        *,
-        provider: str = "openai",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        self.provider = provider
-        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.http = Transport(provider, base_url, {"Authorization": f"Bearer {key}"}, timeout_s)
 
     def capabilities(self, request: Mapping[str, Any]) -> Capabilities:
         """Synchronous: no background, no resume, no lookup, nothing retrievable."""

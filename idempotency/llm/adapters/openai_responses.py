@@ -9,13 +9,12 @@ cannot be found again (`lookup` None).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import closing
 from typing import Any
 
 from oncelery.llm.adapters.base import CallState, Capabilities, Observed, Usage
-from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, Transport
+from oncelery.llm.adapters.http import OpenAIAuthAdapter
 from oncelery.llm.errors import ProviderUnavailable
 
 #: The metadata key that carries the intent id (opaque: never a key or a tenant).
@@ -41,22 +40,10 @@ def observed(response: Mapping[str, Any], poll_after_ms: str | None = None, curs
     return Observed(_STATES[status], str(response.get("id") or "") or None, response, wait, cursor)
 
 
-class OpenAIResponses(HTTPAdapter):
+class OpenAIResponses(OpenAIAuthAdapter):
     """`POST /v1/responses` and friends over httpx: background by default where the step allows it."""
 
     endpoint = "responses"
-
-    def __init__(
-        self,
-        base_url: str = "https://api.openai.com/v1",
-        api_key: str | None = None,
-        *,
-        provider: str = "openai",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        self.provider = provider
-        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.http = Transport(provider, base_url, {"Authorization": f"Bearer {key}"}, timeout_s)
 
     def capabilities(self, request: Mapping[str, Any]) -> Capabilities:
         """Background and stream resume; no lookup; retention by `store` (see the module's docstring)."""
