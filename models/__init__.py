@@ -8,7 +8,7 @@ user's database.
 
 from oncelery.models.base import Base
 from oncelery.models.intents import IntentState, LlmIntent, RepeatReason
-from oncelery.models.ledger import LedgerTotal, ModelCall
+from oncelery.models.ledger import LedgerLabelTotal, LedgerTotal, ModelCall
 from oncelery.models.runs import (
     DIGEST_KEY_SECRET,
     DeadLetter,
@@ -32,6 +32,7 @@ __all__ = [
     "EntityVersion",
     "HistogramBucket",
     "IntentState",
+    "LedgerLabelTotal",
     "LedgerTotal",
     "LetterTotal",
     "LlmIntent",

@@ -77,3 +77,20 @@ class LedgerTotal(Base):
     output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
     cost: Mapped[float] = mapped_column(Float, nullable=False, default=0.0, server_default="0")
     unpriced_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+
+
+class LedgerLabelTotal(Base):
+    """Running counts of labelled `model_calls` per (task, tenant, model, label), added with each labelled row.
+
+    A label is why a call was made again for its step (a `RepeatReason` of its intent), `unknown_outcome` (the
+    estimated row of a call whose holder died before it was answered) or `reattached` (a call a later holder
+    took the answer of). The exporter and `oncelery costs` read these few rows; retention never lowers them.
+    """
+
+    __tablename__ = "ledger_label_totals"
+
+    task_name: Mapped[str] = mapped_column(String(255), primary_key=True)  # "" for calls outside any task
+    tenant: Mapped[str] = mapped_column(String(255), primary_key=True)
+    model: Mapped[str] = mapped_column(String(255), primary_key=True)
+    label: Mapped[str] = mapped_column(String(32), primary_key=True)
+    calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")

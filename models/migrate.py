@@ -47,6 +47,7 @@ FRAMEWORK = Branch(
             "entity_versions",
             "model_calls",
             "ledger_totals",
+            "ledger_label_totals",
             "run_status_totals",
             "letter_totals",
             "histogram_buckets",

@@ -35,6 +35,7 @@ ORDERED_TABLES = [
     "llm_intents",
     "model_calls",
     "ledger_totals",
+    "ledger_label_totals",
     "step_results",
     "dead_letters",
     "outbox",

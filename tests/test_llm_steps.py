@@ -13,20 +13,24 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import select
 
 from oncelery import IdempotentTask, output_text
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.models import IntentState, RunStatus
+from oncelery.ops.costs import cost_report
 from oncelery.ops.retention import purge
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, INTENTS
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
+from tests.test_metrics import scrape
 
 TEXT = "The council approved the new library budget on Tuesday."
 JOB = 60.0
@@ -115,6 +119,9 @@ def test_a_failed_holder_s_call_is_re_attached_not_paid_again(
     assert sum(fake.stats()["creates_by_intent"].values()) == 1
     [row] = ledger(db_url)
     assert row["reattached"] is True and row["reason"] is None
+    assert cost_report(db_url).labels == {"reattached": 1}
+    key = (("model", "gpt-test"), ("name", "oncelery.t_llm"), ("tenant", ""))
+    assert scrape(db_url)["oncelery_llm_reattached_calls_total", key] == 1
 
 
 @ON_POSTGRESQL
@@ -135,6 +142,15 @@ def test_the_create_window_re_sends_labelled_and_records_the_unknown_call(
     assert (unknown["reason"], unknown["ok"]) == ("unknown_outcome", False)
     assert unknown["input_tokens"] >= 9 and unknown["output_tokens"] == 60, "estimated: input + the output limit"
     assert (repeated["reason"], repeated["ok"]) == ("create_window", True)
+    # The labels, counted where `oncelery costs` and the exporter read them (never model_calls).
+    assert cost_report(db_url).labels == {"create_window": 1, "unknown_outcome": 1}
+    got = scrape(db_url)
+    key = (("model", "gpt-test"), ("name", "oncelery.t_llm"), ("tenant", ""))
+    by_reason = tuple(sorted((*key, ("reason", "create_window"))))
+    assert got["oncelery_llm_repeated_calls_total", by_reason] == 1
+    assert got["oncelery_llm_unknown_outcome_calls_total", key] == 1
+    listed = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs"])
+    assert "repeated calls: 1 create_window; calls of unknown outcome (estimated rows): 1" in listed.output
 
 
 @ON_POSTGRESQL

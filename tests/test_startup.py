@@ -30,6 +30,7 @@ FRAMEWORK_TABLES = {
     "entity_versions",
     "model_calls",
     "ledger_totals",
+    "ledger_label_totals",
     "run_status_totals",
     "letter_totals",
     "histogram_buckets",

@@ -50,6 +50,8 @@ def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json
     unpriced = report.made.unpriced_calls
     if unpriced:
         click.echo(f"({unpriced} call{'s' if unpriced != 1 else ''} of models without a price in oncelery_prices)")
+    if report.labels:
+        click.echo(_labelled(dict(report.labels)))
 
 
 def _row(task: str, tenant: str, model: str, made: Spend, saved: Spend) -> tuple[Any, ...]:
@@ -66,6 +68,16 @@ def _row(task: str, tenant: str, model: str, made: Spend, saved: Spend) -> tuple
         saved.input_tokens,
         saved.output_tokens,
         _usd(saved.cost),
+    )
+
+
+def _labelled(labels: dict[str, int]) -> str:
+    """One line: calls made again by reason, estimated calls of unknown outcome, calls re-attached."""
+    unknown, reattached = labels.pop("unknown_outcome", 0), labels.pop("reattached", 0)
+    repeated = ", ".join(f"{n} {reason}" for reason, n in sorted(labels.items())) or "none"
+    return (
+        f"repeated calls: {repeated}; calls of unknown outcome (estimated rows): {unknown}; "
+        f"re-attached calls: {reattached}"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Select, case, cast, func, select
 
 from oncelery.store.database import Database
-from oncelery.store.tables import CALLS, RUNS
+from oncelery.store.tables import CALLS, LABEL_TOTALS, RUNS
 
 __all__ = ["CostLine", "CostReport", "Spend", "cost_report"]
 
@@ -64,9 +64,12 @@ class CostLine:
 
 @dataclass(frozen=True)
 class CostReport:
-    """The ledger's lines (ordered by task, tenant, model) and their totals."""
+    """The ledger's lines (ordered by task, tenant, model) and their totals, and its labelled calls by label."""
 
     lines: list[CostLine]
+    #: Calls made again by reason (create_window, sync_unknown, lost...), `unknown_outcome` (estimated rows of
+    #: calls that may never have been made) and `reattached` (answers taken instead of paid again).
+    labels: dict[str, int] = field(default_factory=dict)
 
     @property
     def made(self) -> Spend:
@@ -93,6 +96,7 @@ class CostReport:
                 for line in self.lines
             ],
             "total": {"made": self.made.as_dict(), "saved": self.saved.as_dict()},
+            "labelled_calls": dict(sorted(self.labels.items())),
         }
 
 
@@ -102,7 +106,20 @@ def cost_report(url: str, task_name: str | None = None, tenant: str | None = Non
     # A replay skips whole runs of returned calls: none of what it saved failed.
     saved = {key: Spend(n, 0, *rest) for key, (n, *rest) in _grouped(url, _saved_query(), task_name, tenant)}
     keys = sorted(made.keys() | saved.keys(), key=lambda k: (k[0] or "", k[1], k[2]))
-    return CostReport([CostLine(*key, made.get(key, Spend()), saved.get(key, Spend())) for key in keys])
+    lines = [CostLine(*key, made.get(key, Spend()), saved.get(key, Spend())) for key in keys]
+    return CostReport(lines, _labels(url, task_name, tenant))
+
+
+def _labels(url: str, task_name: str | None, tenant: str | None) -> dict[str, int]:
+    """Labelled calls summed by label, from the running totals (a few rows; never model_calls)."""
+    t = LABEL_TOTALS.c
+    stmt = select(t.label, func.sum(t.calls)).group_by(t.label)
+    if task_name is not None:
+        stmt = stmt.where(t.task_name == task_name)
+    if tenant is not None:
+        stmt = stmt.where(t.tenant == tenant)
+    with Database(url).read() as conn:
+        return {label: int(n) for label, n in conn.execute(stmt)}
 
 
 _GROUP = (CALLS.c.task_name, CALLS.c.tenant, CALLS.c.model)

@@ -7,15 +7,19 @@ reads a row per task, tenant (and model), never step_results or model_calls. Ten
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from sqlalchemy import Connection, select
 
 from oncelery.ops.histograms import PREFIX, TenantCap
-from oncelery.store.tables import OUTCOME_TOTALS, TOTALS
+from oncelery.store.tables import LABEL_TOTALS, OUTCOME_TOTALS, TOTALS
 
-__all__ = ["ledger_families", "lifetime_families"]
+__all__ = ["REATTACHED", "UNKNOWN_OUTCOME", "ledger_families", "lifetime_families"]
+
+UNKNOWN_OUTCOME = "unknown_outcome"  # the ledger label of a call whose holder died before it was answered
+REATTACHED = "reattached"  # the ledger label of a call a later holder took the answer of
 
 _LIFETIME = {
     "steps_executed": ("steps_executed", "Checkpointed steps of completed runs, executed by any of their holders."),
@@ -70,3 +74,36 @@ def ledger_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
         tokens.add_metric([*key, "output"], int(tokens_out))
         cost.add_metric(key, usd)
     yield from (calls, failed, tokens, cost)
+    yield from _label_families(conn, cap)
+
+
+def _label_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
+    """Calls made again (by reason), calls of unknown outcome, and calls re-attached (ledger_label_totals)."""
+    labels = ["name", "tenant", "model"]
+    repeated = CounterMetricFamily(
+        f"{PREFIX}_llm_repeated_calls",
+        "Model calls made again for the same step, by reason (create_window, sync_unknown, lost, failed...).",
+        labels=[*labels, "reason"],
+    )
+    unknown = CounterMetricFamily(
+        f"{PREFIX}_llm_unknown_outcome_calls",
+        "Calls whose holder died before they were answered: ledger rows of estimated usage, maybe never made.",
+        labels=labels,
+    )
+    reattached = CounterMetricFamily(
+        f"{PREFIX}_llm_reattached_calls",
+        "Calls whose answer a later holder took from the provider instead of paying again.",
+        labels=labels,
+    )
+    merged: Counter[tuple[str, str, str, str]] = Counter()
+    t = LABEL_TOTALS.c
+    for row in conn.execute(select(t.task_name, t.tenant, t.model, t.label, t.calls)):
+        merged[(row.task_name, cap(row.tenant), row.model, row.label)] += int(row.calls)
+    for (task, tenant, model, label), n in sorted(merged.items()):
+        if label == UNKNOWN_OUTCOME:
+            unknown.add_metric([task, tenant, model], n)
+        elif label == REATTACHED:
+            reattached.add_metric([task, tenant, model], n)
+        else:
+            repeated.add_metric([task, tenant, model, label], n)
+    yield from (repeated, unknown, reattached)

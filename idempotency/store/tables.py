@@ -11,6 +11,7 @@ from oncelery.models import (
     DeliveryOutcome,
     EntityVersion,
     HistogramBucket,
+    LedgerLabelTotal,
     LedgerTotal,
     LetterTotal,
     LlmIntent,
@@ -26,6 +27,7 @@ __all__ = [
     "CALLS",
     "HISTOGRAM_BUCKETS",
     "INTENTS",
+    "LABEL_TOTALS",
     "LETTERS",
     "LETTER_TOTALS",
     "OUTBOX",
@@ -53,6 +55,8 @@ SECRETS = cast(Table, Secret.__table__)
 # The cost ledger: one row per model call, and running totals per (task, tenant, model).
 CALLS = cast(Table, ModelCall.__table__)
 TOTALS = cast(Table, LedgerTotal.__table__)
+# Labelled calls (repeated by reason, of unknown outcome, re-attached) per (task, tenant, model, label).
+LABEL_TOTALS = cast(Table, LedgerLabelTotal.__table__)
 # Write-ahead model-call intents (oncelery.llm): one row per call, before the call.
 INTENTS = cast(Table, LlmIntent.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.

@@ -15,7 +15,7 @@ from sqlalchemy import BigInteger, Connection, Float, bindparam, update
 
 from oncelery.store.database import Database
 from oncelery.store.dialects import Dialect
-from oncelery.store.tables import CALLS, RUNS, TOTALS
+from oncelery.store.tables import CALLS, LABEL_TOTALS, RUNS, TOTALS
 
 __all__ = ["add_call", "write_call"]
 
@@ -64,7 +64,17 @@ def add_call(conn: Connection, dialect: Dialect, row: Mapping[str, Any]) -> bool
     if row["ok"] and row.get("run_id") is not None:
         params = {"p_run_id": row["run_id"], "p_input": row["input_tokens"], "p_output": row["output_tokens"]}
         conn.execute(_ADD_TO_RUN, {**params, "p_cost": cost or 0.0})
+    for label in (row.get("reason"), "reattached" if row.get("reattached") else None):
+        if label:  # few rows carry one: a repeated call, a call of unknown outcome, a re-attached call
+            _count_label(conn, dialect, row, label)
     return True
+
+
+def _count_label(conn: Connection, dialect: Dialect, row: Mapping[str, Any], label: str) -> None:
+    key = {"task_name": row.get("task_name") or "", "tenant": row.get("tenant") or "", "model": row["model"]}
+    stmt = dialect.insert(LABEL_TOTALS).values(**key, label=label, calls=1)
+    added = {"calls": LABEL_TOTALS.c.calls + stmt.excluded.calls}
+    conn.execute(stmt.on_conflict_do_update(index_elements=["task_name", "tenant", "model", "label"], set_=added))
 
 
 def write_call(db: Database, row: Mapping[str, Any]) -> bool:
