@@ -9,6 +9,7 @@ call of unknown outcome or a forgotten response go to a person instead of being 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -243,3 +244,29 @@ def test_a_429_creates_nothing_and_the_retry_is_a_new_intent(
     stats = fake.stats()
     assert stats["errors_served"] == {"429": 1} and stats["creates_by_intent"] == {second["public_id"]: 1}
     assert [r["call_id"] for r in ledger(db_url)] == [second["public_id"]], "a refused create costs nothing"
+
+
+def test_open_calls_and_those_past_the_provider_s_retention_are_gauged(db_url: str) -> None:
+    now = datetime.now(UTC)
+    row = {"run_id": 1, "step_name": "s", "token": 1, "provider": "p", "endpoint": "responses", "model": "m"}
+    rows = [
+        # sent 10 minutes ago to a provider that keeps a response 60 s: at risk
+        {"position": 0, "state": IntentState.SENT, "retention_s": 60.0, "sent_at": now - timedelta(minutes=10)},
+        # sent just now: not at risk
+        {"position": 1, "state": IntentState.SENT, "retention_s": 60.0, "sent_at": now},
+        # a synchronous call (no retention) and one not yet sent, and one that ended
+        {"position": 2, "state": IntentState.SENT, "retention_s": None, "sent_at": now - timedelta(hours=1)},
+        {"position": 3, "state": IntentState.PREPARED, "retention_s": 60.0, "sent_at": None},
+        {"position": 4, "state": IntentState.DONE, "retention_s": 60.0, "sent_at": now - timedelta(hours=1)},
+    ]
+    with get_engine(db_url).begin() as conn:
+        for i, extra in enumerate(rows):
+            conn.execute(
+                INTENTS.insert().values(
+                    **row, **extra, public_id=f"i{i}", attempt=1, mode="background", request_digest="d" * 64
+                )
+            )
+    got = scrape(db_url)
+    assert got["oncelery_llm_open_calls", (("state", "sent"),)] == 3
+    assert got["oncelery_llm_open_calls", (("state", "prepared"),)] == 1
+    assert got["oncelery_llm_calls_at_risk", ()] == 1

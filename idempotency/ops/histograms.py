@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from sqlalchemy import Connection, func, select
@@ -23,6 +24,7 @@ __all__ = [
     "OTHER_TENANT",
     "Family",
     "TenantCap",
+    "age_seconds",
     "histogram_families",
     "tenant_cap",
 ]
@@ -121,3 +123,13 @@ def histogram_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
 def _le(bound: float) -> str:
     # Prometheus client libraries print bounds as floats ("0.5", "1.0"): the same text joins their series.
     return repr(float(bound))
+
+
+def age_seconds(clock: datetime, moment: datetime | None) -> float:
+    """Seconds from `moment` to the database's `clock` (0 for none), whatever the datetimes' awareness."""
+    if moment is None:
+        return 0.0
+    # PostgreSQL returns aware datetimes, SQLite naive UTC ones: compare like with like.
+    if (clock.tzinfo is None) != (moment.tzinfo is None):
+        clock, moment = clock.replace(tzinfo=None), moment.replace(tzinfo=None)
+    return max(0.0, (clock - moment).total_seconds())

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import Connection, select
 
-from oncelery.ops.histograms import PREFIX, TenantCap
-from oncelery.store.tables import LABEL_TOTALS, OUTCOME_TOTALS, TOTALS
+from oncelery.models.intents import IntentState
+from oncelery.ops.histograms import PREFIX, TenantCap, age_seconds
+from oncelery.store.tables import INTENTS, LABEL_TOTALS, OUTCOME_TOTALS, TOTALS
 
-__all__ = ["REATTACHED", "UNKNOWN_OUTCOME", "ledger_families", "lifetime_families"]
+__all__ = ["REATTACHED", "UNKNOWN_OUTCOME", "ledger_families", "lifetime_families", "open_call_families"]
 
 UNKNOWN_OUTCOME = "unknown_outcome"  # the ledger label of a call whose holder died before it was answered
 REATTACHED = "reattached"  # the ledger label of a call a later holder took the answer of
@@ -107,3 +109,27 @@ def _label_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
         else:
             repeated.add_metric([task, tenant, model, label], n)
     yield from (repeated, unknown, reattached)
+
+
+def open_call_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
+    """Model calls still open (intents prepared or sent) and those at risk: sent longer ago than the provider
+    keeps a response, so it may be gone when the run is next delivered (one read of the few open intents)."""
+    c = INTENTS.c
+    open_calls = GaugeMetricFamily(
+        f"{PREFIX}_llm_open_calls", "Model calls not yet ended (intents prepared or sent).", labels=["state"]
+    )
+    at_risk = GaugeMetricFamily(
+        f"{PREFIX}_llm_calls_at_risk",
+        "Sent calls older than the provider's retention: their response may be gone (then re-called or dead-lettered).",
+    )
+    states = {IntentState.PREPARED: 0, IntentState.SENT: 0}
+    risky = 0
+    rows = conn.execute(select(c.state, c.sent_at, c.retention_s).where(c.state.in_(list(states))))
+    for state, sent_at, retention in rows:
+        states[state] += 1
+        if state is IntentState.SENT and retention is not None and age_seconds(clock, sent_at) > retention:
+            risky += 1
+    for state, n in states.items():
+        open_calls.add_metric([state.value], n)
+    at_risk.add_metric([], risky)
+    yield from (open_calls, at_risk)

@@ -23,8 +23,8 @@ from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, 
 
 from oncelery.errors import OnceleryError
 from oncelery.models import Outcome
-from oncelery.ops.histograms import TenantCap, histogram_families, tenant_cap
-from oncelery.ops.ledger_metrics import ledger_families, lifetime_families
+from oncelery.ops.histograms import TenantCap, age_seconds, histogram_families, tenant_cap
+from oncelery.ops.ledger_metrics import ledger_families, lifetime_families, open_call_families
 from oncelery.runs.waits import WAIT_FAMILY
 from oncelery.settings import DEFAULT_METRICS_MAX_TENANTS
 from oncelery.store.database import Database
@@ -98,6 +98,7 @@ class ClaimsCollector(Collector):
             yield from step_families(conn)
             yield from queue_families(conn, clock)
             yield from ledger_families(conn, cap)
+            yield from open_call_families(conn, clock)
             yield from histogram_families(conn, cap)
 
 
@@ -250,22 +251,13 @@ def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Me
     )
     for task, n, oldest_live, oldest_expiry, bumps, vanished in running:
         runs.add_metric([task, "RUNNING"], int(n))
-        live.add_metric([task], _age(clock, oldest_live))
-        lapsed.add_metric([task], _age(clock, oldest_expiry))
+        live.add_metric([task], age_seconds(clock, oldest_live))
+        lapsed.add_metric([task], age_seconds(clock, oldest_expiry))
         takeovers.add_metric([task], int(bumps))
         lost.add_metric([task], int(vanished))
     for task, status, n in finished:
         runs.add_metric([task, status.value], int(n))
     yield from (runs, live, lapsed, takeovers, lost)
-
-
-def _age(clock: datetime, moment: datetime | None) -> float:
-    if moment is None:
-        return 0.0
-    # PostgreSQL returns aware datetimes, SQLite naive UTC ones: compare like with like.
-    if (clock.tzinfo is None) != (moment.tzinfo is None):
-        clock, moment = clock.replace(tzinfo=None), moment.replace(tzinfo=None)
-    return max(0.0, (clock - moment).total_seconds())
 
 
 # -- steps of RUNNING runs (index of RUNNING runs, then step_results by run_id) --------------------------------
@@ -318,7 +310,7 @@ def queue_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
     age = GaugeMetricFamily(
         f"{PREFIX}_outbox_oldest_pending_age_seconds", "Seconds the oldest unpublished outbox row has waited (0: none)."
     )
-    age.add_metric([], _age(clock, oldest))
+    age.add_metric([], age_seconds(clock, oldest))
     dead = GaugeMetricFamily(
         f"{PREFIX}_dead_letters",
         "Dead letters (runs or messages that will never succeed as they are), replayed ones included.",
