@@ -189,6 +189,7 @@ def _signal_once_at(point: str, key: str, sig: signal.Signals) -> Iterator[None]
     idempotency_key="llm:{key}",
     fingerprint=("key", "text"),  # where it is stopped is not what it computes
     lease=LEASE,
+    store_message=True,  # a message a killed worker took from Redis before kombu noted it: the relay re-sends it
 )
 def crash_llm(self: IdempotentTask, key: str, text: str, at: str | None = None, sig: str = "SIGKILL") -> dict[str, Any]:
     """One model call (background, on the test's fake provider) then one effect; `at`: a fault point where this
