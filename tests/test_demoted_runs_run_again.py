@@ -29,6 +29,9 @@ def kill_holder_and_lose_its_message(c: Cluster, task: str, doc: str) -> str:
     """Run version 1 on a worker, SIGKILL the worker mid-body, flush Redis; return version 1's key once its
     lease has expired by the database clock."""
     key = f"entity:{doc}:v1"
+    release = c.tmp_path / "release"
+    release.mkdir(exist_ok=True)
+    c.env["ONCELERY_CRASH_RELEASE"] = str(release)
     holder = c.start("holder", pool="solo")
     c.wait_ready(holder)
     c.sender.send_task(task, args=[doc, 1, BODY_SECONDS])
@@ -36,6 +39,7 @@ def kill_holder_and_lose_its_message(c: Cluster, task: str, doc: str) -> str:
     os.killpg(holder.pid, signal.SIGKILL)
     wait_for(lambda: holder.proc.poll() is not None, timeout=JOB_TIMEOUT, what="the killed holder to exit")
     c.flush_redis()  # its message, unacked copy included, is gone with it
+    (release / key).touch()  # when it runs again, its body ends at once (nothing is waiting to kill it)
 
     def expired() -> bool:
         run = c.store.get(task, key)

@@ -11,6 +11,7 @@ The test that starts a worker sets:
     ONCELERY_CRASH_LEASE               the idempotent task's lease in seconds (default 60)
     ONCELERY_FAKE_PROVIDER_URL         the fake model provider `oncelery.crash_llm` calls (the test's own)
     ONCELERY_CRASH_MARKS               a folder: a job stopped at its fault point leaves a mark there (once only)
+    ONCELERY_CRASH_RELEASE             a folder: a file named after a job's key there ends its work at once
 
 Delivery settings are oncelery.CELERY_DELIVERY_DEFAULTS (what celeryconfig.py deploys): late ack, reject on
 worker lost, prefetch 1, JSON only.
@@ -43,6 +44,7 @@ ENV_QUEUE = "ONCELERY_CRASH_QUEUE"
 ENV_VISIBILITY_TIMEOUT = "ONCELERY_VISIBILITY_TIMEOUT"
 ENV_RESTORE_INTERVAL = "ONCELERY_UNACKED_RESTORE_INTERVAL"
 ENV_LEASE = "ONCELERY_CRASH_LEASE"
+ENV_RELEASE = "ONCELERY_CRASH_RELEASE"
 logger = logging.getLogger(__name__)
 REQUIRED = (ENV_DATABASE_URL, ENV_BROKER_URL, ENV_RESULT_BACKEND, ENV_QUEUE)
 
@@ -132,10 +134,21 @@ def crash_steps(self: IdempotentTask, key: str, seconds: float) -> dict[str, Any
     return {"key": key, "steps": done, "pid": os.getpid()}
 
 
+def _work(key: str, seconds: float) -> None:
+    """Work `seconds`, or less once the test releases `key` (a file of that name in $ONCELERY_CRASH_RELEASE):
+    a body long enough to be killed inside need not be waited out when it runs again."""
+    release = os.environ.get(ENV_RELEASE)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if release and (Path(release) / key).exists():
+            return
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
 def _entity_body(self: IdempotentTask, doc: str, version: int, seconds: float) -> dict[str, Any]:
     key = f"entity:{doc}:v{version}"
     record_execution(key)
-    time.sleep(seconds)
+    _work(key, seconds)
     with self.effects() as session:
         session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
     return {"doc": doc, "version": version, "pid": os.getpid()}
