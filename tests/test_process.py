@@ -182,8 +182,8 @@ def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, p
         with engine.begin() as conn:
             conn.execute(
                 text(
-                    "TRUNCATE article_scores, model_calls, step_results, dead_letters, outbox, delivery_outcomes, "
-                    "task_runs RESTART IDENTITY"
+                    "TRUNCATE article_scores, model_calls, llm_intents, step_results, dead_letters, outbox, "
+                    "delivery_outcomes, task_runs RESTART IDENTITY"
                 )
             )
     finally:
@@ -196,8 +196,9 @@ def test_redis_and_postgresql_counts_are_exact(tmp_path: Path, redis_url: str, p
     )
     try:
         done = process(
-            "--limit", "30", "--duplicates", "0.3", "--start-worker", "--queue", queue, cwd=tmp_path, env=env
-        )
+            "--limit", "30", "--duplicates", "0.3", "--start-worker", "--queue", queue, "--call-seconds", "0",
+            cwd=tmp_path, env=env,
+        )  # fmt: skip
     finally:
         delete_queue_keys(redis_url, queue)
     assert done.code == 0, f"{done.out}\n{done.err}"
