@@ -15,6 +15,7 @@ from oncelery.models import ModelCall
 from oncelery.models.jobs import ArticleScore
 from oncelery.runs.claims import RunStore
 from oncelery.tasks.llm import LocalModel, parse_keywords, parse_quality
+from tests.conftest import ON_POSTGRESQL
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "articles.jsonl"
 
@@ -38,6 +39,8 @@ def expected(article: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# On PostgreSQL: the same pipeline runs on SQLite in tests/test_process.py (the embedded default, 100 articles).
+@ON_POSTGRESQL
 def test_hundred_articles_with_thirty_percent_duplicates(app: Celery, worker_factory: Any, db_url: str) -> None:
     articles = load_articles(100)
     assert len(articles) == 100

@@ -159,7 +159,7 @@ def test_db_upgrade_creates_only_the_framework_tables_and_process_adds_its_own(t
     assert sqlite_tables(db) == FRAMEWORK_TABLES
 
     samples = Path(__file__).resolve().parents[1] / "samples" / "articles.jsonl"
-    argv = [ONCELERY, "process", str(samples), "--limit", "2"]
+    argv = [ONCELERY, "process", str(samples), "--limit", "2", "--call-seconds", "0"]
     code, out, err = run_to_completion(argv, tmp_path, clean_env(ONCELERY_DATABASE_URL=url), 150, print)
     assert code == 0, f"{out}\n{err}"
     assert sqlite_tables(db) == FRAMEWORK_TABLES | JOBS_TABLES
