@@ -240,15 +240,9 @@ def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
         # pay for ever, so a person decides.
         end_intent(step.store, step.claim, intent, IntentState.LOST, error=str(exc))
         raise ResponseLost.of(step.claim.task_name, step.claim.key, step.name) from exc
-    row = {
-        "provider": step.adapter.provider, "endpoint": step.adapter.endpoint,
-        "model": str(step.request.get("model", "")), "mode": intent.mode,
-        "request_digest": intent.request_digest,
-        "retention_s": step.adapter.capabilities(step.request).retention_s,
-    }  # fmt: skip
     again = prepare_intent(
-        step.store, step.claim, position=step.position, step_name=step.name, request=row,
-        supersedes=intent, reason=RepeatReason.LOST,
+        step.store, step.claim, position=step.position, step_name=step.name,
+        request=_row(step, intent.request_digest), supersedes=intent, reason=RepeatReason.LOST,
     )  # fmt: skip
     _record_unknown(step, intent)  # it may have been billed: the provider's answer is gone with it
     return _send(step, again)

@@ -56,10 +56,9 @@ def latest_intent(store: RunStore, run_id: int, position: int) -> Intent | None:
 def _fenced(store: RunStore, claim: Claim, what: str, body: Callable[[Connection], None]) -> None:
     """Run `body` in one transaction iff `claim` still holds the run (renewing its lease), else LeaseLost."""
     with store.transaction() as conn:
-        if store.db.dialect.name == "postgresql":
-            # Durable whatever the server's default: an intent forgotten by a crash after its create was sent
-            # would be paid again with no label (claims may commit asynchronously; intents never do).
-            conn.exec_driver_sql("SET LOCAL synchronous_commit = on")
+        # Durable whatever the server's default: an intent forgotten by a crash after its create was sent would
+        # be paid again with no label (claims may commit asynchronously; intents never do).
+        store.db.dialect.commit_durably(conn)
         renewed = conn.execute(store.sql.heartbeat, {**store.fence_params(claim), **store.lease_params(claim.lease)})
         if rowcount(renewed) != 1:
             raise lease_lost(claim, what)

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Float, String, bindparam, create_engine, event, func, type_coerce
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.errors import ConfigurationError, DriverMissing
@@ -72,6 +72,9 @@ class Dialect:
     def lease_param(self, seconds: float) -> Any:
         """The value of `p_lease` for a lease of `seconds`."""
         raise NotImplementedError
+
+    def commit_durably(self, conn: Connection) -> None:
+        """Make the caller's open transaction commit durably whatever the server's default (SQLite always does)."""
 
     def past(self, seconds: float) -> str:
         """SQL text for the database clock `seconds` ago (tests and tools that expire a lease)."""
@@ -165,6 +168,10 @@ class PostgreSQL(Dialect):
 
     def lease_param(self, seconds: float) -> Any:
         return float(seconds)
+
+    def commit_durably(self, conn: Connection) -> None:
+        # A server (or role) set to commit asynchronously would acknowledge before the WAL reaches the disk.
+        conn.exec_driver_sql("SET LOCAL synchronous_commit = on")
 
     def past(self, seconds: float) -> str:
         return f"clock_timestamp() - interval '{float(seconds)} seconds'"
