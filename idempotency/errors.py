@@ -21,6 +21,7 @@ __all__ = [
     "PlaceholderSecret",
     "ResultNotJSON",
     "RunIsDead",
+    "RunParked",
     "SchemaMissing",
     "ServiceUnreachable",
     "SettingFileError",
@@ -220,6 +221,22 @@ class StaleVersion(ClaimError):
 
 class ResultNotJSON(OnceleryError):
     """Raised when a task's result or a step's result cannot be stored as JSON; nothing is committed."""
+
+
+class RunParked(BaseException):
+    """Raised inside a run's body to park it WAITING for `wake_in_s` seconds without a worker slot; never a failure.
+
+    A BaseException, as Celery's and Python's own control flow is: a body's `except Exception` must not swallow
+    it (the run would complete without its step). The delivery catches it, parks the run (fenced) and acks.
+    """
+
+    def __init__(self, wake_in_s: float, reason: str) -> None:
+        super().__init__(wake_in_s, reason)
+        self.wake_in_s = wake_in_s
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"parked for {self.wake_in_s:.1f}s: {self.reason}"
 
 
 class StepMismatch(OnceleryError):

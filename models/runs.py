@@ -27,7 +27,7 @@ from oncelery.models.base import Base, BigId, Json
 
 
 class RunStatus(enum.Enum):
-    """Lifecycle of a run: RUNNING (claimed, lease live or expired) -> COMPLETED | FAILED | DEAD.
+    """Lifecycle of a run: RUNNING (claimed, lease live or expired) -> COMPLETED | FAILED | DEAD | WAITING.
 
     DEAD is final until `oncelery dlq replay`: no delivery runs it again (retries exhausted, an error that can
     never succeed, or a worker lost on every delivery).
@@ -37,6 +37,9 @@ class RunStatus(enum.Enum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     DEAD = "DEAD"
+    # Parked with no worker slot until `not_before` (database clock): a background model call still running.
+    # The relay's waker re-sends its stored message when due; the next delivery takes it over (WAITING -> RUNNING).
+    WAITING = "WAITING"
 
 
 class Outcome(enum.Enum):
@@ -51,6 +54,7 @@ class Outcome(enum.Enum):
     LEASE_LOST = "lease_lost"
     FAILED = "failed"
     DEAD = "dead"
+    WAITING = "waiting"  # the delivery parked its run (WAITING) and was acked: a later wake delivers it again
 
 
 def _enum(cls: type[enum.Enum], name: str) -> Enum:
@@ -137,6 +141,13 @@ class TaskRun(Base):
             "lease_expires_at",
             postgresql_where=text("status = 'RUNNING'"),
             sqlite_where=text("status = 'RUNNING'"),
+        ),
+        # The waker's scan: WAITING runs by wake time (tiny: only the runs parked right now).
+        Index(
+            "ix_task_runs_waiting_wake",
+            "not_before",
+            postgresql_where=text("status = 'WAITING'"),
+            sqlite_where=text("status = 'WAITING'"),
         ),
     )
 

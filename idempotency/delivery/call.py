@@ -44,6 +44,8 @@ class RunContext:
     heartbeat: Heartbeat
     steps: StepRunner
     effects: EffectsScope
+    # Whether the body may park the run WAITING (RunParked): only a delivery a broker can deliver again.
+    parkable: bool = True
 
 
 @dataclass(frozen=True)

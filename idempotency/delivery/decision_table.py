@@ -5,6 +5,7 @@
 | (before claiming) stale  | `_stale`           | not newer than the applied version: ack       | stale             |
 | (before claiming) cached | `_replay_cached`   | replay cache on: the stored answer from Redis | replayed          |
 | CLAIMED                  | `_execute`         | run the body, complete fenced                 | executed, resumed |
+|   the body parked        | `_parked`          | park WAITING (fenced), ack; a wake re-sends   | waiting           |
 |   the body raised        | `_failed`          | record FAILED (or DEAD), raise                | failed, dead      |
 |   the body asked a retry | `_retry_requested` | record the wait for the retry, raise          | (retry pending)   |
 |   lease lost finishing   | `_lease_lost`      | roll back, re-send (the taker's result)       | lease_lost        |
@@ -30,7 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call, DeliveredTask, RunContext, max_retries
 from oncelery.delivery.effects import EffectsScope
@@ -39,10 +40,12 @@ from oncelery.delivery.replay_cache import ReplayCache
 from oncelery.delivery.resend import SendAgain, after_store_fault, can_resend, direct_backoff, seconds_until
 from oncelery.delivery.steps import StepRunner, load_checkpoints
 from oncelery.errors import (
+    ConfigurationError,
     IdempotencyConflict,
     InProgress,
     LeaseLost,
     RunIsDead,
+    RunParked,
     StaleVersion,
     StoreError,
 )
@@ -272,6 +275,8 @@ class Delivery:
         except Retry as retry:
             self._retry_requested(ctx, retry)
             raise
+        except RunParked as parked:
+            return self._parked(ctx, parked)
         except BaseException as exc:
             return self._failed(ctx, exc)
         finally:
@@ -287,7 +292,9 @@ class Delivery:
 
     def _attach(self, claim: Claim, checkpoints: list[Any]) -> RunContext:
         hb = Heartbeat(self.store, claim, self.task.max_lease_seconds()).start()
-        ctx = RunContext(claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store))
+        ctx = RunContext(
+            claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store), parkable=self.resend
+        )
         self.task.attach(ctx)
         # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
         # carries the attempt: never a fresh allowance per copy.
@@ -337,6 +344,30 @@ class Delivery:
         # The next delivery replays the new holder's result, or runs the job if the claim itself was lost
         # (e.g. a database crash): never a silent drop.
         return self.send_again(None)
+
+    def _parked(self, ctx: RunContext, parked: RunParked) -> Any:
+        """The body parked the run (a model call still running): WAITING, no slot held, woken by the relay."""
+        claim = ctx.claim
+        ctx.effects.discard()
+        if not ctx.parkable:  # the body asked anyway (it may not know): there is no broker to wake it through
+            raise ConfigurationError(
+                f"{self.task.name}[{claim.key}]: a direct or eager call cannot park its run ({parked}): call it with "
+                ".delay(), or let it block (inline_wait=None)"
+            )
+        try:
+            fault_point("park", task=self.task.name, key=claim.key)
+            ok = self.store.park(claim, parked.wake_in_s, f"waiting: {parked.reason}", self.call.message)
+        except StoreError as exc:
+            # Not parked: the run stays RUNNING, and this message's re-send takes it over as its own at once.
+            return self._store_failed(exc, "parking")
+        if not ok:  # counted lease_lost by park(): the holder that took it over finishes it
+            logger.warning("lease lost for %s[%s] token=%d while parking", self.task.name, claim.key, claim.token)
+            return self.send_again(None)
+        self.task.tell_caller(Outcome.WAITING, self.ident, claim.token, note=parked.reason)
+        logger.info("parked %s[%s] token=%d: %s", self.task.name, claim.key, claim.token, parked)
+        # Acked without a result: the caller's AsyncResult stays pending until the woken delivery (the same task
+        # id) completes the run.
+        raise Ignore()
 
     def _retry_requested(self, ctx: RunContext, retry: Retry) -> None:
         """The body asked Celery to retry: record the wait, so a duplicate does not run it sooner."""

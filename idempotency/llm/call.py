@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection
 
-from oncelery.errors import StepMismatch
+from oncelery.errors import RunParked, StepMismatch
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
 from oncelery.llm.errors import (
@@ -66,6 +66,9 @@ class CallPolicy:
     at_most_once: bool = False  # a sync call whose outcome is unknown goes to a person, never re-sent
     on_lost: str = "recall"  # or "dead_letter": a response the provider forgot
     poll_s: float = DEFAULT_POLL_S  # between polls when the provider gives no hint
+    # Seconds the delivery that sent a background call polls it before parking the run (RunParked); a delivery
+    # that re-attaches polls once. None: block until the call ends, holding the worker slot.
+    inline_wait_s: float | None = None
 
 
 class Recorder(Protocol):
@@ -189,11 +192,17 @@ def _send(step: _Step, intent: Intent) -> Answered:
 
 
 def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattached: bool = False) -> Answered:
-    """Poll a sent call until it ends (the delivery's lease renewal keeps the run while it waits)."""
+    """Poll a sent call until it ends (the delivery's lease renewal keeps the run while it waits), or park the
+    run past the inline wait: the sender polls up to `inline_wait_s`, a re-attaching delivery once."""
     look, failures = first, 0
+    inline = step.policy.inline_wait_s
+    deadline = None if inline is None else time.monotonic() + (0.0 if reattached else inline)
     while look is None or not look.terminal:
         if look is not None:
-            time.sleep(look.poll_after_s or step.policy.poll_s)
+            pause = look.poll_after_s or step.policy.poll_s
+            if deadline is not None and time.monotonic() + pause > deadline:
+                raise _park(step, intent, look)
+            time.sleep(pause)
         fault_point("llm_poll", task=step.claim.task_name, key=step.claim.key, step=step.name)
         try:
             look = step.adapter.poll(intent.reference or "")
@@ -206,6 +215,24 @@ def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattac
                 raise
             time.sleep(step.policy.poll_s * failures)
     return _ended(step, intent, look, reattached=reattached)
+
+
+WAKE_FIRST_S = 1.0  # the first wake after a park, unless the provider's poll-after hint says later
+WAKE_GROWTH = 1.25  # each later wake of the same call waits this much longer (a long call is polled less often)
+WAKE_MAX_S = 15.0
+
+
+def wake_after(wakes: int, hint_s: float | None) -> float:
+    """Seconds before a parked call's next poll: the provider's hint, else a capped geometric backoff by wakes."""
+    backoff = min(WAKE_MAX_S, WAKE_FIRST_S * WAKE_GROWTH ** max(0, wakes))
+    return max(hint_s or 0.0, backoff)
+
+
+def _park(step: _Step, intent: Intent, look: Observed) -> RunParked:
+    """The run's parking: the call is still running at the provider, and its intent stays `sent` to re-attach."""
+    wakes = max(0, step.claim.token - intent.token)  # takeovers (wakes, re-attaches) since the call was sent
+    reason = f"model call {step.name!r} ({step.adapter.provider} {intent.reference}) {look.state.value} at the provider"
+    return RunParked(wake_after(wakes, look.poll_after_s), reason)
 
 
 def _ended(step: _Step, intent: Intent, look: Observed, *, reattached: bool) -> Answered:

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, text, type_coerce
 
 from oncelery.errors import OnceleryError
-from oncelery.models import Outcome
+from oncelery.models import Outcome, RunStatus
 from oncelery.ops.histograms import TenantCap, age_seconds, histogram_families, tenant_cap
 from oncelery.ops.ledger_metrics import ledger_families, lifetime_families, open_call_families
 from oncelery.runs.waits import WAIT_FAMILY
@@ -47,6 +47,7 @@ PREFIX = "oncelery"
 # Literal predicates, not bound parameters: a prepared statement's generic plan cannot prove `status = $1`
 # implies a partial index's `status = 'RUNNING'`, and would fall back to a scan of every run.
 _RUNNING = text("task_runs.status = 'RUNNING'")
+_WAITING = text("task_runs.status = 'WAITING'")  # literal, as _RUNNING: it matches the partial index's predicate
 _PENDING = text("outbox.status = 'PENDING'")
 # The framework branch's Alembic version table (models/migrate.py), read for oncelery_build_info.
 FRAMEWORK_VERSION_TABLE = "oncelery_alembic_version"
@@ -226,7 +227,7 @@ def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Me
     finished = conn.execute(select(t.task_name, t.status, func.sum(t.runs)).group_by(t.task_name, t.status)).all()
     runs = GaugeMetricFamily(
         f"{PREFIX}_runs",
-        "Runs now in a status (RUNNING, FAILED, DEAD; COMPLETED is oncelery_runs_completed_total).",
+        "Runs now in a status (RUNNING, WAITING, FAILED, DEAD; COMPLETED is oncelery_runs_completed_total).",
         labels=["name", "status"],
     )
     live = GaugeMetricFamily(
@@ -257,7 +258,21 @@ def run_families(conn: Connection, db: Database, clock: datetime) -> Iterator[Me
         lost.add_metric([task], int(vanished))
     for task, status, n in finished:
         runs.add_metric([task, status.value], int(n))
-    yield from (runs, live, lapsed, takeovers, lost)
+    # Parked runs (few: the partial index of WAITING runs), and how late the oldest wake is: a wake the relay
+    # should have sent already (no `oncelery relay` running, or one that cannot publish).
+    waiting = conn.execute(
+        select(c.task_name, func.count(), func.min(c.not_before)).where(_WAITING).group_by(c.task_name)
+    ).all()
+    overdue = GaugeMetricFamily(
+        f"{PREFIX}_oldest_overdue_wake_seconds",
+        "Seconds since the oldest WAITING run's wake time passed with no delivery taking it (0: none); "
+        "above a minute, no relay is waking parked runs.",
+        labels=["name"],
+    )
+    for task, n, oldest_wake in waiting:
+        runs.add_metric([task, RunStatus.WAITING.value], int(n))
+        overdue.add_metric([task], age_seconds(clock, oldest_wake))
+    yield from (runs, live, lapsed, takeovers, lost, overdue)
 
 
 # -- steps of RUNNING runs (index of RUNNING runs, then step_results by run_id) --------------------------------

@@ -14,13 +14,13 @@ from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
-from sqlalchemy import Connection, and_, bindparam, case, select, update
+from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
 from oncelery.ops.retention import purge
-from oncelery.ops.sweeper import sweep_lost_runs
+from oncelery.ops.sweeper import sweep_lost_runs, wake_waiting_runs
 from oncelery.runs.decisions import REASON_REPUBLISH_CAP
 from oncelery.runs.faults import fault_point
 from oncelery.settings import require_database_url
@@ -42,6 +42,9 @@ DEFAULT_MAX_PUBLISHES = 20
 logger = logging.getLogger("oncelery.outbox")
 
 
+DEFAULT_REWAKE_S = 60.0  # a wake whose message was lost (relay died after marking it) is sent again after this
+
+
 @dataclass
 class RelayRound:
     """What one relay round did: rows published, re-published, marked done or dead, runs swept."""
@@ -52,11 +55,12 @@ class RelayRound:
     failed: int = 0
     dead: int = 0
     swept: int = 0
+    woken: int = 0  # WAITING runs whose wake came: their messages re-sent
     purged: int = 0
 
     def busy(self) -> bool:
         """Whether the round moved anything (the loop then goes again without sleeping)."""
-        return bool(self.published or self.republished or self.swept or self.done)
+        return bool(self.published or self.republished or self.swept or self.woken or self.done)
 
 
 class Relay:
@@ -99,6 +103,8 @@ class Relay:
             self.republish_unfinished(done)
         if self.sweep_interval is not None:
             done.swept = sweep_lost_runs(self.app, self.db, self.sweep_interval, self.batch)
+        # Always on: a parked run has no other way back (its delivery was acked).
+        done.woken = wake_waiting_runs(self.app, self.db, self.sweep_interval or DEFAULT_REWAKE_S, self.batch)
         return done
 
     def serve(
@@ -293,7 +299,8 @@ class Relay:
             else_=False,
         )
         live = and_(r.status == RunStatus.RUNNING, r.lease_expires_at >= self._now)
-        waiting = and_(r.status == RunStatus.FAILED, r.not_before >= cutoff)
+        # A retry pending, or a run parked WAITING (the waker re-sends it when due, not the outbox).
+        waiting = or_(and_(r.status == RunStatus.FAILED, r.not_before >= cutoff), r.status == RunStatus.WAITING)
         query = query.add_columns(finished.label("finished"), live.label("live"), waiting.label("waiting"))
         if not self._any(query, params):
             return done

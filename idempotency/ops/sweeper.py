@@ -5,7 +5,8 @@ only after the visibility timeout. A run that kept its message (embedded broker,
 and is RUNNING with a lease expired by the database clock is sent again by the sweeper, at most once per
 `interval` (its `swept_at`). So is a FAILED run whose retry has been due for an `interval` with no delivery
 taking it: a run demoted because its entity's holder vanished, or a retry whose message the broker lost. The
-claim absorbs the copy if the broker redelivers the original as well. The
+claim absorbs the copy if the broker redelivers the original as well. The waker (`wake_waiting_runs`) re-sends
+a WAITING run's message when its wake time comes: the one way a parked run (a model call still running) wakes. The
 sweeper runs inside `oncelery relay` (and `oncelery process`), never inside a worker: a worker that is down
 cannot sweep, and one sweeper is enough for any number of workers.
 """
@@ -27,6 +28,7 @@ from oncelery.store.tables import RUNS
 __all__ = [
     "stored_message",
     "sweep_lost_runs",
+    "wake_waiting_runs",
 ]
 
 logger = logging.getLogger("oncelery.sweeper")  # a stable name (users filter on it)
@@ -75,6 +77,41 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
     if sent:
         logger.warning("sweeper: re-sent %d jobs whose worker was lost (lease expired, message kept)", sent)
     return sent
+
+
+def wake_waiting_runs(app: Celery, db: Database, rewake_after: float, batch: int = 100) -> int:
+    """Re-send the stored messages of up to `batch` WAITING runs whose wake time has come; return how many.
+
+    Marked first (swept_at), sent after the commit: a waker that dies in between wakes the run again once
+    `rewake_after` has passed, and a copy that arrives twice is absorbed by the claim (one takes the run over,
+    the other finds it held). The park clears swept_at, so each park wakes as soon as it is due.
+    """
+    r = RUNS.c
+    dia = db.dialect
+    now = dia.now()
+    due = and_(
+        r.status == RunStatus.WAITING,
+        r.not_before <= now,
+        stored_message(r.message),
+        or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
+    )
+    params = {"p_age": dia.lease_param(-rewake_after)}
+    with db.read() as conn:  # an idle round never takes SQLite's writer lock
+        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
+            return 0
+    ids = dia.locked_rows(select(r.id).where(due).order_by(r.not_before).limit(batch))
+    stmt = (
+        update(RUNS)
+        .where(r.id.in_(ids.scalar_subquery()), due)
+        .values(swept_at=now)
+        .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
+    )
+    with db.begin() as conn:
+        rows = conn.execute(stmt, params).all()
+    woken = sum(_resend(app, row) for row in rows)
+    if woken:
+        logger.info("waker: woke %d waiting runs (their model calls are due a poll)", woken)
+    return woken
 
 
 def _resend(app: Celery, row: Any) -> int:

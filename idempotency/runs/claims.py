@@ -59,6 +59,8 @@ __all__ = ["RunStore"]
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
+# Statuses a run waits out before a duplicate may take it over: a retry countdown, or a parked wake time.
+_WAITS_OUT = (RunStatus.FAILED, RunStatus.WAITING)
 
 
 class RunStore:
@@ -218,9 +220,10 @@ class RunStore:
             if self._kill_lost(run, max_deliveries, request.letter):
                 return ClaimResult(Decision.DEAD, run=run, killed=True)
             return None  # taken over (or killed) by someone else between our statements: look again
-        if run.status is RunStatus.FAILED and run.retry_wait and run.celery_task_id != request.celery_task_id:
-            # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
-            # (The retry itself carries the run's task id: it may go, even a moment early.)
+        if run.status in _WAITS_OUT and run.retry_wait and run.celery_task_id != request.celery_task_id:
+            # Celery will retry it after a countdown, or it is parked WAITING until its wake: a duplicate waits
+            # for that, as for a holder. (The retry or the wake carries the run's task id: it may go, even a
+            # moment early.)
             return ClaimResult(Decision.IN_PROGRESS, run=run)
         return self._take_over(request, params)
 
@@ -349,6 +352,25 @@ class RunStore:
             except BaseException:
                 effects.rollback()
                 raise
+
+    def park(self, claim: Claim, wake_in: float, reason: str, message: Any) -> bool:
+        """Park the run WAITING for `wake_in` seconds (database clock) iff the claim is still ours; count `waiting`.
+
+        The run keeps `message` for the waker (`oncelery relay` re-sends it when due), holds no lease, and its
+        retries are untouched: waiting is not a failure. Returns False (nothing written but a `lease_lost`
+        count) if the claim was lost.
+        """
+        params = {
+            **self.fence_params(claim),
+            "p_error": clean_error(reason),
+            "p_delay": self.db.dialect.lease_param(max(0.0, wake_in)),
+            "p_message": message,
+        }
+        with self.db.begin() as conn:
+            ok = rowcount(conn.execute(self.sql.park, params)) == 1
+            counted = Outcome.WAITING if ok else Outcome.LEASE_LOST
+            record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
+        return ok
 
     def fail(
         self,

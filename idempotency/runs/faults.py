@@ -32,6 +32,7 @@ POINTS = (
     "llm_create",  # a model call's intent is committed `prepared`; before its create request is sent
     "llm_created",  # the provider answered the create; before the intent is marked `sent` (the create window)
     "llm_poll",  # before a sent call is polled (its reference is saved)
+    "park",  # before a run whose model call outlasts the inline wait is parked WAITING
     "step_save",  # before a step's checkpoint is written
     "effects_begin",  # before a run's first effects() block begins its transaction (SQLite: the write lock)
     "effects_flush",  # before an effects() block is flushed

@@ -103,6 +103,7 @@ class Statements:
         first_failed = func.coalesce(RUNS.c.first_failed_at, now)
         self.fail = self._fail(now, first_failed)
         self.fail_for_retry = self._fail_for_retry(now, first_failed, dia.lease_until("p_delay"))
+        self.park = self._park(now, dia.lease_until("p_delay"))
         self.fail_dead = self._fail_dead(now, first_failed)
         self.kill_lost = self._kill_lost(now, first_failed)
         self.letter = self._letter(insert, now)
@@ -164,6 +165,10 @@ class Statements:
                 or_(
                     # Celery's own retry (the same task id) is due when it arrives; duplicates wait it out.
                     and_(c.status == RunStatus.FAILED, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))),
+                    # A parked run whose wake time came (any copy may wake it), or its own message come back.
+                    and_(
+                        c.status == RunStatus.WAITING, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))
+                    ),
                     # A lapsed holder, or this message's own earlier delivery that gave up on a store fault.
                     and_(c.status == RunStatus.RUNNING, or_(lease_expired(now), c.owner == bindparam("p_abandoned"))),
                 ),
@@ -244,6 +249,7 @@ class Statements:
                 c.idempotency_key == bindparam("p_key"),
                 or_(
                     and_(c.status == RunStatus.FAILED, c.not_before.is_not(None)),
+                    c.status == RunStatus.WAITING,  # parked: nothing but its wake would run it again
                     and_(c.status == RunStatus.RUNNING, lease_expired(now)),
                 ),
             )
@@ -270,6 +276,24 @@ class Statements:
         # A failure Celery will retry after a countdown: no duplicate may take the run over before then
         # (database clock), and the retry is counted on the run, whichever message carries it.
         return _fenced_failure(RunStatus.FAILED, now, first_failed, not_before=delayed, retries=RUNS.c.retries + 1)
+
+    @staticmethod
+    def _park(now: ColumnElement[Any], wake: ColumnElement[Any]) -> Any:
+        # The holder parks its run WAITING until `wake` (database clock): no lease, no worker slot, not a retry
+        # (retries are untouched). The message is kept for the waker, and swept_at cleared so it wakes when due.
+        return (
+            update(RUNS)
+            .where(_fenced())
+            .values(
+                status=RunStatus.WAITING,
+                error=bindparam("p_error"),
+                updated_at=now,
+                lease_expires_at=None,
+                not_before=wake,
+                swept_at=None,
+                message=bindparam("p_message", type_=JSON),
+            )
+        )
 
     @staticmethod
     def _fail_dead(now: ColumnElement[Any], first_failed: ColumnElement[Any]) -> Any:

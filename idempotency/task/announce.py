@@ -47,7 +47,7 @@ class Announcing(TaskOptions):
         if note:
             decided += f" ({note})"
         fields: dict[str, Any] = {"outcome": outcome.value, "key": ident.key, "tenant": ident.tenant, "token": token}
-        if outcome is Outcome.IN_PROGRESS:
+        if outcome in (Outcome.IN_PROGRESS, Outcome.WAITING):
             # A wait is not a failure: no exception, no traceback; the result column says what happens next.
             fields.update(exception=None, traceback=None, result=f"oncelery: {decided}")
         self._announce(f"task-{outcome.value}", decided, fields, outcome.value)

@@ -25,6 +25,8 @@ __all__ = [
     "RunBody",
 ]
 
+_TASK_DEFAULT: Any = object()  # self.llm(inline_wait=...) not given: the task's llm_inline_wait
+
 # The task's logger: this class is a part of IdempotentTask.
 logger = logging.getLogger("oncelery.task")
 
@@ -125,22 +127,27 @@ class RunBody(Announcing):
         background: bool = True,
         at_most_once: bool | None = None,
         on_lost: str | None = None,
+        inline_wait: Any = _TASK_DEFAULT,
         **request: Any,
     ) -> Any:
         """Make the model call `request` as step `name`: paid once where the provider allows it, replayed after.
 
         A write-ahead intent is committed before the call; a later holder re-attaches to a background call
         instead of paying again (docs/llm.md has the recovery table). Returns the provider's response JSON
-        (`oncelery.llm.output_text(response)` gives its text) and records the call in the cost ledger.
+        (`oncelery.llm.output_text(response)` gives its text) and records the call in the cost ledger. A background
+        call still running after `inline_wait` seconds (the task's `llm_inline_wait`, 5 s) parks the run WAITING:
+        the worker slot is freed, and `oncelery relay` wakes the run when the provider's answer is due.
         """
         # Imported here: the ledger's pricing (task.metering) imports IdempotentTask, which this class makes.
         from oncelery.task.llm_step import call_unclaimed, policy_of, resolve_adapter, run_llm_step
 
         chosen = resolve_adapter(self, adapter)
-        policy = policy_of(self, at_most_once, on_lost, background)
+        waits = self.llm_inline_wait if inline_wait is _TASK_DEFAULT else inline_wait
         if self._passing():
             return call_unclaimed(chosen, request)
         ctx = self.run_context("self.llm()")
+        # A direct or eager call has no broker to wake a parked run through: it blocks, as inline_wait=None does.
+        policy = policy_of(self, at_most_once, on_lost, background, waits if ctx.parkable else None)
         ctx.heartbeat.check()
         if ctx.effects.connection is not None:
             raise ConfigurationError(

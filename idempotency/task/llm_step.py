@@ -43,13 +43,22 @@ def resolve_adapter(task: Any, adapter: Any) -> Adapter:
     return chosen  # type: ignore[no-any-return]
 
 
-def policy_of(task: Any, at_most_once: bool | None, on_lost: str | None, background: bool) -> CallPolicy:
+def policy_of(
+    task: Any, at_most_once: bool | None, on_lost: str | None, background: bool, inline_wait: Any = None
+) -> CallPolicy:
     """Return the call's policy: the per-call values, else the task's `llm_*` options."""
     lost = on_lost if on_lost is not None else task.llm_on_lost
     if lost not in ON_LOST:
         raise ConfigurationError(f"{task.name}: llm on_lost={lost!r}: use one of {', '.join(ON_LOST)}")
     once = at_most_once if at_most_once is not None else task.llm_at_most_once
-    return CallPolicy(background=background, at_most_once=bool(once), on_lost=lost)
+    if inline_wait is not None and (
+        isinstance(inline_wait, bool) or not isinstance(inline_wait, int | float) or inline_wait < 0
+    ):
+        raise ConfigurationError(
+            f"{task.name}: llm inline_wait={inline_wait!r}: give seconds >= 0, or None to block until the call ends"
+        )
+    wait = None if inline_wait is None else float(inline_wait)
+    return CallPolicy(background=background, at_most_once=bool(once), on_lost=lost, inline_wait_s=wait)
 
 
 class LedgerRecorder:

@@ -102,6 +102,10 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: A response the provider no longer has (404, past its retention): "recall" sends it again (labelled
     #: lost), "dead_letter" dead-letters the run (ResponseLost). Per call too.
     llm_on_lost: str = "recall"
+    #: Seconds a delivery polls a background model call before it parks the run WAITING and frees its worker
+    #: slot (the relay wakes it; a woken delivery polls once, then parks again). None blocks until the call
+    #: ends, holding the slot. Per call too: self.llm(..., inline_wait=...).
+    llm_inline_wait: float | None = 5.0
 
     def __init__(self) -> None:
         super().__init__()

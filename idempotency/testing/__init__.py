@@ -20,7 +20,8 @@ Fault helpers are one-liners: `deliver_concurrently`, `kill_holder`, `frozen_pas
 Model calls: `FakeProvider` (a real HTTP server on 127.0.0.1 speaking OpenAI's and Anthropic's protocols, whose
 counters are what a provider would have billed; docs/llm.md), `FakeProviderControl`, `FakeProviderKnobs`.
 $ONCELERY_PASS_THROUGH=1 (fixture `oncelery_pass_through`) runs bodies unclaimed for plain unit tests
-(`self.run_id` is None there). See docs/testing.md.
+(`self.run_id` is None there). `relay_running(app, url)` runs the relay in a thread: a run parked WAITING on a
+long model call wakes only through a relay, in tests as in production. See docs/testing.md.
 
 Reading order: `plugin` (fixtures and options), `db` (reads and assertions), `faults` (delivery faults),
 `worker` (the workers' database and the subprocess), `broker` (Redis), `database_faults`, `cluster` (the
@@ -63,6 +64,7 @@ from oncelery.testing.plugin import (  # noqa: F401
     pytest_addoption,
     running_worker,
 )
+from oncelery.testing.relay import relay_running
 from oncelery.testing.waiting import DEFAULT_TIMEOUT, wait_until
 from oncelery.testing.worker import WorkerDatabaseMismatch, WorkerProcess
 
@@ -91,6 +93,7 @@ __all__ = [
     "frozen_past_lease",
     "in_process_worker",
     "kill_holder",
+    "relay_running",
     "restore_delivery",
     "running_worker",
     "terminate_connections",

@@ -127,6 +127,9 @@ class Stats:
     billed_output_tokens: int = 0
     batches_submitted: int = 0
     forgotten: int = 0  # calls dropped by `forget` (a test's "past retention, now")
+    # The most calls generating at once, seen at each create: above the callers' worker slots, callers let go of
+    # their slots while the provider worked (parked runs), instead of each blocking on its call.
+    max_in_flight: int = 0
 
     def as_json(self) -> dict[str, Any]:
         """Return the counters as a JSON-ready dict."""
@@ -238,6 +241,8 @@ class ProviderState:
                 stuck=bool(request.get("background")) and self.knobs.stuck_queued,
             )
             self.calls[call.id] = call
+            generating = sum(1 for c in self.calls.values() if c.status(now) in ("queued", "in_progress"))
+            self.stats.max_in_flight = max(self.stats.max_in_flight, generating)
             self.stats.creates[kind] += 1
             if intent:
                 self.stats.creates_by_intent[intent] += 1

@@ -1,0 +1,34 @@
+"""A relay in a thread of the test: publishes the outbox, sweeps lost runs, and wakes WAITING runs when due."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from oncelery.ops.relay import Relay, RelayRound
+
+__all__ = ["relay_running"]
+
+
+@contextmanager
+def relay_running(app: Any, url: str, interval: float = 0.05, sweep_interval: float | None = None) -> Iterator[Relay]:
+    """Run `oncelery relay`'s loop for `app` on the claims database `url` in a thread for the block, then stop it.
+
+    What a parked run (a model call past its inline wait) needs to wake in a test, as production needs
+    `oncelery relay`. `interval`: seconds between idle rounds (short, so a test waits on wakes, not on the
+    loop); `sweep_interval`: the lost-run sweeper's interval (None: off, so a kill test decides when runs return).
+    """
+    relay = Relay(app, url, sweep_interval=sweep_interval)
+    stop = threading.Event()
+    totals: list[RelayRound] = []
+    thread = threading.Thread(
+        target=lambda: totals.append(relay.serve(stop, interval=interval)), name="oncelery-test-relay", daemon=True
+    )
+    thread.start()
+    try:
+        yield relay
+    finally:
+        stop.set()
+        thread.join(timeout=30)
