@@ -39,8 +39,9 @@ class ModelCall(Base):
     latency_ms: Mapped[float] = mapped_column(Float, nullable=False)
     ok: Mapped[bool] = mapped_column(Boolean, nullable=False)
     error: Mapped[str | None] = mapped_column(Text)
-    # Estimated USD at the price of the day the row was written (app.conf.oncelery_prices); NULL: no price.
-    cost: Mapped[float | None] = mapped_column(Float)
+    # Estimated cost in micro-USD (models/money.py: integer, rounded up per call) at the price of the day the
+    # row was written (app.conf.oncelery_prices); NULL: no price.
+    cost_micros: Mapped[int | None] = mapped_column(BigInteger)
     # What else produced the answer (model version, seed, temperature, prompt hash...), as the caller gives it.
     meta: Mapped[Any] = mapped_column(Json, nullable=True)
     created_at: Mapped[datetime] = mapped_column(
@@ -75,7 +76,7 @@ class LedgerTotal(Base):
     failed_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
     input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
     output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
-    cost: Mapped[float] = mapped_column(Float, nullable=False, default=0.0, server_default="0")
+    cost_micros: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")  # micro-USD
     unpriced_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
 
 

@@ -99,12 +99,13 @@ class TaskRun(Base):
     lost: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     # Duplicate deliveries answered from this run's stored result (what `oncelery costs` counts as saved).
     replays: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
-    # The run's ok model calls, their tokens and priced USD, added by the ledger as each call is recorded:
-    # what each replay of this run saved, added to the replayed outcome's totals without reading model_calls.
+    # The run's ok model calls, their tokens and priced micro-USD (models/money.py), added by the ledger as each
+    # call is recorded: what each replay of this run saved, added to the replayed outcome's totals without
+    # reading model_calls.
     llm_calls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     llm_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     llm_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
-    llm_cost: Mapped[float] = mapped_column(Float, nullable=False, server_default="0")
+    llm_cost_micros: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     first_failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # When the relay's sweeper last re-sent this run's stored message (so it re-sends once per interval).
     swept_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -192,14 +193,14 @@ class DeliveryOutcome(Base):
     # Running totals added by the same increment, so the metrics exporter reads a small table, never scans:
     # a completing delivery (executed/resumed/stale) adds its run's checkpointed steps (executed by any holder),
     # the steps it replayed from checkpoints, and its takeovers (fencing_token - 1); a replayed duplicate adds
-    # the run's ok model calls, tokens and USD it did not spend again (the run's llm_* columns).
+    # the run's ok model calls, tokens and micro-USD it did not spend again (the run's llm_* columns).
     steps_executed: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     steps_replayed: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     takeovers: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     saved_calls: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     saved_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     saved_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
-    saved_cost: Mapped[float] = mapped_column(Float, nullable=False, server_default="0")
+    saved_cost_micros: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")  # micro-USD
 
 
 class OutboxStatus(enum.Enum):

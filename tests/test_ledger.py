@@ -13,6 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,17 @@ def costs(db_url: str, *args: str) -> dict[str, Any]:
     """`oncelery costs --json` through the real command group."""
     result = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs", "--json", *args])
     assert result.exit_code == 0, result.output
-    return dict(json.loads(result.output))
+    return dict(json.loads(result.output, parse_float=Decimal))  # USD as printed, exactly
 
 
-def usd(prompt_tokens: int, completion_tokens: int) -> float:
-    """What PRICES charge for these tokens."""
-    return (prompt_tokens * PRICES[MODEL]["input"] + completion_tokens * PRICES[MODEL]["output"]) / 1_000_000
+def micros(prompt_tokens: int, completion_tokens: int) -> int:
+    """What PRICES (0.15 and 0.60 USD per 1M tokens) charge for these tokens, in micro-USD rounded up."""
+    return -(-(prompt_tokens * 15 + completion_tokens * 60) // 100)
+
+
+def usd(micro_usd: int) -> Decimal:
+    """Micro-USD as exact USD."""
+    return Decimal(micro_usd) / 1_000_000
 
 
 def test_calls_made_and_saved_by_replays_are_exact(
@@ -205,8 +211,9 @@ def test_calls_made_and_saved_by_replays_are_exact(
     assert saved["input_tokens"] == sum(a[0] + b[0] for a, b in map(job_usage, duplicates))
     assert saved["output_tokens"] == sum(a[1] + b[1] for a, b in map(job_usage, duplicates))
     # Only MODEL has a price: the keywords calls are counted, never priced.
-    assert made["cost"] == pytest.approx(sum(usd(*job_usage(n)[0]) for n in jobs))
-    assert saved["cost"] == pytest.approx(sum(usd(*job_usage(n)[0]) for n in duplicates))
+    # Exact: each call rounded up to the micro-USD, then summed as integers.
+    assert made["cost"] == usd(sum(micros(*job_usage(n)[0]) for n in jobs))
+    assert saved["cost"] == usd(sum(micros(*job_usage(n)[0]) for n in duplicates))
     assert made["unpriced_calls"] == len(jobs) and saved["unpriced_calls"] == len(duplicates)
     lines = {(x["task"], x["tenant"], x["model"]): x for x in report["lines"]}
     assert sorted(lines) == [("oncelery.t_ledger_job", t, m) for t in ("acme", "globex") for m in (MODEL, UNPRICED)]
@@ -225,13 +232,13 @@ def test_calls_made_and_saved_by_replays_are_exact(
         key = (("model", model), ("name", task), ("tenant", who))
         made = line["made"]
         assert got["oncelery_llm_calls_total", key] == made["calls"]
-        assert got["oncelery_llm_cost_usd_total", key] == pytest.approx(made["cost"] or 0.0)
+        assert got["oncelery_llm_cost_usd_total", key] == pytest.approx(float(made["cost"] or 0))
         assert got["oncelery_llm_tokens_total", (("direction", "output"), *key)] == made["output_tokens"]
     for who in ("acme", "globex"):
         spared = costs(db_url, "--tenant", who)["total"]["saved"]
         key = (("name", "oncelery.t_ledger_job"), ("tenant", who))
         assert got["oncelery_llm_saved_calls_total", key] == spared["calls"]
-        assert got["oncelery_llm_saved_cost_usd_total", key] == pytest.approx(spared["cost"] or 0.0)
+        assert got["oncelery_llm_saved_cost_usd_total", key] == pytest.approx(float(spared["cost"] or 0))
         assert got["oncelery_llm_saved_tokens_total", (("direction", "input"), *key)] == spared["input_tokens"]
         assert got["oncelery_steps_executed_total", key] == 2 * 10
         assert got["oncelery_steps_replayed_total", key] == 0
@@ -244,7 +251,7 @@ def test_calls_made_and_saved_by_replays_are_exact(
         ("oncelery.t_ledger_job", "globex", "doc:3", "keywords", "keywords", 1),
     ]
     assert [(r.input_tokens, r.output_tokens) for r in rows] == list(job_usage(3))
-    assert rows[0].cost == pytest.approx(usd(*job_usage(3)[0])) and rows[1].cost is None
+    assert rows[0].cost_micros == micros(*job_usage(3)[0]) and rows[1].cost_micros is None
     assert all(r.ok and r.error is None and r.latency_ms > 0 for r in rows)
 
 
@@ -262,7 +269,7 @@ def test_a_failed_call_is_recorded_and_its_own_error_raised(
     with pytest.raises(openai.InternalServerError, match="model overloaded"):
         job(1)
     [row] = ledger(db_url)
-    assert (row.ok, row.step, row.input_tokens, row.output_tokens, row.cost) == (False, "summarize", 0, 0, 0.0)
+    assert (row.ok, row.step, row.input_tokens, row.output_tokens, row.cost_micros) == (False, "summarize", 0, 0, 0)
     assert row.error.startswith("InternalServerError: ") and "model overloaded" in row.error
     assert job(1) == reply_to(document(1))  # the retry pays for a second call, on the books too
     assert [(r.ok, r.fencing_token) for r in ledger(db_url)] == [(False, 1), (True, 2)]
@@ -360,7 +367,7 @@ def test_outside_a_task_the_env_database_or_nothing(
         (None, None, None, "async", {"route": "batch"}),
     ]
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [usage_of("recorded"), usage_of("async call")]
-    assert rows[1].cost == pytest.approx(usd(*usage_of("async call")))
+    assert rows[1].cost_micros == micros(*usage_of("async call"))
 
 
 def test_a_ledger_that_cannot_be_written_is_logged_never_raised(

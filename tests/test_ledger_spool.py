@@ -183,7 +183,7 @@ def spool_in_a_child(url: str, folder: Path, rows: int) -> int:
                 "output_tokens": 0,
                 "latency_ms": 1.0,
                 "ok": True,
-                "cost": None,
+                "cost_micros": None,
             }
             spool_row(url, None, row)
         code = 0

@@ -294,7 +294,7 @@ def test_successful_step_writes_one_row_and_a_replay_writes_none(
         0.7,
     )
     assert row.meta["prompt_hash"] == client.prompt_hash("summarize", TEXT)
-    assert (row.input_tokens, row.output_tokens, row.ok, row.error, row.cost) == (17, 3, True, None, None)
+    assert (row.input_tokens, row.output_tokens, row.ok, row.error, row.cost_micros) == (17, 3, True, None, None)
     assert row.latency_ms > 0
     made = cost_report(db_url).made
     assert (made.calls, made.ok_calls, made.failed_calls, made.input_tokens, made.output_tokens) == (1, 1, 0, 17, 3)

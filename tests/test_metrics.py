@@ -298,11 +298,11 @@ def test_upgrade_backfills_the_running_totals_from_existing_rows(metrics_url: st
     model = (("model", "gpt-x"), *run)
     assert got["oncelery_llm_calls_total", model] == line.made.calls == 4
     assert got["oncelery_llm_failed_calls_total", model] == 1
-    assert got["oncelery_llm_cost_usd_total", model] == pytest.approx(line.made.cost)
+    assert got["oncelery_llm_cost_usd_total", model] == pytest.approx(float(line.made.cost or 0))
     # Run a's 2 ok calls (150 + 15 tokens, $0.5 priced) saved 3 times over.
     assert got["oncelery_llm_saved_calls_total", run] == line.saved.calls == 6
     assert got["oncelery_llm_saved_tokens_total", (("direction", "input"), *run)] == line.saved.input_tokens == 450
-    assert got["oncelery_llm_saved_cost_usd_total", run] == pytest.approx(line.saved.cost) == 1.5
+    assert got["oncelery_llm_saved_cost_usd_total", run] == pytest.approx(float(line.saved.cost or 0)) == 1.5
     assert got["oncelery_steps_executed_total", run] == 2
     assert got["oncelery_takeovers_total", run] == 1
     assert got["oncelery_deliveries_total", (("name", TASK), ("outcome", "executed"), ("tenant", ""))] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import click
@@ -81,7 +82,7 @@ def _labelled(labels: dict[str, int]) -> str:
     )
 
 
-def _usd(value: float | None) -> str | None:
+def _usd(value: Decimal | None) -> str | None:
     return None if value is None else f"{value:.6f}"
 
 

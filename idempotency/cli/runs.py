@@ -193,7 +193,7 @@ def _call(call: CallView) -> dict[str, Any]:
         "latency_ms": call.latency_ms,
         "ok": call.ok,
         "error": call.error,
-        "cost": None if call.cost is None else round(call.cost, 9),  # USD, no float noise (as `costs --json`)
+        "cost": None if call.cost is None else float(call.cost),  # USD, at most 6 decimals (as `costs --json`)
         "token": call.token,
         "created_at": call.created_at,
     }

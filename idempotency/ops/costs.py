@@ -3,15 +3,20 @@
 Saved, exactly: a duplicate delivery answered from a COMPLETED run's stored result (`task_runs.replays`)
 made none of the calls the run made, so each run saved `replays x` its ok calls, tokens and cost. Both figure
 sets are one grouped query each; nothing is summed row by row in Python.
+
+Money is exact: the database sums integer micro-USD (oncelery.models.money) and a `Spend` holds the sum as
+`Decimal` USD, so a report of a thousand 0.1-dollar calls says 100.000000, not 99.99999999999986.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import BigInteger, Select, case, cast, func, select
 
+from oncelery.models.money import usd
 from oncelery.store.database import Database
 from oncelery.store.tables import CALLS, LABEL_TOTALS, RUNS
 
@@ -20,13 +25,14 @@ __all__ = ["CostLine", "CostReport", "Spend", "cost_report"]
 
 @dataclass(frozen=True)
 class Spend:
-    """Model calls and their cost: calls (failed among them), tokens in and out, USD (None: no price known)."""
+    """Model calls and their cost: calls (failed among them), tokens in and out, exact Decimal USD (None: no
+    price known)."""
 
     calls: int = 0
     failed_calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
-    cost: float | None = None
+    cost: Decimal | None = None
     unpriced_calls: int = 0  # calls whose model had no price: `cost` leaves them out
 
     @property
@@ -41,13 +47,14 @@ class Spend:
             self.failed_calls + other.failed_calls,
             self.input_tokens + other.input_tokens,
             self.output_tokens + other.output_tokens,
-            sum(costs) if costs else None,
+            sum(costs, Decimal(0)) if costs else None,
             self.unpriced_calls + other.unpriced_calls,
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """Every figure, ok_calls included, as JSON-ready values (USD to the nano-dollar: no float noise)."""
-        cost = None if self.cost is None else round(self.cost, 9)
+        """Every figure, ok_calls included, as JSON-ready values: USD as a number of at most 6 decimals (the
+        float whose shortest repr is the exact Decimal, for amounts under 10^9 USD)."""
+        cost = None if self.cost is None else float(self.cost)
         return {**asdict(self), "cost": cost, "ok_calls": self.ok_calls}
 
 
@@ -133,8 +140,8 @@ def _made_query() -> Select[Any]:
         func.coalesce(func.sum(case((c.ok.is_(False), 1), else_=0)), 0),
         func.coalesce(func.sum(c.input_tokens), 0),
         func.coalesce(func.sum(c.output_tokens), 0),
-        func.sum(c.cost),
-        func.coalesce(func.sum(case((c.cost.is_(None), 1), else_=0)), 0),
+        func.sum(c.cost_micros),
+        func.coalesce(func.sum(case((c.cost_micros.is_(None), 1), else_=0)), 0),
     ).group_by(*_GROUP)
 
 
@@ -147,8 +154,8 @@ def _saved_query() -> Select[Any]:
             func.coalesce(func.sum(replays), 0),
             func.coalesce(func.sum(replays * c.input_tokens), 0),
             func.coalesce(func.sum(replays * c.output_tokens), 0),
-            func.sum(replays * c.cost),
-            func.coalesce(func.sum(case((c.cost.is_(None), replays), else_=0)), 0),
+            func.sum(replays * c.cost_micros),
+            func.coalesce(func.sum(case((c.cost_micros.is_(None), replays), else_=0)), 0),
         )
         .select_from(CALLS.join(RUNS, c.run_id == RUNS.c.id))
         .where(c.ok.is_(True), RUNS.c.replays > 0)
@@ -166,14 +173,15 @@ def _grouped(
         stmt = stmt.where(c.tenant == tenant)
     with Database(url).read() as conn:
         rows = conn.execute(stmt).all()
-    # Counts as int (PostgreSQL sums BIGINTs as NUMERIC, i.e. Decimal); the cost, last but one, as float or None.
+    # Counts as int (PostgreSQL sums BIGINTs as NUMERIC, i.e. Decimal); the cost, last but one, summed in
+    # micro-USD, as Decimal USD or None.
     return [
         ((row[0], row[1], row[2]), [_figure(value, i == len(row) - 2) for i, value in enumerate(row[3:], start=3)])
         for row in rows
     ]
 
 
-def _figure(value: Any, usd: bool) -> Any:
-    if usd:
-        return None if value is None else float(value)
+def _figure(value: Any, is_usd: bool) -> Any:
+    if is_usd:
+        return None if value is None else usd(int(value))
     return int(value)

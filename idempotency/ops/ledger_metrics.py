@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from sqlalchemy import Connection, select
 
 from oncelery.models.intents import IntentState
+from oncelery.models.money import MICROS_PER_USD
 from oncelery.ops.histograms import PREFIX, TenantCap, age_seconds
 from oncelery.store.tables import INTENTS, LABEL_TOTALS, OUTCOME_TOTALS, TOTALS
 
@@ -28,11 +29,11 @@ _LIFETIME = {
     "steps_replayed": ("steps_replayed", "Steps completing deliveries took from checkpoints instead of executing."),
     "takeovers": ("takeovers", "Takeovers (fencing_token - 1) of completed runs: retries and lost holders."),
     "saved_calls": ("llm_saved_calls", "Model calls replays did not make (each replay x the run's ok calls)."),
-    "saved_cost": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
+    "saved_cost_micros": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
 }
 
 
-def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Metric]:
+def lifetime_families(totals: dict[tuple[str, str], list[int]]) -> Iterator[Metric]:
     """Counters kept with the outcome counts (steps, takeovers, what replays saved) per task and tenant."""
     index = {name: i for i, name in enumerate(OUTCOME_TOTALS)}
     families = {
@@ -45,7 +46,7 @@ def lifetime_families(totals: dict[tuple[str, str], list[float]]) -> Iterator[Me
     for (task, tenant), figures in sorted(totals.items()):
         for name, family in families.items():
             value = figures[index[name]]
-            family.add_metric([task, tenant], value if name == "saved_cost" else int(value))
+            family.add_metric([task, tenant], _usd(value) if name == "saved_cost_micros" else value)
         tokens.add_metric([task, tenant, "input"], int(figures[index["saved_input_tokens"]]))
         tokens.add_metric([task, tenant, "output"], int(figures[index["saved_output_tokens"]]))
     yield from (*families.values(), tokens)
@@ -61,22 +62,26 @@ def ledger_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:
     )
     cost = CounterMetricFamily(f"{PREFIX}_llm_cost_usd", "Estimated USD of the priced calls made.", labels=labels)
     t = TOTALS.c
-    merged: dict[tuple[str, str, str], list[float]] = {}  # tenants past the cap summed as "other"
-    for row in conn.execute(
-        select(t.task_name, t.tenant, t.model, t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost)
-    ):
-        into = merged.setdefault((row.task_name, cap(row.tenant), row.model), [0.0] * 5)
-        for i, figure in enumerate((row.calls, row.failed_calls, row.input_tokens, row.output_tokens, row.cost)):
-            into[i] += float(figure or 0)
-    for (task, tenant, model), (n, n_failed, tokens_in, tokens_out, usd) in sorted(merged.items()):
+    merged: dict[tuple[str, str, str], list[int]] = {}  # tenants past the cap summed as "other"
+    figures = (t.calls, t.failed_calls, t.input_tokens, t.output_tokens, t.cost_micros)
+    for row in conn.execute(select(t.task_name, t.tenant, t.model, *figures)):
+        into = merged.setdefault((row.task_name, cap(row.tenant), row.model), [0] * 5)
+        for i, figure in enumerate(row[3:]):
+            into[i] += int(figure or 0)  # integers all (micro-USD for the cost): summed exactly
+    for (task, tenant, model), (n, n_failed, tokens_in, tokens_out, micros) in sorted(merged.items()):
         key = [task, tenant, model]
-        calls.add_metric(key, int(n))
-        failed.add_metric(key, int(n_failed))
-        tokens.add_metric([*key, "input"], int(tokens_in))
-        tokens.add_metric([*key, "output"], int(tokens_out))
-        cost.add_metric(key, usd)
+        calls.add_metric(key, n)
+        failed.add_metric(key, n_failed)
+        tokens.add_metric([*key, "input"], tokens_in)
+        tokens.add_metric([*key, "output"], tokens_out)
+        cost.add_metric(key, _usd(micros))
     yield from (calls, failed, tokens, cost)
     yield from _label_families(conn, cap)
+
+
+def _usd(micros: int) -> float:
+    """An exact micro-USD sum as the float USD a Prometheus sample holds (int / int: correctly rounded)."""
+    return micros / MICROS_PER_USD
 
 
 def _label_families(conn: Connection, cap: TenantCap) -> Iterator[Metric]:

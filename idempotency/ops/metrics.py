@@ -124,12 +124,12 @@ def outcome_families(conn: Connection, cap: TenantCap, tasks: Iterable[str] = ()
         select(c.task_name, c.tenant, c.outcome, func.sum(c.count), *sums).group_by(c.task_name, c.tenant, c.outcome)
     ).all()
     counts: dict[tuple[str, str, str], int] = {}  # (task, tenant label, outcome) -> deliveries
-    lifetime: dict[tuple[str, str], list[float]] = {}  # (task, tenant) -> OUTCOME_TOTALS summed over outcomes
+    lifetime: dict[tuple[str, str], list[int]] = {}  # (task, tenant) -> OUTCOME_TOTALS summed over outcomes
     for task, tenant, outcome, n, *added in rows:
         tenant = cap(tenant)
-        into = lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
+        into = lifetime.setdefault((task, tenant), [0] * len(OUTCOME_TOTALS))
         for i, figure in enumerate(added):
-            into[i] += float(figure or 0)
+            into[i] += int(figure or 0)  # integers all (micro-USD for the cost): summed exactly
         key = (task, tenant, outcome.value)
         counts[key] = counts.get(key, 0) + int(n)  # a backfill row (migration 0007) adds 0: totals only
     # Zero series: every outcome of every known task exists before it first happens, so `rate()` and
@@ -141,7 +141,7 @@ def outcome_families(conn: Connection, cap: TenantCap, tasks: Iterable[str] = ()
         tenants.setdefault(task, {""})
     for task, seen in tenants.items():
         for tenant in seen:
-            lifetime.setdefault((task, tenant), [0.0] * len(OUTCOME_TOTALS))
+            lifetime.setdefault((task, tenant), [0] * len(OUTCOME_TOTALS))
     deliveries = CounterMetricFamily(
         f"{PREFIX}_deliveries",
         "Deliveries by the outcome each recorded (a waiting duplicate counts in_progress once, not per re-check).",

@@ -53,7 +53,7 @@ MAX_PENDING_RUNS = 10_000
 FLUSH_CHUNK = 500  # runs per flush transaction (SQLite's bound parameters are limited)
 
 
-def outcome_params(task_name: str, outcome: Outcome, tenant: str = "", **totals: float) -> dict[str, Any]:
+def outcome_params(task_name: str, outcome: Outcome, tenant: str = "", **totals: int) -> dict[str, Any]:
     """The parameters of one counter increment (a random shard), adding `totals` (OUTCOME_TOTALS, default 0)."""
     params: dict[str, Any] = {f"p_{name}": totals.pop(name, 0) for name in OUTCOME_TOTALS}
     if totals:
@@ -98,7 +98,7 @@ def record_outcome(
                 p_saved_calls=calls,
                 p_saved_input_tokens=input_tokens,
                 p_saved_output_tokens=output_tokens,
-                p_saved_cost=cost,
+                p_saved_cost_micros=cost,
             )
         conn.execute(sql.count_outcome, params)
 
@@ -170,7 +170,7 @@ _SAVED = select(RUNS.c.id, *(RUNS.c[column] for column in SAVED_FROM.values())).
 
 def _write(db: Database, chunk: dict[int, tuple[str, str, int]]) -> None:
     """One transaction: each run's replays, and the `replayed` outcome counts with what they saved."""
-    counts: dict[tuple[str, str], dict[str, float]] = {}
+    counts: dict[tuple[str, str], dict[str, int]] = {}
     with db.begin() as conn:
         fault_point("flush_replays", runs=len(chunk))
         conn.execute(_BUMP, [{"b_id": run_id, "b_n": n} for run_id, (_t, _te, n) in chunk.items()])

@@ -9,11 +9,13 @@ import builtins
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Select, and_, func, select
 
 from oncelery.models import RunStatus
+from oncelery.models.money import usd
 from oncelery.runs.outcomes import outcome_counts
 from oncelery.settings import PASS_THROUGH_SEEN
 from oncelery.store.clock import lease_live
@@ -83,7 +85,7 @@ class CallView:
     latency_ms: float
     ok: bool
     error: str | None
-    cost: float | None  # None: the model had no price in oncelery_prices
+    cost: Decimal | None  # exact USD (stored as micro-USD); None: the model had no price in oncelery_prices
     token: int | None  # the fencing token of the attempt that made the call
     created_at: datetime | None
 
@@ -240,7 +242,7 @@ class Runs:
                 m.latency_ms,
                 m.ok,
                 m.error,
-                m.cost,
+                m.cost_micros,
                 m.fencing_token,
                 m.created_at,
             )
@@ -250,7 +252,8 @@ class Runs:
         with self.db.read() as conn:
             return [
                 CallView(
-                    int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]), float(r[6]), bool(r[7]), r[8], r[9], r[10], r[11]
+                    *(int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]), float(r[6]), bool(r[7]), r[8]),
+                    *(usd(r[9]), r[10], r[11]),
                 )
                 for r in conn.execute(stmt)
             ]

@@ -74,7 +74,7 @@ OUTCOME_TOTALS = (
     "saved_calls",
     "saved_input_tokens",
     "saved_output_tokens",
-    "saved_cost",
+    "saved_cost_micros",
 )
 # The task_runs columns a RunView (oncelery.runs) is made of.
 RUN_VIEW_COLUMNS = (
@@ -102,10 +102,10 @@ RUN_VIEW_COLUMNS = (
     "lost",
     "replays",
 )
-# What a replay saved: the replayed run's ok model calls, tokens and USD.
+# What a replay saved: the replayed run's ok model calls, tokens and micro-USD.
 SAVED_FROM = {
     "saved_calls": "llm_calls",
     "saved_input_tokens": "llm_input_tokens",
     "saved_output_tokens": "llm_output_tokens",
-    "saved_cost": "llm_cost",
+    "saved_cost_micros": "llm_cost_micros",
 }

@@ -1,6 +1,8 @@
 """The ledger spool's files: where they are, what a line holds, and how a file is replayed into the database.
 
-A line: `{"v": 1, "db": <database URL, password masked>, "row": <the model_calls row>}`. A file is replayed by
+A line: `{"v": 1, "db": <database URL, password masked>, "row": <the model_calls row>}` (a row spooled before
+migration 0015 carries `cost`, float USD, instead of `cost_micros`: read as the micro-USD rounded up, the rule
+every call's cost follows since, so an upgrade never strands a spool). A file is replayed by
 whoever holds its `flock` (its live writer, or anyone once the writer is gone), each row written with
 `write_call` (its call_id makes a second write a no-op), and removed only once every row in it is in the
 database. A line that cannot be parsed (a write torn by a crash) or a row the database refuses for good is moved
@@ -21,6 +23,7 @@ from typing import Any
 from celery import signals
 
 from oncelery.errors import StoreError
+from oncelery.models.money import micros_up
 from oncelery.settings import (
     CONF_LEDGER_SPOOL_DIR,
     DEFAULT_DATA_DIR,
@@ -182,7 +185,19 @@ def _lines(data: bytes) -> Iterator[tuple[bytes, dict[str, Any] | None]]:
         except ValueError:
             entry = None
         ok = isinstance(entry, dict) and entry.get("v") == FORMAT and isinstance(entry.get("row"), dict)
+        if ok and "cost" in entry["row"]:
+            entry["row"] = _priced_in_micros(entry["row"])
         yield raw, entry if ok else None
+
+
+def _priced_in_micros(row: dict[str, Any]) -> dict[str, Any]:
+    """A row spooled by a version before 0015 (`cost`: float USD or None) with `cost_micros` instead."""
+    usd = row.pop("cost")
+    try:
+        row["cost_micros"] = None if usd is None else micros_up(usd)
+    except (TypeError, ValueError, ArithmeticError):  # not a number: write_call refuses it, the row is set aside
+        row["cost_micros"] = usd
+    return row
 
 
 def _reject(folder: Path, raw: bytes, why: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Float, bindparam, update
+from sqlalchemy import BigInteger, Connection, bindparam, update
 
 from oncelery.store.database import Database
 from oncelery.store.dialects import Dialect
@@ -19,7 +19,7 @@ from oncelery.store.tables import CALLS, LABEL_TOTALS, RUNS, TOTALS
 
 __all__ = ["add_call", "write_call"]
 
-_TOTAL_FIGURES = ("calls", "failed_calls", "input_tokens", "output_tokens", "cost", "unpriced_calls")
+_TOTAL_FIGURES = ("calls", "failed_calls", "input_tokens", "output_tokens", "cost_micros", "unpriced_calls")
 # The run's ok calls (what each of its replays saves), added as each is recorded.
 _ADD_TO_RUN = (
     update(RUNS)
@@ -28,7 +28,7 @@ _ADD_TO_RUN = (
         llm_calls=RUNS.c.llm_calls + 1,
         llm_input_tokens=RUNS.c.llm_input_tokens + bindparam("p_input", type_=BigInteger),
         llm_output_tokens=RUNS.c.llm_output_tokens + bindparam("p_output", type_=BigInteger),
-        llm_cost=RUNS.c.llm_cost + bindparam("p_cost", type_=Float),
+        llm_cost_micros=RUNS.c.llm_cost_micros + bindparam("p_cost", type_=BigInteger),
     )
 )
 _inserts: dict[str, Any] = {}  # per dialect: INSERT INTO model_calls ... ON CONFLICT (call_id) DO NOTHING RETURNING
@@ -47,13 +47,13 @@ def add_call(conn: Connection, dialect: Dialect, row: Mapping[str, Any]) -> bool
         stmt = _inserts[dialect.name] = insert_new.returning(CALLS.c.id)
     if conn.execute(stmt, dict(row)).first() is None:
         return False
-    cost = row.get("cost")
+    cost = row.get("cost_micros")  # integer micro-USD (oncelery.models.money), None: the model had no price
     figures = {
         "calls": 1,
         "failed_calls": 0 if row["ok"] else 1,
         "input_tokens": row["input_tokens"],
         "output_tokens": row["output_tokens"],
-        "cost": cost or 0.0,
+        "cost_micros": cost or 0,
         "unpriced_calls": 1 if cost is None else 0,
     }
     totals = dialect.insert(TOTALS).values(
@@ -63,7 +63,7 @@ def add_call(conn: Connection, dialect: Dialect, row: Mapping[str, Any]) -> bool
     conn.execute(totals.on_conflict_do_update(index_elements=["task_name", "tenant", "model"], set_=added))
     if row["ok"] and row.get("run_id") is not None:
         params = {"p_run_id": row["run_id"], "p_input": row["input_tokens"], "p_output": row["output_tokens"]}
-        conn.execute(_ADD_TO_RUN, {**params, "p_cost": cost or 0.0})
+        conn.execute(_ADD_TO_RUN, {**params, "p_cost": cost or 0})
     for label in (row.get("reason"), "reattached" if row.get("reattached") else None):
         if label:  # few rows carry one: a repeated call, a call of unknown outcome, a re-attached call
             _count_label(conn, dialect, row, label)

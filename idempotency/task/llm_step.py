@@ -78,7 +78,7 @@ class LedgerRecorder:
     ) -> None:  # fmt: skip
         """Add the row (and the running totals, once) for `intent`'s call."""
         claim, step = self.ctx.claim, self.step
-        cost = None if self.price is None else self.price.cost(usage.input_tokens, usage.output_tokens)
+        cost = None if self.price is None else self.price.cost_micros(usage.input_tokens, usage.output_tokens)
         row = {
             "call_id": intent.public_id,
             "task_name": claim.task_name,
@@ -94,7 +94,7 @@ class LedgerRecorder:
             "latency_ms": (time.perf_counter() - self.started) * 1000,
             "ok": ok,
             "error": error,
-            "cost": cost,
+            "cost_micros": cost,
             "meta": {"attempt": intent.attempt, "mode": intent.mode},
             "reason": reason,
             "reattached": reattached,

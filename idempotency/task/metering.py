@@ -11,7 +11,8 @@ Guarantees:
   answers again (oncelery.task.ledger_spool); each row's `call_id` makes every write of it count once;
 - a step replayed from its checkpoint never runs its body, so it makes no call and writes no row;
 - the block's error is re-raised as it was; a ledger that cannot be written is logged, never raised;
-- the cost is computed when the row is written, at that day's price (`app.conf.oncelery_prices`).
+- the cost is computed when the row is written, at that day's price (`app.conf.oncelery_prices`), exactly
+  (Decimal), and stored as integer micro-USD rounded up (oncelery.models.money).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import functools
 import inspect
 import json
 import logging
-import math
 import operator
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -34,6 +35,7 @@ from celery._state import get_current_task
 
 from oncelery.delivery.steps import current_step
 from oncelery.errors import ConfigurationError, StoreUnavailable
+from oncelery.models.money import as_decimal, micros_up, usd
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.store.database import Database
@@ -51,20 +53,33 @@ MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
 _INPUT_FIELDS = ("input_tokens", "prompt_tokens", "prompt_token_count")
 _OUTPUT_FIELDS = ("output_tokens", "completion_tokens", "candidates_token_count")
 
+Amount = Decimal | float | int | str  # a USD amount as a user may give it
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Price:
-    """A model's price in USD per 1M tokens (PER_TOKENS), input and output."""
+    """A model's price in USD per 1M tokens (PER_TOKENS), input and output, held as exact Decimals.
 
-    input: float = 0.0
-    output: float = 0.0
+    Given as numbers (a float by its shortest repr: `0.15` is `Decimal("0.15")`), a Decimal or a numeric string.
+    """
 
-    def cost(self, input_tokens: int, output_tokens: int) -> float:
-        """The USD cost of a call with these token counts."""
-        return (input_tokens * self.input + output_tokens * self.output) / PER_TOKENS
+    input: Decimal
+    output: Decimal
+
+    def __init__(self, input: Amount = 0, output: Amount = 0) -> None:
+        object.__setattr__(self, "input", as_decimal(input))
+        object.__setattr__(self, "output", as_decimal(output))
+
+    def cost(self, input_tokens: int, output_tokens: int) -> Decimal:
+        """The exact USD cost of a call with these token counts (Decimal arithmetic, no rounding)."""
+        with localcontext(prec=80):  # enough digits for any price times any count: the product is exact
+            return (input_tokens * self.input + output_tokens * self.output) / PER_TOKENS
+
+    def cost_micros(self, input_tokens: int, output_tokens: int) -> int:
+        """The call's cost as the ledger stores it: integer micro-USD, rounded UP (never under-reported)."""
+        return micros_up(self.cost(input_tokens, output_tokens))
 
     @classmethod
     def of(cls, model: str, entry: Any) -> Price:
@@ -75,11 +90,19 @@ class Price:
                 f"{CONF_PRICES}[{model!r}] = {entry!r}: give {{'input': usd, 'output': usd}} in USD per 1M tokens "
                 f"(a missing one is 0)"
             )
-        values = {name: entry[name] for name in fields}
-        for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ConfigurationError(f"{CONF_PRICES}[{model!r}][{name!r}] = {value!r}: give a number >= 0")
-        return cls(**{name: float(value) for name, value in values.items()})
+        values = {name: _amount(model, name, entry[name]) for name in fields}
+        return cls(**values)
+
+
+def _amount(model: str, name: str, value: Any) -> Decimal:
+    """One price of the table as a Decimal (`Decimal(str(float))`), or ConfigurationError naming the fix."""
+    try:
+        amount = None if isinstance(value, bool) or not isinstance(value, int | float | Decimal) else as_decimal(value)
+    except (TypeError, ValueError, ArithmeticError):
+        amount = None
+    if amount is None or not amount.is_finite() or amount < 0:
+        raise ConfigurationError(f"{CONF_PRICES}[{model!r}][{name!r}] = {value!r}: give a number >= 0")
+    return amount
 
 
 def price_of(model: str, conf: Any = None) -> Price | None:
@@ -110,7 +133,18 @@ class MeteredCall:
         self.latency_ms: float | None = None
         self.ok: bool | None = None
         self.error: str | None = None
-        self.cost: float | None = None
+        #: The call's cost as the ledger stores it: integer micro-USD, rounded up (None: the model had no price).
+        self.cost_micros: int | None = None
+
+    @property
+    def cost(self) -> Decimal | None:
+        """The call's cost in USD, exact (`cost_micros` as a Decimal with 6 places); None: no price known."""
+        return usd(self.cost_micros)
+
+    @cost.setter
+    def cost(self, value: Amount | None) -> None:
+        # USD as a number (a float by its shortest repr), kept as the ledger keeps it: micro-USD, rounded up.
+        self.cost_micros = None if value is None else micros_up(value)
 
     def tokens(self, input_tokens: int, output_tokens: int = 0) -> None:
         """Set the call's token counts (as the model reported them)."""
@@ -237,7 +271,7 @@ class Meter:
         call.latency_ms = (time.perf_counter() - started) * 1000.0
         call.ok = exc is None
         call.error = None if exc is None else _error_text(exc)
-        call.cost = price.cost(call.input_tokens, call.output_tokens) if price is not None else None
+        call.cost_micros = price.cost_micros(call.input_tokens, call.output_tokens) if price is not None else None
         try:
             _record(origin, call)
         except Exception:
@@ -326,7 +360,7 @@ def _record(origin: _Origin, call: MeteredCall) -> None:
         "latency_ms": call.latency_ms,
         "ok": call.ok,
         "error": call.error,
-        "cost": call.cost,
+        "cost_micros": call.cost_micros,
         # JSON-safe whatever the block put in it: a value that is not JSON is kept as its text.
         "meta": json.loads(json.dumps(call.meta, default=str)) if call.meta else None,
     }

@@ -1,7 +1,7 @@
 """waiting runs: the WAITING run status, the `waiting` delivery outcome, and the waker's index
 
 Revision ID: 0016
-Revises: 0014
+Revises: 0015
 Create Date: 2026-12-01 22:10:00
 
 A run whose background model call outlasts the inline wait is parked WAITING (no worker slot, a wake time on the
@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0016"
-down_revision = "0014"
+down_revision = "0015"
 branch_labels = None
 depends_on = None
 
