@@ -115,6 +115,27 @@ def test_a_duplicate_of_a_waiting_run_waits_and_replays_the_one_result(
 
 
 @ON_SQLITE
+def test_a_copy_of_a_parked_run_s_own_message_is_dropped_and_the_caller_still_gets_the_result(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = summarizer(app, responses)
+    fake.set_knobs(poll_after_ms=3000)  # the provider's hint puts the wake 3 s out: the copy comes well before it
+    with worker_factory(app):
+        first = task.delay("c", TEXT)
+        wait_until(lambda: waiting(db_url) == 1, timeout=JOB, what="the run parked")
+        # A wake sent twice, or the broker redelivering the parked message: the same task id, before the wake.
+        app.send_task(task.name, args=["c", TEXT], task_id=first.id)
+        wait_until(lambda: task.outcome_counts().get("in_progress") == 1, timeout=JOB, what="the copy counted")
+        assert waiting(db_url) == 1, "the copy neither took the run over nor woke it early"
+        with relay_running(app, db_url):
+            # Acked without a result: the caller's result is the run's, stored when the woken delivery completes.
+            assert first.get(timeout=JOB) == generate_text("gpt-test", TEXT)
+    assert sum(fake.stats()["creates_by_intent"].values()) == 1
+    counts = task.outcome_counts()
+    assert (counts["executed"], counts["in_progress"]) == (1, 1) and "replayed" not in counts, counts
+
+
+@ON_POSTGRESQL
 def test_a_store_fault_while_parking_resends_and_the_call_is_still_made_once(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:

@@ -222,6 +222,11 @@ class Delivery:
         """IN_PROGRESS / ENTITY_BUSY: someone else holds the key (or the entity); apply on_in_progress."""
         policy = self.call.policy
         held = res.run.token if res.run is not None else None  # the live holder's token, for Flower
+        if res.parked_copy and self.resend:
+            # A copy of a parked run's own message: counted, then acked without a result (the caller's result
+            # is the run's, under this same task id); the waker sends the message again at the wake.
+            self._count(Outcome.IN_PROGRESS, token=held)
+            raise Ignore()
         since = None
         if self.waiting_since is not None:
             # A re-check of a message already waiting: its wait was counted once, on its first find.

@@ -167,7 +167,8 @@ def outcome_families(conn: Connection, cap: TenantCap, tasks: Iterable[str] = ()
             completed.add_metric([task, tenant], sum(of[value] for value in COMPLETING_OUTCOMES))
             totals = per_task.setdefault(task, [0, 0])
             totals[0] += sum(of[value] for value in DUPLICATE_OUTCOMES)
-            totals[1] += sum(of.values())
+            # A park's wake re-delivers the same message: `waiting` deliveries are not first deliveries.
+            totals[1] += sum(of.values()) - of[Outcome.WAITING.value]
     ratio = GaugeMetricFamily(
         f"{PREFIX}_duplicate_ratio",
         "Duplicates among first deliveries of the task (a waiting message counts once), since the database began.",

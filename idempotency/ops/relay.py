@@ -81,6 +81,7 @@ class Relay:
         max_attempts: int = 10,
         sweep_interval: float | None = 60.0,
         max_publishes: int = DEFAULT_MAX_PUBLISHES,
+        rewake_after: float = DEFAULT_REWAKE_S,
     ) -> None:
         self.app = app
         self.db = Database(url)
@@ -89,6 +90,9 @@ class Relay:
         self.max_attempts = max_attempts
         self.max_publishes = max_publishes
         self.sweep_interval = sweep_interval
+        # A wake sent but not taken (the message is queued behind busy workers, or was lost) is sent again only
+        # after this long: long enough that a busy queue does not fill with copies (each is dropped anyway).
+        self.rewake_after = rewake_after
         dia = self.db.dialect
         self._now = dia.now()
 
@@ -104,7 +108,7 @@ class Relay:
         if self.sweep_interval is not None:
             done.swept = sweep_lost_runs(self.app, self.db, self.sweep_interval, self.batch)
         # Always on: a parked run has no other way back (its delivery was acked).
-        done.woken = wake_waiting_runs(self.app, self.db, self.sweep_interval or DEFAULT_REWAKE_S, self.batch)
+        done.woken = wake_waiting_runs(self.app, self.db, self.rewake_after, self.batch)
         return done
 
     def serve(

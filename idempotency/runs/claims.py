@@ -59,8 +59,6 @@ __all__ = ["RunStore"]
 
 # A claim loops at most this often when the row changes between its statements (e.g. FAILED under us).
 _MAX_CLAIM_ROUNDS = 8
-# Statuses a run waits out before a duplicate may take it over: a retry countdown, or a parked wake time.
-_WAITS_OUT = (RunStatus.FAILED, RunStatus.WAITING)
 
 
 class RunStore:
@@ -220,10 +218,14 @@ class RunStore:
             if self._kill_lost(run, max_deliveries, request.letter):
                 return ClaimResult(Decision.DEAD, run=run, killed=True)
             return None  # taken over (or killed) by someone else between our statements: look again
-        if run.status in _WAITS_OUT and run.retry_wait and run.celery_task_id != request.celery_task_id:
-            # Celery will retry it after a countdown, or it is parked WAITING until its wake: a duplicate waits
-            # for that, as for a holder. (The retry or the wake carries the run's task id: it may go, even a
-            # moment early.)
+        if run.status is RunStatus.WAITING and run.retry_wait:
+            # Parked until its wake (the waker re-sends its message then): a duplicate waits for the run as for a
+            # holder; a copy of its own message (a wake sent twice, a redelivery) is dropped, not circulated.
+            own = run.celery_task_id == request.celery_task_id
+            return ClaimResult(Decision.IN_PROGRESS, run=run, parked_copy=own)
+        if run.status is RunStatus.FAILED and run.retry_wait and run.celery_task_id != request.celery_task_id:
+            # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
+            # (The retry itself carries the run's task id: it may go, even a moment early.)
             return ClaimResult(Decision.IN_PROGRESS, run=run)
         return self._take_over(request, params)
 

@@ -153,6 +153,9 @@ class ClaimResult:
     run: RunView | None = None
     killed: bool = False  # DEAD because this claim found its max_deliveries-th lost delivery
     counted: bool = False  # COMPLETED, and the replay was counted by the claim's own statement (PostgreSQL)
+    # IN_PROGRESS of a run parked WAITING until its wake, found by a copy of its own message (a wake sent twice,
+    # a redelivery): the waker sends the message again when it is due, so this copy has nothing left to do.
+    parked_copy: bool = False
 
 
 @dataclass(frozen=True)

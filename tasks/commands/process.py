@@ -167,7 +167,8 @@ def process(
         console.width = max(console.width, NON_TTY_WIDTH)  # a CI log is not 80 columns wide
     click.echo(f"broker {maybe_sanitize_url(broker)}, queue {app.conf.task_default_queue}")
     # The relay re-publishes an unstarted row, or re-sends a lost run, after `quiet_seconds` without progress.
-    relay = Relay(app, url, republish_after=quiet_seconds, sweep_interval=quiet_seconds)
+    # A parked article's wake is sent again after 30 s if no delivery took it (lost in a killed worker's prefetch).
+    relay = Relay(app, url, republish_after=quiet_seconds, sweep_interval=quiet_seconds, rewake_after=30.0)
     watch = Watch(app, score_article, runs, keys, calls, before.outcomes, None, console, kill_worker_every, relay)
     fresh = watch.pending_keys()
     worker_options = (concurrency, queue, lease) if start_worker else None

@@ -119,6 +119,7 @@ class Summary:
     steady_seconds: float | None
     score_rows: int
     missing: list[tuple[str, int]] = field(default_factory=list)
+    parked: int = 0  # deliveries that parked their run WAITING on a model call still running (woken by the relay)
 
     @property
     def deliveries_sent(self) -> int:
@@ -186,6 +187,7 @@ def summarize(
         in_progress_waits=delta["in_progress"],
         failed=delta["failed"] + delta["dead"] + delta["conflict"],
         lease_lost=delta["lease_lost"],
+        parked=delta["waiting"],
         llm_calls=calls,
         llm_calls_saved=steps_per_article * delta["replayed"] + checkpoints,
         wasted_calls=beyond(after.ledger) - beyond(before.ledger),
@@ -223,6 +225,8 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
         ("resumed runs", f"{s.resumed}", "taken over, finished steps replayed"),
         ("in-progress waits", f"{s.in_progress_waits}", "held by another worker; re-checked"),
     ]
+    if s.parked:
+        rows.append(("parked on a model call", f"{s.parked}", "WAITING, slot freed; the relay woke each one"))
     if s.failed or s.lease_lost:
         rows.append(("failed / lease lost", f"{s.failed} / {s.lease_lost}", "see `oncelery runs list`"))
     rows += [
@@ -230,7 +234,7 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
         ("LLM calls made (ledger rows)", f"{s.llm_calls}", ""),
         ("LLM calls saved", f"{s.llm_calls_saved}", f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"),
         ("wasted calls", f"{s.wasted_calls}", "ledger rows beyond one per step"),
-        ("calls re-attached", f"{s.calls_reattached}", "a killed holder's call, answered to the next one"),
+        ("calls re-attached", f"{s.calls_reattached}", "answered to a later delivery (after a kill or a park)"),
         ("repeated calls", f"{s.repeated}", _reasons(s.repeated_calls)),
         ("tokens in / out", f"{s.input_tokens:,} / {s.output_tokens:,}", ""),
         ("wall time", f"{s.wall_seconds:.1f} s", _wall_note(s)),
