@@ -22,7 +22,7 @@ from oncelery.models import IntentState, RunStatus
 from oncelery.ops.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
-from oncelery.store.tables import CALLS, INTENTS, RUNS
+from oncelery.store.tables import CALLS, INTENTS, LETTERS, RUNS
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.test_llm_steps import once
@@ -174,6 +174,31 @@ def test_without_a_relay_a_waiting_run_stays_parked_is_reported_overdue_and_kept
         with relay_running(app, db_url):
             assert pending.get(timeout=JOB) == generate_text("gpt-test", TEXT)
     assert sum(fake.stats()["creates_by_intent"].values()) == 1
+
+
+@ON_POSTGRESQL
+def test_revoking_a_parked_run_cancels_it_and_its_call_at_the_provider(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = summarizer(app, None, llm_adapter=responses)  # the task's adapter: the one a revoke cancels with
+    fake.set_knobs(poll_after_ms=3000, generation_s=30)  # the wake comes 3 s out, long after the revoke
+    with worker_factory(app), relay_running(app, db_url):
+        first = task.delay("r", TEXT)
+        wait_until(lambda: waiting(db_url) == 1, timeout=JOB, what="the run parked")
+        first.revoke()
+        # The wake arrives, the worker discards it (revoked), and the run is cancelled with its call.
+        wait_until(lambda: runs(db_url)[0]["status"] is RunStatus.DEAD, timeout=JOB, what="the run cancelled")
+        wait_until(lambda: fake.stats()["cancels"] == 1, timeout=JOB, what="the call cancelled at the provider")
+        wait_until(
+            lambda: table(db_url, INTENTS)[0]["state"] is IntentState.CANCELLED, timeout=JOB, what="intent ended"
+        )
+    assert first.state == "REVOKED"
+    [run] = runs(db_url)
+    assert "revoked" in run["error"] and run["message"] is not None  # kept for `oncelery dlq replay`
+    [letter] = table(db_url, LETTERS)
+    assert letter["reason"] == "revoked" and letter["run_id"] == run["id"]
+    assert sum(fake.stats()["creates_by_intent"].values()) == 1
+    assert task.outcome_counts()["dead"] == 1
 
 
 @ON_SQLITE

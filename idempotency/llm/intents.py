@@ -20,7 +20,16 @@ from oncelery.runs.decisions import Claim, lease_lost
 from oncelery.store.database import rowcount
 from oncelery.store.tables import INTENTS
 
-__all__ = ["Intent", "end_intent", "end_intent_txn", "latest_intent", "mark_sent", "prepare_intent"]
+__all__ = [
+    "Intent",
+    "end_intent",
+    "end_intent_txn",
+    "end_unheld_intent",
+    "latest_intent",
+    "mark_sent",
+    "prepare_intent",
+    "sent_calls",
+]
 
 _OPEN = (IntentState.PREPARED, IntentState.SENT)
 
@@ -51,6 +60,16 @@ def latest_intent(store: RunStore, run_id: int, position: int) -> Intent | None:
     with store.db.read() as conn:
         row = conn.execute(stmt).first()
     return None if row is None else Intent(*row)
+
+
+def sent_calls(store: RunStore, run_id: int, provider: str) -> list[Intent]:
+    """Return the run's calls to `provider` sent and not yet ended (the provider may still be working on them)."""
+    c = INTENTS.c
+    stmt = select(*_COLUMNS).where(
+        c.run_id == run_id, c.provider == provider, c.state == IntentState.SENT, c.reference.is_not(None)
+    )
+    with store.db.read() as conn:
+        return [Intent(*row) for row in conn.execute(stmt)]
 
 
 def _fenced(store: RunStore, claim: Claim, what: str, body: Callable[[Connection], None]) -> None:
@@ -153,6 +172,18 @@ def end_intent_txn(
             error=error[:1000] if error else None,
         )
     )
+
+
+def end_unheld_intent(store: RunStore, intent: Intent, state: IntentState, error: str) -> bool:
+    """End an open intent of a run no holder has (a revoked, parked run); return whether it was still open."""
+    with store.db.begin() as conn:
+        before = conn.execute(
+            select(INTENTS.c.id).where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state.in_(_OPEN))
+        ).first()
+        if before is None:
+            return False
+        end_intent_txn(conn, store, intent, state, error=error)
+    return True
 
 
 def end_intent(

@@ -188,6 +188,7 @@ REASON_NEVER_SUCCEEDS = "never_succeeds"
 REASON_MAX_DELIVERIES = "max_deliveries"
 REASON_CONFLICT = "conflict"
 REASON_BAD_MESSAGE = "bad_message"
+REASON_REVOKED = "revoked"  # Celery revoked the message of a parked (or terminated) run: cancelled by a person
 REASON_REPUBLISH_CAP = "republish_cap"  # an outbox row published too often with no run finishing
 
 

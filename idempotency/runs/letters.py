@@ -8,20 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, select, update
 
-from oncelery.models import Outcome
-from oncelery.runs.decisions import REASON_CONFLICT, REASON_MAX_DELIVERIES, Death, clean_error
+from oncelery.models import Outcome, RunStatus
+from oncelery.runs.decisions import REASON_CONFLICT, REASON_MAX_DELIVERIES, REASON_REVOKED, Death, clean_error
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity
 from oncelery.runs.outcomes import record_outcome_txn
 from oncelery.runs.views import RunView
 from oncelery.store.database import Database, rowcount
 from oncelery.store.statements import Statements, statements
-from oncelery.store.tables import LETTERS
+from oncelery.store.tables import LETTERS, RUNS
 
 __all__ = [
     "REDACTED_CONFLICT",
+    "cancel_revoked",
     "kill_lost",
     "letter_conflict",
     "letter_without_run",
@@ -100,3 +101,45 @@ def letter_conflict(db: Database, task_name: str, ident: Identity, error: str, f
         conn.execute(statements(db.dialect.name).conflict_letter, params)
         # Counted with its letter, in one transaction: a fault between the two re-sends the copy, counted once.
         record_outcome_txn(conn, db.dialect.name, task_name, Outcome.CONFLICT, ident.tenant)
+
+
+def cancel_revoked(db: Database, task_name: str, celery_task_id: str, terminated: bool) -> tuple[int, int] | None:
+    """Make the run whose message Celery revoked DEAD (reason `revoked`, replayable), counted `dead`; return its
+    (id, token), or None if no run of that message may be cancelled.
+
+    A WAITING run is cancelled (nothing holds it: its wake was the revoked message). A RUNNING one only when the
+    revoke terminated its holder: a revoke without terminate never stops a running body (Celery's rule), and
+    losing a lease never cancels anything. Guarded by the status and token read, so a run taken over in between is
+    left alone.
+    """
+    r = RUNS.c
+    statuses = [RunStatus.WAITING, RunStatus.RUNNING] if terminated else [RunStatus.WAITING]
+    with db.read() as conn:
+        row = conn.execute(
+            select(r.id, r.fencing_token, r.message, r.tenant).where(
+                r.task_name == task_name, r.celery_task_id == celery_task_id, r.status.in_(statuses)
+            )
+        ).first()
+    if row is None:
+        return None
+    how = "terminated and revoked" if terminated else "revoked while it waited"
+    error = (
+        f"{task_name}: its message {celery_task_id} was {how} (Celery's revoke): cancelled, not run again; "
+        "`oncelery dlq replay` runs it again"
+    )
+    now = db.dialect.now()
+    fault_point("dead_letter", task=task_name, key=None)
+    with db.begin() as conn:
+        done = conn.execute(
+            update(RUNS)
+            .where(r.id == row.id, r.fencing_token == row.fencing_token, r.status.in_(statuses))
+            .values(
+                status=RunStatus.DEAD, error=error, updated_at=now, finished_at=now, lease_expires_at=None,
+                not_before=None, first_failed_at=now,
+            )
+        )  # fmt: skip
+        if rowcount(done) != 1:
+            return None
+        write_letter(conn, statements(db.dialect.name), row.id, error, Death(REASON_REVOKED, None, row.message))
+        record_outcome_txn(conn, db.dialect.name, task_name, Outcome.DEAD, row.tenant)
+    return int(row.id), int(row.fencing_token)

@@ -39,6 +39,7 @@ from oncelery.settings import (
 from oncelery.task.body import RunBody
 from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
+from oncelery.task.revoke import watch_revokes
 from oncelery.task.startup import watch_worker_start
 
 __all__ = [
@@ -267,3 +268,4 @@ def _epoch_header(value: Any) -> float | None:
 # A worker whose app has idempotent tasks checks its claims database before it consumes anything.
 watch_worker_start(IdempotentTask)
 watch_worker_heartbeat()  # $ONCELERY_HEARTBEAT_FILE: the container's health check
+watch_revokes(IdempotentTask)  # a revoked wake cancels its parked run and the run's calls in flight

@@ -1,0 +1,79 @@
+"""Celery's revoke cancels a parked run: its run goes DEAD (replayable) and its calls are cancelled at the provider.
+
+A run parked WAITING holds no worker: its wake is a message the relay sends when the provider's answer is due.
+`AsyncResult.revoke()` (or `celery control revoke`) makes every worker discard that message when it arrives;
+the `task_revoked` signal then fires in the worker's main process, and this module cancels the run there:
+
+- the run goes DEAD with a dead letter of reason `revoked` (so `oncelery dlq replay` can run it again), counted
+  `dead`, guarded by its status and token (a run taken over meanwhile is left alone);
+- each call it had sent and not ended is cancelled at the provider where the task's adapter (`llm_adapter`)
+  can cancel (OpenAI Responses), and its intent ends `cancelled`. A call that cannot be cancelled stays `sent`:
+  a replay re-attaches to it and pays nothing.
+
+A revoke with `terminate=True` cancels a RUNNING run the same way (its holder is being killed). Losing a lease
+never cancels anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import signals
+
+from oncelery.errors import OnceleryError
+from oncelery.llm.errors import ProviderError
+from oncelery.llm.intents import end_unheld_intent, sent_calls
+from oncelery.models import IntentState
+from oncelery.runs.letters import cancel_revoked
+
+__all__ = ["cancel_on_revoke", "watch_revokes"]
+
+logger = logging.getLogger("oncelery.task")
+
+
+def watch_revokes(task_class: type) -> None:
+    """Cancel the run of every revoked message of a `task_class` task (called once with IdempotentTask)."""
+
+    def revoked(
+        sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+    ) -> None:
+        if not isinstance(sender, task_class) or request is None or expired:
+            return  # an expired message never ran (Celery's `expires`): there is no parked run to cancel
+        task_id = getattr(request, "id", None)
+        if not task_id:
+            return
+        # Off the consumer's thread: a database round trip and a provider's cancel must not stall consumption.
+        threading.Thread(
+            target=cancel_on_revoke, args=(sender, str(task_id), bool(terminated)), name="oncelery-revoke", daemon=True
+        ).start()
+
+    signals.task_revoked.connect(revoked, weak=False, dispatch_uid="oncelery.revoke")
+
+
+def cancel_on_revoke(task: Any, task_id: str, terminated: bool = False) -> bool:
+    """Cancel the run of revoked message `task_id` of `task`, and its calls in flight; return whether it did."""
+    try:
+        cancelled = cancel_revoked(task.store.db, task.name, task_id, terminated)
+    except OnceleryError as exc:  # the database is down: the run stays parked, and its next wake is revoked too
+        logger.warning("%s: could not cancel the run of revoked message %s: %s", task.name, task_id, exc)
+        return False
+    if cancelled is None:
+        return False
+    run_id, _token = cancelled
+    logger.warning("%s: run %d cancelled: its message %s was revoked", task.name, run_id, task_id)
+    adapter = getattr(task, "llm_adapter", None)
+    if adapter is not None and not hasattr(adapter, "create") and callable(adapter):
+        adapter = adapter()
+    if adapter is None or not hasattr(adapter, "cancel"):
+        return True  # nothing to cancel its calls with: they stay `sent`, and a replay re-attaches to them
+    # Only the calls made through this adapter's provider (a call made with another adapter= stays `sent`).
+    for intent in sent_calls(task.store, run_id, provider=str(getattr(adapter, "provider", ""))):
+        try:
+            adapter.cancel(intent.reference or "")
+        except ProviderError as exc:
+            logger.warning("%s: call %s of run %d not cancelled: %s", task.name, intent.reference, run_id, exc)
+            continue
+        end_unheld_intent(task.store, intent, IntentState.CANCELLED, "cancelled: its run was revoked")
+    return True
