@@ -42,7 +42,9 @@ DEFAULT_MAX_PUBLISHES = 20
 logger = logging.getLogger("oncelery.outbox")
 
 
-DEFAULT_REWAKE_S = 60.0  # a wake whose message was lost (relay died after marking it) is sent again after this
+# A wake no delivery took is sent again after this: long, because a wake waits its turn in the queue behind the
+# backlog (first deliveries), and every early copy is one more delivery (dropped or replayed, never run twice).
+DEFAULT_REWAKE_S = 300.0
 
 
 @dataclass
