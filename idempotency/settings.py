@@ -19,6 +19,7 @@ __all__ = [
     "CONF_FLOWER_NAME_SUFFIX",
     "CONF_LEASE",
     "CONF_LEDGER_SPOOL_DIR",
+    "CONF_LIMITS",
     "CONF_MAX_PAYLOAD_BYTES",
     "CONF_ON_IN_PROGRESS",
     "CONF_PRICES",
@@ -123,6 +124,9 @@ CONF_STORE_MESSAGE = "oncelery_store_message"  # bool
 # task with no tenant option of its own; the tenant travels with the message as a header.
 CONF_TENANT = "oncelery_tenant"
 CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output": USD per 1M tokens}}
+# Shared limits of model calls across the fleet (oncelery.llm.limits): {scope: {"rpm": n, "tpm": n, "burst": n}}
+# with scopes "provider:model", "provider:*", "tenant:*" (one limiter per tenant), "tenant:<id>", "task:<name>".
+CONF_LIMITS = "oncelery_limits"
 # Where a model call's ledger row waits while the database cannot take it (JSON Lines, one file per process;
 # oncelery.task.ledger_spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
 # In a container it must be a volume, or a restart loses the spend it holds (docs/operations.md).
@@ -162,6 +166,7 @@ KNOWN_SETTINGS = frozenset(
         CONF_STORE_MESSAGE,
         CONF_TENANT,
         CONF_PRICES,
+        CONF_LIMITS,
         CONF_LEDGER_SPOOL_DIR,
         CONF_REPLAY_CACHE,
         CONF_REPLAY_CACHE_TTL,
@@ -190,6 +195,9 @@ HEADER_WAITING_SINCE = "oncelery_waiting_since"
 # The owner a delivery claimed (or tried to) before a database fault made it send the job again: that holder
 # did not vanish, so its run taken over by this message is not a lost delivery (no step towards max_deliveries).
 HEADER_ABANDONED = "oncelery_abandoned"
+# Set by the relay's waker on the message that wakes a parked (WAITING) run: its re-attached model call is polled
+# once, then the run parks again, instead of holding the slot for another inline wait.
+HEADER_WOKEN = "oncelery_woken"
 HEADER_PIPELINE = "oncelery_pipeline"
 # Per-call options (apply_async(..., on_in_progress=..., lease=...)), carried to every delivery of the call.
 HEADER_ON_IN_PROGRESS = "oncelery_on_in_progress"

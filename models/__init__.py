@@ -7,7 +7,7 @@ user's database.
 """
 
 from oncelery.models.base import Base
-from oncelery.models.intents import IntentState, LlmIntent, RepeatReason
+from oncelery.models.intents import IntentState, LlmIntent, LlmLimiter, RepeatReason
 from oncelery.models.ledger import LedgerLabelTotal, LedgerTotal, ModelCall
 from oncelery.models.runs import (
     DIGEST_KEY_SECRET,
@@ -36,6 +36,7 @@ __all__ = [
     "LedgerTotal",
     "LetterTotal",
     "LlmIntent",
+    "LlmLimiter",
     "ModelCall",
     "OutboxMessage",
     "OutboxStatus",

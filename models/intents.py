@@ -17,10 +17,10 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import DateTime, Float, Index, Integer, String, Text, func
+from sqlalchemy import BigInteger, DateTime, Float, Index, Integer, String, Text, func
 from sqlalchemy.orm import Mapped, mapped_column
 
-from oncelery.models.base import Base, BigId
+from oncelery.models.base import Base, BigId, Json
 from oncelery.models.runs import _enum
 
 
@@ -83,6 +83,9 @@ class LlmIntent(Base):
     input_tokens: Mapped[int | None] = mapped_column(Integer)
     output_tokens: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
+    # What the shared limiters admitted for this call ({limiter name: cost}, 0017): settlement gives back the
+    # unused part in the transaction that ends the intent, whichever holder ends it.
+    admitted: Mapped[dict[str, int] | None] = mapped_column(Json)
 
     __table_args__ = (
         # One row per attempt of a step: the next holder finds the latest by (run, position).
@@ -90,3 +93,19 @@ class LlmIntent(Base):
         # Calls still open (prepared or sent), for `oncelery llm` and the at-risk report.
         Index("ix_llm_intents_state", "state"),
     )
+
+
+class LlmLimiter(Base):
+    """One shared limiter (a provider:model, tenant or task, and a kind): its GCRA state on the database clock."""
+
+    __tablename__ = "llm_limiters"
+
+    name: Mapped[str] = mapped_column(String(320), primary_key=True)  # "<scope>/<kind>", e.g. openai:gpt-x/tpm
+    # Theoretical arrival time, epoch seconds by the database clock: the moment the admitted work is paid off.
+    tat: Mapped[float] = mapped_column(Float, nullable=False, server_default="0")
+    seconds_per_unit: Mapped[float] = mapped_column(Float, nullable=False)  # 60 / the per-minute limit
+    tau_s: Mapped[float] = mapped_column(Float, nullable=False, server_default="0")  # the burst tolerance
+    factor: Mapped[float] = mapped_column(Float, nullable=False, server_default="1")  # AIMD capacity in (0.1, 1]
+    admitted: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    throttled_local: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    throttled_provider: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")

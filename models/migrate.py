@@ -52,6 +52,7 @@ FRAMEWORK = Branch(
             "letter_totals",
             "histogram_buckets",
             "llm_intents",
+            "llm_limiters",
         }
     ),
 )

@@ -33,6 +33,7 @@ from tests.store_faults import logs, pg_app, pg_db, sqlite_app, sqlite_db  # noq
 ORDERED_TABLES = [
     "article_scores",
     "llm_intents",
+    "llm_limiters",
     "model_calls",
     "ledger_totals",
     "ledger_label_totals",

@@ -33,18 +33,20 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection
 
-from oncelery.errors import RunParked, StepMismatch
+from oncelery.errors import ConfigurationError, RunParked, StepMismatch
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
 from oncelery.llm.errors import (
     CallOutcomeUnknown,
     ProviderCallFailed,
     ProviderError,
+    ProviderRateLimited,
     ProviderUnavailable,
     ResponseGone,
     ResponseLost,
 )
 from oncelery.llm.intents import Intent, end_intent, end_intent_txn, latest_intent, mark_sent, prepare_intent
+from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, limiters_for, penalize
 from oncelery.llm.request import request_digest
 from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
 from oncelery.models.intents import IntentState, RepeatReason
@@ -66,9 +68,11 @@ class CallPolicy:
     at_most_once: bool = False  # a sync call whose outcome is unknown goes to a person, never re-sent
     on_lost: str = "recall"  # or "dead_letter": a response the provider forgot
     poll_s: float = DEFAULT_POLL_S  # between polls when the provider gives no hint
-    # Seconds the delivery that sent a background call polls it before parking the run (RunParked); a delivery
-    # that re-attaches polls once. None: block until the call ends, holding the worker slot.
+    # Seconds a delivery polls a background call before parking the run (RunParked); a delivery that woke the
+    # parked run (`woken`) polls once. None: block until the call ends, holding the worker slot.
     inline_wait_s: float | None = None
+    woken: bool = False
+    limits: tuple[LimitRule, ...] = ()  # oncelery_limits: the shared limiters a call is admitted through
 
 
 class Recorder(Protocol):
@@ -100,6 +104,11 @@ class _Step:
     request: Mapping[str, Any]
     policy: CallPolicy
     record: Recorder
+    admissions: tuple[Admission, ...] = ()
+
+
+LIMIT_INLINE_S = 1.0  # a limiter wait up to this long (and within the inline wait) sleeps; a longer one parks
+RATE_LIMITED_ATTEMPTS = 3  # a provider's 429s in a row one delivery takes before it leaves the call to a later one
 
 
 def call_model(
@@ -113,7 +122,9 @@ def call_model(
     record: Recorder,
 ) -> Answered:
     """Make (or find again) the model call of step `name` at `position`; see the module's recovery table."""
-    step = _Step(store, claim, position, name, adapter, request, policy, record)
+    step = _Step(
+        store, claim, position, name, adapter, request, policy, record, _admissions(claim, adapter, request, policy)
+    )
     digest = request_digest(request)
     latest = latest_intent(store, claim.run_id, position)
     if latest is not None and latest.request_digest != digest:
@@ -128,12 +139,79 @@ def call_model(
     if latest is not None and latest.state is IntentState.SENT and latest.reference:
         return _wait(step, latest, reattached=True)
     reason = _repeat_reason(step, latest)
-    intent = prepare_intent(
-        store, claim, position=position, step_name=name, request=_row(step, digest), supersedes=latest, reason=reason
-    )
+    intent = _prepare(step, digest, latest, reason)
     if latest is not None and latest.state is IntentState.PREPARED:
         _record_unknown(step, latest)
-    return _send(step, intent)
+    return _send_admitted(step, intent)
+
+
+def _admissions(
+    claim: Claim, adapter: Adapter, request: Mapping[str, Any], policy: CallPolicy
+) -> tuple[Admission, ...]:
+    """The shared limiters this call goes through, with its cost in each (none without `oncelery_limits`)."""
+    if not policy.limits:
+        return ()
+    model = str(request.get("model", ""))
+    tokens = (estimate_tokens(input_text(request)), output_limit(request))
+    chosen = limiters_for(policy.limits, adapter.provider, model, claim.tenant, claim.task_name, tokens)
+    if tokens[1] == 0 and any(a.rule.kind in ("tpm", "otpm") for a in chosen):
+        raise ConfigurationError(
+            f"{claim.task_name}: a token limit applies to {adapter.provider}:{model}, so its calls need an output "
+            "limit: pass max_output_tokens= (or max_tokens=) to self.llm()"
+        )
+    return tuple(chosen)
+
+
+def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: RepeatReason | None) -> Intent:
+    """Prepare the call's intent once every shared limiter admits it: wait inline when short, else park."""
+    waited = 0.0
+    while True:
+        try:
+            return prepare_intent(
+                step.store, step.claim, position=step.position, step_name=step.name, request=_row(step, digest),
+                supersedes=supersedes, reason=reason, admissions=step.admissions,
+            )  # fmt: skip
+        except Throttled as throttled:
+            with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
+                count_throttled(conn, throttled.limiter)
+            _wait_or_park(step, throttled.wait_s, waited, f"rate limit {throttled.limiter}")
+            waited += throttled.wait_s
+
+
+def _wait_or_park(step: _Step, wait_s: float, waited: float, why: str) -> None:
+    """Sleep `wait_s` when short (or when the delivery may not park), else park the run WAITING that long."""
+    inline = step.policy.inline_wait_s
+    if inline is None or waited + wait_s <= min(inline, LIMIT_INLINE_S):
+        time.sleep(wait_s)
+        return
+    raise RunParked(wait_s, f"{why}: the call waits {wait_s:.1f}s before it may be sent")
+
+
+def _send_admitted(step: _Step, intent: Intent) -> Answered:
+    """Send the call; a 429 teaches the limiters and sends a new intent through them (never an immediate re-call).
+
+    After RATE_LIMITED_ATTEMPTS 429s in one delivery the run parks until the provider's retry-after (a delivery
+    that may not park raises the 429).
+    """
+    attempt = 1
+    while True:
+        try:
+            return _send(step, intent)
+        except ProviderRateLimited as exc:
+            # `_send` ended the intent `failed` (nothing was made). The provider's limiters are halved and held
+            # until its retry-after; the next attempt is a new intent admitted through them.
+            names = [a.name for a in step.admissions if not a.name.startswith(("tenant:", "task:"))]
+            with step.store.db.begin() as conn:
+                penalize(conn, step.store.db.dialect, names, exc.retry_after_s)
+            wait = max(exc.retry_after_s or 0.0, WAKE_FIRST_S)
+            if attempt >= RATE_LIMITED_ATTEMPTS:
+                if step.policy.inline_wait_s is None:
+                    raise
+                raise RunParked(wait, f"{exc}; {attempt} in a row") from None
+            if not names:  # no limiter of this provider to wait in: wait its retry-after itself
+                _wait_or_park(step, wait, 0.0, str(exc))
+            intent = _prepare(step, intent.request_digest, intent, RepeatReason.FAILED)
+            attempt += 1
 
 
 def _repeat_reason(step: _Step, latest: Intent | None) -> RepeatReason | None:
@@ -193,10 +271,11 @@ def _send(step: _Step, intent: Intent) -> Answered:
 
 def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattached: bool = False) -> Answered:
     """Poll a sent call until it ends (the delivery's lease renewal keeps the run while it waits), or park the
-    run past the inline wait: the sender polls up to `inline_wait_s`, a re-attaching delivery once."""
+    run past the inline wait: up to `inline_wait_s`, or once for the delivery that woke a parked run."""
     look, failures = first, 0
     inline = step.policy.inline_wait_s
-    deadline = None if inline is None else time.monotonic() + (0.0 if reattached else inline)
+    once = reattached and step.policy.woken
+    deadline = None if inline is None else time.monotonic() + (0.0 if once else inline)
     while look is None or not look.terminal:
         if look is not None:
             pause = look.poll_after_s or step.policy.poll_s
@@ -267,12 +346,9 @@ def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
         # pay for ever, so a person decides.
         end_intent(step.store, step.claim, intent, IntentState.LOST, error=str(exc))
         raise ResponseLost.of(step.claim.task_name, step.claim.key, step.name) from exc
-    again = prepare_intent(
-        step.store, step.claim, position=step.position, step_name=step.name,
-        request=_row(step, intent.request_digest), supersedes=intent, reason=RepeatReason.LOST,
-    )  # fmt: skip
+    again = _prepare(step, intent.request_digest, intent, RepeatReason.LOST)
     _record_unknown(step, intent)  # it may have been billed: the provider's answer is gone with it
-    return _send(step, again)
+    return _send_admitted(step, again)
 
 
 def _record_unknown(step: _Step, lost: Intent) -> None:

@@ -8,12 +8,13 @@ waits for a fenced write in flight to commit instead of racing it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from oncelery.llm.limits import Admission, admit_txn, settle_txn, used_by
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim, lease_lost
@@ -48,6 +49,7 @@ class Intent:
     reference: str | None
     cursor: int | None
     repeat_reason: RepeatReason | None
+    admitted: dict[str, int] | None = None  # what the shared limiters admitted it for ({limiter: cost})
 
 
 _COLUMNS = [INTENTS.c[name] for name in Intent.__dataclass_fields__]
@@ -93,17 +95,23 @@ def prepare_intent(
     request: Mapping[str, Any],
     supersedes: Intent | None,
     reason: RepeatReason | None,
+    admissions: Sequence[Admission] = (),
 ) -> Intent:
     """Commit a new `prepared` intent (durably, fenced) before any byte of the call leaves this process.
 
     `request` holds the fields the row keeps (provider, endpoint, model, mode, request_digest, retention_s).
     A `supersedes` intent still open is closed as `lost` in the same transaction: its outcome is unknown.
+    `admissions`: the shared limiters the call goes through, admitted in the same transaction, or Throttled
+    is raised and nothing is written.
     """
     attempt = 1 if supersedes is None else supersedes.attempt + 1
     public_id = uuid.uuid4().hex
     now = store.db.dialect.now()
 
+    kept: list[dict[str, int] | None] = [None]
+
     def write(conn: Connection) -> None:
+        admitted = kept[0] = admit_txn(conn, store.db.dialect, list(admissions)) if admissions else None
         if supersedes is not None:
             conn.execute(
                 update(INTENTS)
@@ -121,6 +129,7 @@ def prepare_intent(
                 state=IntentState.PREPARED,
                 repeat_reason=reason,
                 prepared_at=now,
+                admitted=admitted,
                 **request,
             )
         )
@@ -128,7 +137,7 @@ def prepare_intent(
     _fenced(store, claim, f"the call of step {step_name!r} was not prepared", write)
     return Intent(
         0, public_id, attempt, claim.token, str(request["mode"]), str(request["request_digest"]),
-        IntentState.PREPARED, None, None, reason,
+        IntentState.PREPARED, None, None, reason, kept[0],
     )  # fmt: skip
 
 
@@ -144,10 +153,7 @@ def mark_sent(store: RunStore, claim: Claim, intent: Intent, reference: str, cur
         conn.execute(stmt)
 
     _fenced(store, claim, "the call's reference was not saved", write)
-    return Intent(
-        intent.id, intent.public_id, intent.attempt, intent.token, intent.mode, intent.request_digest,
-        IntentState.SENT, reference, cursor, intent.repeat_reason,
-    )  # fmt: skip
+    return replace(intent, state=IntentState.SENT, reference=reference, cursor=cursor)
 
 
 def end_intent_txn(
@@ -160,8 +166,9 @@ def end_intent_txn(
     output_tokens: int | None = None,
     error: str | None = None,
 ) -> None:
-    """End an open intent in the caller's transaction (with the step's checkpoint, for `done`)."""
-    conn.execute(
+    """End an open intent in the caller's transaction (with the step's checkpoint, for `done`); give its
+    limiters back what it did not use (its tokens are known: `done`, or a failure that reported usage)."""
+    ended = conn.execute(
         update(INTENTS)
         .where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state.in_(_OPEN))
         .values(
@@ -172,6 +179,10 @@ def end_intent_txn(
             error=error[:1000] if error else None,
         )
     )
+    known = input_tokens is not None or output_tokens is not None
+    if intent.admitted and known and rowcount(ended) == 1:  # settled once: only by the write that ended it
+        used = used_by(intent.admitted, int(input_tokens or 0), int(output_tokens or 0))
+        settle_txn(conn, store.db.dialect, intent.admitted, used)
 
 
 def end_unheld_intent(store: RunStore, intent: Intent, state: IntentState, error: str) -> bool:

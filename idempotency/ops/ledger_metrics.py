@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import Connection, select
@@ -17,9 +17,16 @@ from sqlalchemy import Connection, select
 from oncelery.models.intents import IntentState
 from oncelery.models.money import MICROS_PER_USD
 from oncelery.ops.histograms import PREFIX, TenantCap, age_seconds
-from oncelery.store.tables import INTENTS, LABEL_TOTALS, OUTCOME_TOTALS, TOTALS
+from oncelery.store.tables import INTENTS, LABEL_TOTALS, LIMITERS, OUTCOME_TOTALS, TOTALS
 
-__all__ = ["REATTACHED", "UNKNOWN_OUTCOME", "ledger_families", "lifetime_families", "open_call_families"]
+__all__ = [
+    "REATTACHED",
+    "UNKNOWN_OUTCOME",
+    "ledger_families",
+    "lifetime_families",
+    "limiter_families",
+    "open_call_families",
+]
 
 UNKNOWN_OUTCOME = "unknown_outcome"  # the ledger label of a call whose holder died before it was answered
 REATTACHED = "reattached"  # the ledger label of a call a later holder took the answer of
@@ -138,3 +145,36 @@ def open_call_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
         open_calls.add_metric([state.value], n)
     at_risk.add_metric([], risky)
     yield from (open_calls, at_risk)
+
+
+def limiter_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
+    """The shared limiters (one row each in llm_limiters): admissions, waits by source, backlog and capacity."""
+    labels = ["limiter"]
+    throttled = CounterMetricFamily(
+        f"{PREFIX}_llm_throttled",
+        "Calls a limiter made wait: source=local (our limiter refused the admission), provider (a 429 served).",
+        labels=[*labels, "source"],
+    )
+    admitted = CounterMetricFamily(f"{PREFIX}_llm_limiter_admitted", "Calls a limiter admitted.", labels=labels)
+    backlog = GaugeMetricFamily(
+        f"{PREFIX}_llm_limiter_backlog_seconds",
+        "Seconds of admitted work the limiter holds ahead of now (its pace; 0: idle).",
+        labels=labels,
+    )
+    capacity = GaugeMetricFamily(
+        f"{PREFIX}_llm_limiter_capacity_ratio",
+        "The limiter's share of its configured rate after the provider's 429s (1: full; halved per 429).",
+        labels=labels,
+    )
+    now = (clock if clock.tzinfo is not None else clock.replace(tzinfo=UTC)).timestamp()
+    c = LIMITERS.c
+    rows = conn.execute(
+        select(c.name, c.tat, c.factor, c.admitted, c.throttled_local, c.throttled_provider).order_by(c.name)
+    )
+    for name, tat, factor, n, local, provider in rows:
+        throttled.add_metric([name, "local"], int(local))
+        throttled.add_metric([name, "provider"], int(provider))
+        admitted.add_metric([name], int(n))
+        backlog.add_metric([name], max(0.0, float(tat) - now))
+        capacity.add_metric([name], float(factor))
+    yield from (throttled, admitted, backlog, capacity)

@@ -21,6 +21,7 @@ from sqlalchemy import String, and_, cast, func, or_, select, update
 
 from oncelery.models import RunStatus
 from oncelery.ops.outbox import CONTINUATION, send_keyed
+from oncelery.settings import HEADER_WOKEN
 from oncelery.store.clock import lease_expired
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS
@@ -108,16 +109,18 @@ def wake_waiting_runs(app: Celery, db: Database, rewake_after: float, batch: int
     )
     with db.begin() as conn:
         rows = conn.execute(stmt, params).all()
-    woken = sum(_resend(app, row) for row in rows)
+    woken = sum(_resend(app, row, woken=True) for row in rows)
     if woken:
         logger.info("waker: woke %d waiting runs (their model calls are due a poll)", woken)
     return woken
 
 
-def _resend(app: Celery, row: Any) -> int:
+def _resend(app: Celery, row: Any, woken: bool = False) -> int:
     message = row.message if isinstance(row.message, dict) else {}
     # Where it ran, what follows it in a pipeline, and the headers it came with.
     options = {name: message[name] for name in ("queue", "headers", *CONTINUATION) if message.get(name)}
+    if woken:  # the woken delivery polls its call once (HEADER_WOKEN), then parks again if it is not done
+        options["headers"] = {**(options.get("headers") or {}), HEADER_WOKEN: 1}
     job = (row.task_name, message.get("args"), message.get("kwargs"), row.celery_task_id)
     # A broker that is down: the next sweep after the interval tries again.
     return int(send_keyed(app, *job, row.idempotency_key, row.tenant, options) is None)

@@ -15,6 +15,7 @@ from oncelery.models import (
     LedgerTotal,
     LetterTotal,
     LlmIntent,
+    LlmLimiter,
     ModelCall,
     OutboxMessage,
     RunStatusTotal,
@@ -30,6 +31,7 @@ __all__ = [
     "LABEL_TOTALS",
     "LETTERS",
     "LETTER_TOTALS",
+    "LIMITERS",
     "OUTBOX",
     "OUTCOMES",
     "OUTCOME_KEY",
@@ -59,6 +61,7 @@ TOTALS = cast(Table, LedgerTotal.__table__)
 LABEL_TOTALS = cast(Table, LedgerLabelTotal.__table__)
 # Write-ahead model-call intents (oncelery.llm): one row per call, before the call.
 INTENTS = cast(Table, LlmIntent.__table__)
+LIMITERS = cast(Table, LlmLimiter.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.
 RUN_STATUS_TOTALS = cast(Table, RunStatusTotal.__table__)
 LETTER_TOTALS = cast(Table, LetterTotal.__table__)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import step_seed
 from oncelery.errors import ConfigurationError
-from oncelery.settings import require_database_url
+from oncelery.settings import HEADER_WOKEN, require_database_url
 from oncelery.store.database import Database
 from oncelery.task.announce import Announcing
 
@@ -147,7 +147,8 @@ class RunBody(Announcing):
             return call_unclaimed(chosen, request)
         ctx = self.run_context("self.llm()")
         # A direct or eager call has no broker to wake a parked run through: it blocks, as inline_wait=None does.
-        policy = policy_of(self, at_most_once, on_lost, background, waits if ctx.parkable else None)
+        woken = bool((self.request.headers or {}).get(HEADER_WOKEN))  # this delivery woke a parked run
+        policy = policy_of(self, at_most_once, on_lost, background, waits if ctx.parkable else None, woken)
         ctx.heartbeat.check()
         if ctx.effects.connection is not None:
             raise ConfigurationError(

@@ -20,12 +20,14 @@ from oncelery.errors import ConfigurationError
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
 from oncelery.llm.call import CallPolicy, call_model
 from oncelery.llm.intents import Intent
+from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
 from oncelery.runs.encoding import canonical_json
+from oncelery.settings import CONF_LIMITS
 from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
 
-__all__ = ["LedgerRecorder", "call_unclaimed", "policy_of", "resolve_adapter", "run_llm_step"]
+__all__ = ["LedgerRecorder", "call_unclaimed", "limits_of", "policy_of", "resolve_adapter", "run_llm_step"]
 
 ON_LOST = ("recall", "dead_letter")
 
@@ -44,7 +46,12 @@ def resolve_adapter(task: Any, adapter: Any) -> Adapter:
 
 
 def policy_of(
-    task: Any, at_most_once: bool | None, on_lost: str | None, background: bool, inline_wait: Any = None
+    task: Any,
+    at_most_once: bool | None,
+    on_lost: str | None,
+    background: bool,
+    inline_wait: Any = None,
+    woken: bool = False,
 ) -> CallPolicy:
     """Return the call's policy: the per-call values, else the task's `llm_*` options."""
     lost = on_lost if on_lost is not None else task.llm_on_lost
@@ -58,7 +65,24 @@ def policy_of(
             f"{task.name}: llm inline_wait={inline_wait!r}: give seconds >= 0, or None to block until the call ends"
         )
     wait = None if inline_wait is None else float(inline_wait)
-    return CallPolicy(background=background, at_most_once=bool(once), on_lost=lost, inline_wait_s=wait)
+    limits = limits_of(task.app.conf)
+    return CallPolicy(
+        background=background, at_most_once=bool(once), on_lost=lost, inline_wait_s=wait, limits=limits, woken=woken
+    )
+
+
+def limits_of(conf: Any) -> tuple[LimitRule, ...]:
+    """The app's `oncelery_limits`, parsed once per value (a bad table raises ConfigurationError, naming it)."""
+    table = conf.get(CONF_LIMITS)
+    cached = _PARSED_LIMITS.get(id(conf))
+    if cached is not None and cached[0] is table:
+        return cached[1]
+    rules = parse_limits(table, CONF_LIMITS)
+    _PARSED_LIMITS[id(conf)] = (table, rules)
+    return rules
+
+
+_PARSED_LIMITS: dict[int, tuple[Any, tuple[LimitRule, ...]]] = {}
 
 
 class LedgerRecorder:

@@ -21,7 +21,9 @@ from celery import signals
 from sqlalchemy.exc import DBAPIError
 
 from oncelery.errors import OnceleryError, StoreUnavailable
+from oncelery.llm.limits import parse_limits
 from oncelery.settings import (
+    CONF_LIMITS,
     CONF_STARTUP_WAIT,
     ENV_PASS_THROUGH,
     ENV_STARTUP_WAIT,
@@ -138,6 +140,8 @@ def _refuse_to_start_unless_ready(task_class: type, sender: Any) -> None:
     # SystemExit passes through Celery's signal dispatch (it catches Exception), so the worker exits 1.
     app = getattr(sender, "app", None)
     try:
+        if app is not None:
+            parse_limits(app.conf.get(CONF_LIMITS), CONF_LIMITS)  # a bad limit table refuses here, in one line
         revision = wait_for_database(app, task_class)
         passing = revision is not None and pass_through()
         if revision is not None and app is not None:

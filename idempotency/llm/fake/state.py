@@ -47,6 +47,7 @@ class Knobs:
     hang_s: float = 30.0
     rpm_limit: int = 0  # requests per minute per model (0: unlimited); over it: 429 with retry-after
     tpm_limit: int = 0  # tokens (input + max output) per minute per model (0: unlimited)
+    rate_window_s: float = WINDOW_S  # the limits' fixed window: 60 s as providers state it; shorter compresses time
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply `changes`, all or none, refusing unknown names and values of the wrong type."""
@@ -148,20 +149,21 @@ class RateWindow:
     def admit(self, model: str, tokens: int, knobs: Knobs, now: float) -> float | None:
         """Count a request of `tokens` against `model`'s window; return seconds to wait when it is over a limit."""
         start = self.start.get(model)
-        if start is None or now - start >= WINDOW_S:
+        window = knobs.rate_window_s
+        if start is None or now - start >= window:
             self.start[model], self.requests[model], self.tokens[model] = now, 0, 0
             start = now
         over_requests = knobs.rpm_limit and self.requests[model] + 1 > knobs.rpm_limit
         over_tokens = knobs.tpm_limit and self.tokens[model] + tokens > knobs.tpm_limit
         if over_requests or over_tokens:
-            return max(0.0, start + WINDOW_S - now)
+            return max(0.0, start + window - now)
         self.requests[model] += 1
         self.tokens[model] += tokens
         return None
 
     def headers(self, model: str, knobs: Knobs, now: float) -> dict[str, int | float]:
         """Return limit, remaining and reset (seconds) of requests and tokens for `model`'s current window."""
-        reset = max(0.0, self.start.get(model, now) + WINDOW_S - now)
+        reset = max(0.0, self.start.get(model, now) + knobs.rate_window_s - now)
         return {
             "limit_requests": knobs.rpm_limit,
             "remaining_requests": max(0, knobs.rpm_limit - self.requests[model]),
