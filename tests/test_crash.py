@@ -291,8 +291,8 @@ def test_two_workers_duplicate_messages_execute_once(tmp_path: Path, db_url: str
 def test_visibility_timeout_redelivery_is_absorbed(tmp_path: Path, db_url: str, redis_url: str) -> None:
     plain_key = f"plain-{uuid.uuid4().hex[:8]}"
     key = f"vt-{uuid.uuid4().hex[:8]}"
-    job = 8.0
-    with cluster(tmp_path, db_url, redis_url, visibility_timeout=3, restore_interval=1, lease=10) as c:
+    job = 5.0
+    with cluster(tmp_path, db_url, redis_url, visibility_timeout=2, restore_interval=1, lease=10) as c:
         a, b = c.start("a", concurrency=2), c.start("b", concurrency=2)
         c.wait_ready(a, b)
         plain = c.send(PLAIN_TASK, plain_key, job)

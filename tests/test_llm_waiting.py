@@ -30,7 +30,7 @@ from tests.test_metrics import scrape
 
 TEXT = "The council approved the new library budget on Tuesday."
 JOB = 60.0
-GENERATION_S = 2.0  # each call's time at the provider: far above the inline wait, so every run parks
+GENERATION_S = 1.2  # each call's time at the provider: far above the inline wait, so every run parks
 
 
 @pytest.fixture
@@ -74,10 +74,12 @@ def waiting(db_url: str) -> int:
     return sum(1 for r in runs(db_url) if r["status"] is RunStatus.WAITING)
 
 
+@ON_SQLITE
 def test_four_calls_on_one_slot_all_wait_at_the_provider_at_once(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:
     task = summarizer(app, responses)
+    fake.set_knobs(generation_s=2.5)  # the four creates must all come before the first call ends, even when slow
     texts = [f"{TEXT} Item {i}." for i in range(4)]
     with worker_factory(app, concurrency=1), relay_running(app, db_url):
         pending = [task.delay(f"w{i}", t) for i, t in enumerate(texts)]

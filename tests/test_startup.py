@@ -35,6 +35,7 @@ FRAMEWORK_TABLES = {
     "letter_totals",
     "histogram_buckets",
     "llm_intents",
+    "llm_limiters",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}
