@@ -13,6 +13,7 @@ The claim absorbs every copy that was not needed.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,18 @@ KILL_AIM_SECONDS = 1.0  # how long a kill waits for a moment when exactly one jo
 # A waiting delivery re-checks at least every WAIT_BACKOFF_CAP seconds: this long without a new outcome
 # means no delivery is left in flight.
 SETTLE_QUIET = WAIT_BACKOFF_CAP + 1.0
+# A test (or a script that does not mind copies left for a later run) shortens that wait with this variable.
+ENV_SETTLE_QUIET = "ONCELERY_PROCESS_SETTLE_S"
+
+
+def settle_quiet() -> float:
+    """Seconds without a new outcome after which `process` stops waiting for copies: SETTLE_QUIET, or the env's."""
+    try:
+        return max(0.0, float(os.environ.get(ENV_SETTLE_QUIET, SETTLE_QUIET)))
+    except ValueError:
+        return SETTLE_QUIET
+
+
 # Outcomes that end a delivery; in_progress and lease_lost re-send the message, so they do not.
 SETTLED = (Outcome.EXECUTED, Outcome.REPLAYED, Outcome.RESUMED, Outcome.CONFLICT, Outcome.STALE, Outcome.FAILED)
 SETTLED_NAMES = tuple(o.value for o in (*SETTLED, Outcome.DEAD))
@@ -134,6 +147,7 @@ class Watch:
         """
         sent = self.sent_first + self.sent_duplicates + self.sent_again
         deadline = self.started + timeout
+        quiet = settle_quiet()
         answered_at, answered = finished, None
         last, changed = None, time.monotonic()
         while True:
@@ -145,7 +159,7 @@ class Watch:
             answered = settled
             if counts != last:
                 last, changed = counts, now
-            if settled >= sent or now > deadline or now - changed > SETTLE_QUIET:
+            if settled >= sent or now > deadline or now - changed > quiet:
                 return answered_at
             time.sleep(POLL_SECONDS)
 
