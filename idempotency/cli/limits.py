@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 from oncelery.cli.context import resolve_database_url
 from oncelery.cli.format import echo_json, format_table, json_option
+from oncelery.llm.limits import backlog_s
 from oncelery.store.database import Database
 from oncelery.store.tables import LIMITERS
 
@@ -42,7 +43,7 @@ def _record(row: Any, now: float) -> dict[str, Any]:
         "limiter": row.name,
         # Per 60 s, whatever window the rule was written with (seconds_per_unit is the pace).
         "per_minute": round(60.0 / row.seconds_per_unit, 3) if row.seconds_per_unit else 0.0,
-        "backlog_s": round(max(0.0, float(row.tat) - now), 3),
+        "backlog_s": round(backlog_s(float(row.tat), now), 3),
         "capacity": round(float(row.factor), 3),
         "admitted": int(row.admitted),
         "throttled_local": int(row.throttled_local),

@@ -170,10 +170,9 @@ def admit_txn(conn: Connection, dialect: Dialect, admissions: list[Admission]) -
     now = dialect.epoch()
     admitted: dict[str, int] = {}
     for a in admissions:
-        _ensure(conn, dialect, a)
         spu, tau = a.rule.seconds_per_unit, a.rule.burst * a.rule.seconds_per_unit
         start = case((c.tat > now, c.tat), else_=now)
-        moved = conn.execute(
+        advance = (
             update(LIMITERS)
             .where(c.name == a.name, c.tat - now <= literal(tau, Float))
             .values(
@@ -182,9 +181,12 @@ def admit_txn(conn: Connection, dialect: Dialect, admissions: list[Admission]) -
                 tau_s=tau,
                 admitted=c.admitted + 1,
             )
-            .returning(c.tat),
-            {"p_cost": float(a.cost)},
-        ).first()
+            .returning(c.tat)
+        )
+        moved = conn.execute(advance, {"p_cost": float(a.cost)}).first()
+        if moved is None:  # refused, or the limiter's first admission (its row is made on the spot)
+            _ensure(conn, dialect, a)
+            moved = conn.execute(advance, {"p_cost": float(a.cost)}).first()
         if moved is None:
             wait = conn.execute(select(c.tat - now - literal(tau, Float)).where(c.name == a.name)).scalar_one()
             raise Throttled(a.name, max(0.001, float(wait)))

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import Connection, select
 
+from oncelery.llm.limits import backlog_s
 from oncelery.models.intents import IntentState
 from oncelery.models.money import MICROS_PER_USD
 from oncelery.ops.histograms import PREFIX, TenantCap, age_seconds
@@ -175,6 +176,6 @@ def limiter_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
         throttled.add_metric([name, "local"], int(local))
         throttled.add_metric([name, "provider"], int(provider))
         admitted.add_metric([name], int(n))
-        backlog.add_metric([name], max(0.0, float(tat) - now))
+        backlog.add_metric([name], backlog_s(float(tat), now))
         capacity.add_metric([name], float(factor))
     yield from (throttled, admitted, backlog, capacity)

@@ -57,24 +57,9 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
         stored_message(r.message),
         or_(r.swept_at.is_(None), r.swept_at < past_interval),
     )
-    params = {"p_age": dia.lease_param(-interval)}
-    with db.read() as conn:  # an idle sweep never takes SQLite's writer lock (workers are writing)
-        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
-            return 0
-    # Two relays never re-send the same run in one round (rows another one holds are skipped).
-    ids = dia.locked_rows(select(r.id).where(due).order_by(r.lease_expires_at).limit(batch))
-    stmt = (
-        update(RUNS)
-        .where(r.id.in_(ids.scalar_subquery()), due)
-        .values(swept_at=now)
-        .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
-    )
-    with db.begin() as conn:
-        rows = conn.execute(stmt, params).all()
-    sent = 0
-    for row in rows:
-        # Marked first, sent after the commit: a sweeper that dies in between re-sends after `interval`.
-        sent += _resend(app, row)
+    rows = _mark_due(db, due, r.lease_expires_at, interval, batch)
+    # Marked first, sent after the commit: a sweeper that dies in between re-sends after `interval`.
+    sent = sum(_resend(app, row) for row in rows)
     if sent:
         logger.warning("sweeper: re-sent %d jobs whose worker was lost (lease expired, message kept)", sent)
     return sent
@@ -96,23 +81,30 @@ def wake_waiting_runs(app: Celery, db: Database, rewake_after: float, batch: int
         stored_message(r.message),
         or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
     )
-    params = {"p_age": dia.lease_param(-rewake_after)}
-    with db.read() as conn:  # an idle round never takes SQLite's writer lock
-        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
-            return 0
-    ids = dia.locked_rows(select(r.id).where(due).order_by(r.not_before).limit(batch))
-    stmt = (
-        update(RUNS)
-        .where(r.id.in_(ids.scalar_subquery()), due)
-        .values(swept_at=now)
-        .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
-    )
-    with db.begin() as conn:
-        rows = conn.execute(stmt, params).all()
+    rows = _mark_due(db, due, r.not_before, rewake_after, batch)
     woken = sum(_resend(app, row, woken=True) for row in rows)
     if woken:
         logger.info("waker: woke %d waiting runs (their model calls are due a poll)", woken)
     return woken
+
+
+def _mark_due(db: Database, due: Any, order: Any, age: float, batch: int) -> list[Any]:
+    """Mark up to `batch` runs matching `due` (whose `p_age` is `age` seconds ago) swept now; return them."""
+    r = RUNS.c
+    params = {"p_age": db.dialect.lease_param(-age)}
+    with db.read() as conn:  # an idle round never takes SQLite's writer lock (workers are writing)
+        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
+            return []
+    # Two relays never re-send the same run in one round (rows another one holds are skipped).
+    ids = db.dialect.locked_rows(select(r.id).where(due).order_by(order).limit(batch))
+    stmt = (
+        update(RUNS)
+        .where(r.id.in_(ids.scalar_subquery()), due)
+        .values(swept_at=db.dialect.now())
+        .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
+    )
+    with db.begin() as conn:
+        return list(conn.execute(stmt, params).all())
 
 
 def _resend(app: Celery, row: Any, woken: bool = False) -> int:
