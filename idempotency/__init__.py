@@ -31,6 +31,7 @@ from oncelery.llm.adapters.base import output_text
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import (
+    BudgetExceeded,
     CallOutcomeUnknown,
     ProviderCallFailed,
     ProviderError,
@@ -136,6 +137,7 @@ __all__ = [
     "price_of",
     # Model calls as durable steps (self.llm): provider adapters, the fake provider, their errors
     "AnthropicMessages",
+    "BudgetExceeded",
     "CallOutcomeUnknown",
     "FakeProvider",
     "OpenAIChat",

@@ -14,6 +14,8 @@ from oncelery.settings_files import env_value
 
 __all__ = [
     "CELERY_DELIVERY_DEFAULTS",
+    "CONF_BUDGETS",
+    "CONF_BUDGET_RELEASE",
     "CONF_DATABASE_URL",
     "CONF_DIGEST_KEY",
     "CONF_FLOWER_NAME_SUFFIX",
@@ -127,6 +129,11 @@ CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output"
 # Shared limits of model calls across the fleet (oncelery.llm.limits): {scope: {"rpm": n, "tpm": n, "burst": n}}
 # with scopes "provider:model", "provider:*", "tenant:*" (one limiter per tenant), "tenant:<id>", "task:<name>".
 CONF_LIMITS = "oncelery_limits"
+# {"global" | "tenant:*" | "tenant:<id>": {"day" | "month": USD}} (docs/limits.md): caps never overspent.
+CONF_BUDGETS = "oncelery_budgets"
+# Seconds an intent may stay `prepared` with no provider reference and no live holder before the relay releases
+# its budget reservation (default 900).
+CONF_BUDGET_RELEASE = "oncelery_budget_release_s"
 # Where a model call's ledger row waits while the database cannot take it (JSON Lines, one file per process;
 # oncelery.task.ledger_spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
 # In a container it must be a volume, or a restart loses the spend it holds (docs/operations.md).
@@ -167,6 +174,8 @@ KNOWN_SETTINGS = frozenset(
         CONF_TENANT,
         CONF_PRICES,
         CONF_LIMITS,
+        CONF_BUDGETS,
+        CONF_BUDGET_RELEASE,
         CONF_LEDGER_SPOOL_DIR,
         CONF_REPLAY_CACHE,
         CONF_REPLAY_CACHE_TTL,

@@ -7,6 +7,7 @@ user's database.
 """
 
 from oncelery.models.base import Base
+from oncelery.models.budgets import CapChange, LlmBudget, OperatorCap
 from oncelery.models.intents import IntentState, LlmIntent, LlmLimiter, RepeatReason
 from oncelery.models.ledger import LedgerLabelTotal, LedgerTotal, ModelCall
 from oncelery.models.runs import (
@@ -27,6 +28,7 @@ from oncelery.models.totals import HistogramBucket, LetterTotal, RunStatusTotal
 __all__ = [
     "DIGEST_KEY_SECRET",
     "Base",
+    "CapChange",
     "DeadLetter",
     "DeliveryOutcome",
     "EntityVersion",
@@ -35,9 +37,11 @@ __all__ = [
     "LedgerLabelTotal",
     "LedgerTotal",
     "LetterTotal",
+    "LlmBudget",
     "LlmIntent",
     "LlmLimiter",
     "ModelCall",
+    "OperatorCap",
     "OutboxMessage",
     "OutboxStatus",
     "Outcome",

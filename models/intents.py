@@ -86,6 +86,10 @@ class LlmIntent(Base):
     # What the shared limiters admitted for this call ({limiter name: cost}, 0017): settlement gives back the
     # unused part in the transaction that ends the intent, whichever holder ends it.
     admitted: Mapped[dict[str, int] | None] = mapped_column(Json)
+    # What the call reserved in the budgets ({"budgets": {name: micros}, "price": [in, out]}, 0018), and when that
+    # reservation was released (once: by the intent's end, or by the sweeper for one left prepared too long).
+    reserved: Mapped[dict[str, object] | None] = mapped_column(Json)
+    released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         # One row per attempt of a step: the next holder finds the latest by (run, position).
@@ -109,3 +113,5 @@ class LlmLimiter(Base):
     admitted: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     throttled_local: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     throttled_provider: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    # An operator's cap (`oncelery limits set`, 0018): seconds per unit that win over the configuration's.
+    capped_spu: Mapped[float | None] = mapped_column(Float)

@@ -178,9 +178,10 @@ def test_a_429_storm_is_retried_through_the_limiter_and_no_call_is_made_twice(
 def test_a_long_limiter_wait_parks_the_run_instead_of_holding_a_slot(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:
-    # One call per 1.3 s: the second and third wait longer than the 1 s a limiter wait may sleep inline.
-    app.conf.oncelery_limits = {"openai:gpt-test": {"rpm": 1, "window_s": 1.3}}
-    task = summarizer(app, responses)
+    # One call per 2 s, and an inline wait of 0.2 s: the second and third calls wait longer than a delivery may
+    # sleep (unless a job took over 1.8 s), so each parks at least once.
+    app.conf.oncelery_limits = {"openai:gpt-test": {"rpm": 1, "window_s": 2.0}}
+    task = summarizer(app, responses, llm_inline_wait=0.2)
     with worker_factory(app), relay_running(app, db_url):
         pending = [task.delay(f"p{i}", f"{TEXT} {i}") for i in range(3)]
         assert [p.get(timeout=JOB) for p in pending] == [generate_text("gpt-test", f"{TEXT} {i}") for i in range(3)]

@@ -27,7 +27,7 @@ from oncelery.cli.context import (
 from oncelery.cli.costs import costs
 from oncelery.cli.dlq import dlq
 from oncelery.cli.format import echo_json, format_table, json_option
-from oncelery.cli.limits import limits
+from oncelery.cli.limits import budgets, limits
 from oncelery.cli.metrics import metrics
 from oncelery.cli.ops import purge_command, relay
 from oncelery.cli.runs import runs
@@ -126,7 +126,7 @@ def build_group() -> OnceleryGroup:
         """Oncelery: exactly-once effects for Celery tasks: inspect and operate the claims database, run the demo."""
         ctx.meta[URL_META] = database_url
 
-    _add(group, INSPECT, (db, runs, outcomes, costs, limits))
+    _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets))
     _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics))
     return group
 

@@ -14,7 +14,7 @@ from oncelery.delivery.renewal import Heartbeat
 from oncelery.delivery.replay_cache import ReplayCache
 from oncelery.delivery.steps import StepRunner
 from oncelery.errors import ConfigurationError, ResultNotJSON, StepMismatch
-from oncelery.llm.errors import CallOutcomeUnknown, ProviderRejected, ResponseLost
+from oncelery.llm.errors import BudgetExceeded, CallOutcomeUnknown, ProviderRejected, ResponseLost
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim, EntityVersionOf
@@ -25,7 +25,8 @@ __all__ = ["UNFIXABLE_ERRORS", "Call", "DeliveredTask", "RunContext", "max_retri
 
 # Errors that no retry of the same message can fix: the run goes DEAD at once (with a dead letter).
 # A model call whose outcome is unknown under at_most_once, a response the provider forgot under
-# on_lost="dead_letter", and a request the provider refuses (4xx) wait for a person, never for a retry.
+# on_lost="dead_letter", a request the provider refuses (4xx) and a call over its budget wait for a person
+# (or a raised cap), never for a retry.
 UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (
     StepMismatch,
     ResultNotJSON,
@@ -33,6 +34,7 @@ UNFIXABLE_ERRORS: tuple[type[BaseException], ...] = (
     CallOutcomeUnknown,
     ResponseLost,
     ProviderRejected,
+    BudgetExceeded,
 )
 
 

@@ -49,9 +49,11 @@ from oncelery.errors import (
     StaleVersion,
     StoreError,
 )
+from oncelery.llm.errors import BudgetExceeded
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import (
+    REASON_BUDGET,
     REASON_NEVER_SUCCEEDS,
     REASON_RETRIES_EXHAUSTED,
     Claim,
@@ -424,7 +426,9 @@ class Delivery:
     def _death(self, exc: BaseException) -> Death | None:
         """A Death if this final failure can never succeed or spent the last retry, else None (FAILED)."""
         task = self.task
-        if isinstance(exc, UNFIXABLE_ERRORS + tuple(task.dead_on)):
+        if isinstance(exc, BudgetExceeded):
+            reason = REASON_BUDGET
+        elif isinstance(exc, UNFIXABLE_ERRORS + tuple(task.dead_on)):
             reason = REASON_NEVER_SUCCEEDS
         elif (limit := max_retries(task)) is not None and int(task.request.retries or 0) >= limit:
             # Celery re-raises the error of the last allowed retry (or MaxRetriesExceededError): it is final.

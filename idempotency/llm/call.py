@@ -36,7 +36,9 @@ from sqlalchemy import Connection
 from oncelery.errors import ConfigurationError, RunParked, StepMismatch
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
+from oncelery.llm.budgets import BudgetPlan, count_refused, estimate_micros, remaining_micros
 from oncelery.llm.errors import (
+    BudgetExceeded,
     CallOutcomeUnknown,
     ProviderCallFailed,
     ProviderError,
@@ -46,7 +48,7 @@ from oncelery.llm.errors import (
     ResponseLost,
 )
 from oncelery.llm.intents import Intent, end_intent, end_intent_txn, latest_intent, mark_sent, prepare_intent
-from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, limiters_for, penalize
+from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, hold, limiters_for, penalize
 from oncelery.llm.request import request_digest
 from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
 from oncelery.models.intents import IntentState, RepeatReason
@@ -73,6 +75,7 @@ class CallPolicy:
     inline_wait_s: float | None = None
     woken: bool = False
     limits: tuple[LimitRule, ...] = ()  # oncelery_limits: the shared limiters a call is admitted through
+    budgets: BudgetPlan | None = None  # oncelery_budgets and max_cost_usd: what the call reserves before it is sent
 
 
 class Recorder(Protocol):
@@ -105,6 +108,7 @@ class _Step:
     policy: CallPolicy
     record: Recorder
     admissions: tuple[Admission, ...] = ()
+    estimate_micros: int = 0  # the call's estimated cost, reserved in its budgets
 
 
 LIMIT_INLINE_S = 1.0  # a limiter wait up to this long (and within the inline wait) sleeps; a longer one parks
@@ -123,8 +127,9 @@ def call_model(
 ) -> Answered:
     """Make (or find again) the model call of step `name` at `position`; see the module's recovery table."""
     step = _Step(
-        store, claim, position, name, adapter, request, policy, record, _admissions(claim, adapter, request, policy)
-    )
+        store, claim, position, name, adapter, request, policy, record, _admissions(claim, adapter, request, policy),
+        _estimate(policy, request),
+    )  # fmt: skip
     digest = request_digest(request)
     latest = latest_intent(store, claim.run_id, position)
     if latest is not None and latest.request_digest != digest:
@@ -142,7 +147,32 @@ def call_model(
     intent = _prepare(step, digest, latest, reason)
     if latest is not None and latest.state is IntentState.PREPARED:
         _record_unknown(step, latest)
-    return _send_admitted(step, intent)
+    try:
+        return _send_admitted(step, intent)
+    except ProviderError as exc:
+        _check_retry_budget(step, exc)
+        raise
+
+
+def _estimate(policy: CallPolicy, request: Mapping[str, Any]) -> int:
+    """The call's estimated cost in micro-USD (input estimate + output limit at the model's price; 0: no budget)."""
+    if policy.budgets is None or not policy.budgets.active:
+        return 0
+    return estimate_micros(policy.budgets.price, estimate_tokens(input_text(request)), output_limit(request))
+
+
+def _check_retry_budget(step: _Step, exc: ProviderError) -> None:
+    """Before the task retries a failed call, check the job's budget still covers the next attempt's estimate:
+    if not, the retry could only be refused, so the run is dead-lettered now (BudgetExceeded)."""
+    plan = step.policy.budgets
+    if plan is None or plan.job_limit_micros is None:
+        return
+    name = f"run:{step.claim.run_id}"
+    with step.store.db.read() as conn:
+        left = remaining_micros(conn, name)
+    if left is not None and left < step.estimate_micros:
+        spent = plan.job_limit_micros - left
+        raise BudgetExceeded.of(name, step.estimate_micros, spent, 0, plan.job_limit_micros) from exc
 
 
 def _admissions(
@@ -163,14 +193,28 @@ def _admissions(
 
 
 def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: RepeatReason | None) -> Intent:
-    """Prepare the call's intent once every shared limiter admits it: wait inline when short, else park."""
+    """Prepare the call's intent once every shared limiter admits it (wait inline when short, else park) and
+    every budget has room for its estimate (else BudgetExceeded, or a park until the window resets)."""
     waited = 0.0
+    budget = None if step.policy.budgets is None else (step.policy.budgets, step.estimate_micros)
     while True:
         try:
             return prepare_intent(
                 step.store, step.claim, position=step.position, step_name=step.name, request=_row(step, digest),
-                supersedes=supersedes, reason=reason, admissions=step.admissions,
+                supersedes=supersedes, reason=reason, admissions=step.admissions, budget=budget,
             )  # fmt: skip
+        except BudgetExceeded as over:
+            with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
+                count_refused(conn, over.budget)
+            plan = step.policy.budgets
+            if (
+                plan is not None
+                and plan.on_budget == "defer"
+                and over.waits_s
+                and step.policy.inline_wait_s is not None
+            ):
+                raise RunParked(over.waits_s, f"{over}; deferred until the window resets (on_budget='defer')") from None
+            raise
         except Throttled as throttled:
             with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
                 count_throttled(conn, throttled.limiter)
@@ -200,7 +244,7 @@ def _send_admitted(step: _Step, intent: Intent) -> Answered:
         except ProviderRateLimited as exc:
             # `_send` ended the intent `failed` (nothing was made). The provider's limiters are halved and held
             # until its retry-after; the next attempt is a new intent admitted through them.
-            names = [a.name for a in step.admissions if not a.name.startswith(("tenant:", "task:"))]
+            names = _provider_limiters(step)
             with step.store.db.begin() as conn:
                 penalize(conn, step.store.db.dialect, names, exc.retry_after_s)
             wait = max(exc.retry_after_s or 0.0, WAKE_FIRST_S)
@@ -264,9 +308,33 @@ def _send(step: _Step, intent: Intent) -> Answered:
         end_intent(step.store, step.claim, intent, IntentState.FAILED, error=str(exc))
         raise
     fault_point("llm_created", **where)
+    _heed_hint(step)
     if first.terminal or not first.reference:
         return _ended(step, intent, first, reattached=False)
     return _wait(step, mark_sent(step.store, step.claim, intent, first.reference, first.cursor), first)
+
+
+def _heed_hint(step: _Step) -> None:
+    """Read the provider's rate-limit headers of the create: when they say the window is spent (no request
+    left, or fewer tokens than a call like this one), hold this provider's limiters until the window resets,
+    so the fleet waits before a 429 instead of after one."""
+    ask = getattr(step.adapter, "rate_hint", None)
+    hint = ask() if callable(ask) else None
+    names = _provider_limiters(step)
+    if hint is None or not names or not hint.reset_s:
+        return
+    tokens = max((a.cost for a in step.admissions if a.rule.kind == "tpm"), default=1)
+    spent = (hint.remaining_requests is not None and hint.remaining_requests < 1) or (
+        hint.remaining_tokens is not None and hint.remaining_tokens < tokens
+    )
+    if spent:
+        with step.store.db.begin() as conn:
+            hold(conn, step.store.db.dialect, names, hint.reset_s)
+
+
+def _provider_limiters(step: _Step) -> list[str]:
+    """The limiters of this call's provider:model (not its tenant's or task's)."""
+    return [a.name for a in step.admissions if not a.name.startswith(("tenant:", "task:"))]
 
 
 def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattached: bool = False) -> Answered:

@@ -99,3 +99,35 @@ class ResponseLost(ProviderError):
             f"on_lost='dead_letter' keeps it from being paid again: `oncelery dlq replay` re-sends it",
             step=step,
         )
+
+
+class BudgetExceeded(OnceleryError):
+    """Raised before a call is sent when its estimated cost does not fit a budget: nothing was sent or paid.
+
+    Never retried (the same call would not fit again): the run is dead-lettered with the budget's name. Raise the
+    cap (`oncelery budgets set`) or wait for the window, then `oncelery dlq replay`. `on_budget="defer"` parks
+    the run WAITING until the window resets instead.
+    """
+
+    budget: str
+    waits_s: float | None
+
+    @classmethod
+    def of(
+        cls, budget: str, estimate: int, spent: int, reserved: int, limit: int, waits_s: float | None = None
+    ) -> BudgetExceeded:
+        """Build the error for budget row `budget` (amounts in micro-USD)."""
+        money = {k: f"${v / 1_000_000:.6f}" for k, v in (("e", estimate), ("s", spent), ("r", reserved), ("l", limit))}
+        scope = budget.rsplit("/", 1)[0] if budget.count("/") == 2 else budget
+        fix = (
+            "raise max_cost_usd (the task's or the call's)"
+            if budget.startswith(("run:", "call"))
+            else f"raise the cap (oncelery budgets set {scope.split('/')[0]} --{scope.split('/')[-1]} USD) "
+            "or wait for the window"
+        )
+        return cls(
+            f"budget {budget}: this call's estimate {money['e']} does not fit (spent {money['s']} + reserved "
+            f"{money['r']} of {money['l']}); nothing was sent: {fix}, then `oncelery dlq replay`",
+            budget=budget,
+            waits_s=waits_s,
+        )

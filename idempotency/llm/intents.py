@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from oncelery.llm.budgets import BudgetPlan, Reservation, release_txn, reserve_txn
 from oncelery.llm.limits import Admission, admit_txn, settle_txn, used_by
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
@@ -50,6 +51,12 @@ class Intent:
     cursor: int | None
     repeat_reason: RepeatReason | None
     admitted: dict[str, int] | None = None  # what the shared limiters admitted it for ({limiter: cost})
+    reserved: dict[str, Any] | None = None  # what it reserved in the budgets (Reservation.as_json)
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """What the call reserved in the budgets (None: no budget applied)."""
+        return Reservation.of(self.reserved)
 
 
 _COLUMNS = [INTENTS.c[name] for name in Intent.__dataclass_fields__]
@@ -96,28 +103,36 @@ def prepare_intent(
     supersedes: Intent | None,
     reason: RepeatReason | None,
     admissions: Sequence[Admission] = (),
+    budget: tuple[BudgetPlan, int] | None = None,
 ) -> Intent:
     """Commit a new `prepared` intent (durably, fenced) before any byte of the call leaves this process.
 
     `request` holds the fields the row keeps (provider, endpoint, model, mode, request_digest, retention_s).
     A `supersedes` intent still open is closed as `lost` in the same transaction: its outcome is unknown.
     `admissions`: the shared limiters the call goes through, admitted in the same transaction, or Throttled
-    is raised and nothing is written.
+    is raised and nothing is written. `budget`: (the call's budgets, its estimated cost in micro-USD), reserved
+    in the same transaction, or BudgetExceeded is raised and nothing is written.
     """
     attempt = 1 if supersedes is None else supersedes.attempt + 1
     public_id = uuid.uuid4().hex
     now = store.db.dialect.now()
 
     kept: list[dict[str, int] | None] = [None]
+    reserved: list[dict[str, Any] | None] = [None]
+    dialect = store.db.dialect
 
     def write(conn: Connection) -> None:
-        admitted = kept[0] = admit_txn(conn, store.db.dialect, list(admissions)) if admissions else None
+        admitted = kept[0] = admit_txn(conn, dialect, list(admissions)) if admissions else None
+        if budget is not None and budget[0].active:
+            plan, estimate = budget
+            reserved[0] = reserve_txn(conn, dialect, plan, claim.tenant, claim.run_id, estimate).as_json()
         if supersedes is not None:
             conn.execute(
                 update(INTENTS)
-                .where(INTENTS.c.id == supersedes.id, INTENTS.c.state.in_(_OPEN))
+                .where(INTENTS.c.public_id == supersedes.public_id, INTENTS.c.state.in_(_OPEN))
                 .values(state=IntentState.LOST, ended_at=now)
             )
+            release_txn(conn, dialect, supersedes.public_id, supersedes.reservation)
         conn.execute(
             INTENTS.insert().values(
                 public_id=public_id,
@@ -130,6 +145,7 @@ def prepare_intent(
                 repeat_reason=reason,
                 prepared_at=now,
                 admitted=admitted,
+                reserved=reserved[0],
                 **request,
             )
         )
@@ -137,7 +153,7 @@ def prepare_intent(
     _fenced(store, claim, f"the call of step {step_name!r} was not prepared", write)
     return Intent(
         0, public_id, attempt, claim.token, str(request["mode"]), str(request["request_digest"]),
-        IntentState.PREPARED, None, None, reason, kept[0],
+        IntentState.PREPARED, None, None, reason, kept[0], reserved[0],
     )  # fmt: skip
 
 
@@ -167,7 +183,8 @@ def end_intent_txn(
     error: str | None = None,
 ) -> None:
     """End an open intent in the caller's transaction (with the step's checkpoint, for `done`); give its
-    limiters back what it did not use (its tokens are known: `done`, or a failure that reported usage)."""
+    limiters back what it did not use (its tokens are known: `done`, or a failure that reported usage), and
+    release its budget reservation (once; the ledger row written with it charges the actual cost)."""
     ended = conn.execute(
         update(INTENTS)
         .where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state.in_(_OPEN))
@@ -183,6 +200,8 @@ def end_intent_txn(
     if intent.admitted and known and rowcount(ended) == 1:  # settled once: only by the write that ended it
         used = used_by(intent.admitted, int(input_tokens or 0), int(output_tokens or 0))
         settle_txn(conn, store.db.dialect, intent.admitted, used)
+    if state.terminal:
+        release_txn(conn, store.db.dialect, intent.public_id, intent.reservation)
 
 
 def end_unheld_intent(store: RunStore, intent: Intent, state: IntentState, error: str) -> bool:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Float, bindparam, case, literal, select, update
+from sqlalchemy import Connection, Float, bindparam, case, func, literal, select, update
 
 from oncelery.errors import ConfigurationError
 from oncelery.store.dialects import Dialect
@@ -43,6 +43,7 @@ __all__ = [
     "admit_txn",
     "backlog_s",
     "count_throttled",
+    "hold",
     "limiters_for",
     "parse_limits",
     "penalize",
@@ -128,8 +129,9 @@ def limiters_for(
     """The limiters a call goes through, with its cost in each: `tokens` is (input estimate, output limit).
 
     "tenant:*" is one limiter per tenant (not one shared by all); a call without a tenant skips tenant rules.
+    A scope of its own ("tenant:acme", "openai:gpt-x") replaces the wildcard's limit of the same kind.
     """
-    chosen = []
+    chosen: dict[str, Admission] = {}
     for rule in rules:
         kind, _, which = rule.scope.partition(":")
         if kind == "tenant":
@@ -144,8 +146,11 @@ def limiters_for(
             name = f"{provider}:{model}"
         else:
             continue
-        chosen.append(Admission(f"{name}/{rule.kind}", rule, cost_of(rule.kind, *tokens)))
-    return chosen
+        admission = Admission(f"{name}/{rule.kind}", rule, cost_of(rule.kind, *tokens))
+        # One admission per limiter row: "tenant:acme" wins over "tenant:*", "openai:gpt-x" over "openai:*".
+        if admission.name not in chosen or not rule.scope.endswith(":*"):
+            chosen[admission.name] = admission
+    return list(chosen.values())
 
 
 def cost_of(kind: str, input_tokens: int, output_limit: int) -> int:
@@ -176,7 +181,9 @@ def admit_txn(conn: Connection, dialect: Dialect, admissions: list[Admission]) -
             update(LIMITERS)
             .where(c.name == a.name, c.tat - now <= literal(tau, Float))
             .values(
-                tat=start + bindparam("p_cost", type_=Float) * literal(spu, Float) / c.factor,
+                # An operator's cap (`oncelery limits set`, capped_spu) wins over the configuration's pace.
+                tat=start
+                + bindparam("p_cost", type_=Float) * func.coalesce(c.capped_spu, literal(spu, Float)) / c.factor,
                 seconds_per_unit=spu,
                 tau_s=tau,
                 admitted=c.admitted + 1,
@@ -203,7 +210,7 @@ def settle_txn(conn: Connection, dialect: Dialect, admitted: Mapping[str, int], 
             update(LIMITERS)
             .where(c.name == name)
             .values(
-                tat=c.tat - literal(float(unused), Float) * c.seconds_per_unit / c.factor,
+                tat=c.tat - literal(float(unused), Float) * func.coalesce(c.capped_spu, c.seconds_per_unit) / c.factor,
                 factor=case((c.factor + RECOVERY < 1.0, c.factor + RECOVERY), else_=1.0),
             )
         )
@@ -224,6 +231,14 @@ def penalize(conn: Connection, dialect: Dialect, names: list[str], retry_after_s
                 throttled_provider=c.throttled_provider + 1,
             )
         )
+
+
+def hold(conn: Connection, dialect: Dialect, names: list[str], seconds: float) -> None:
+    """The provider's headers say its window is spent: admit nothing through these limiters for `seconds`."""
+    c = LIMITERS.c
+    until = dialect.epoch() + literal(float(seconds), Float)
+    for name in names:
+        conn.execute(update(LIMITERS).where(c.name == name).values(tat=case((c.tat > until, c.tat), else_=until)))
 
 
 def count_throttled(conn: Connection, name: str) -> None:

@@ -17,13 +17,14 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
+from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
 from oncelery.ops.retention import purge
 from oncelery.ops.sweeper import sweep_lost_runs, wake_waiting_runs
 from oncelery.runs.decisions import REASON_REPUBLISH_CAP
 from oncelery.runs.faults import fault_point
-from oncelery.settings import require_database_url
+from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 from oncelery.task.heartbeat import heartbeat_file
@@ -58,6 +59,7 @@ class RelayRound:
     dead: int = 0
     swept: int = 0
     woken: int = 0  # WAITING runs whose wake came: their messages re-sent
+    released: int = 0  # budget reservations of calls left prepared by a dead holder, released
     purged: int = 0
 
     def busy(self) -> bool:
@@ -84,6 +86,7 @@ class Relay:
         sweep_interval: float | None = 60.0,
         max_publishes: int = DEFAULT_MAX_PUBLISHES,
         rewake_after: float = DEFAULT_REWAKE_S,
+        release_after: float | None = None,
     ) -> None:
         self.app = app
         self.db = Database(url)
@@ -95,6 +98,10 @@ class Relay:
         # A wake sent but not taken (the message is queued behind busy workers, or was lost) is sent again only
         # after this long: long enough that a busy queue does not fill with copies (each is dropped anyway).
         self.rewake_after = rewake_after
+        # A call prepared but never answered, whose holder died: its budget reservation is released this long
+        # after it was prepared (the app's oncelery_budget_release_s, default 900 s).
+        configured = app.conf.get(CONF_BUDGET_RELEASE)
+        self.release_after = float(release_after or configured or DEFAULT_RELEASE_S)
         dia = self.db.dialect
         self._now = dia.now()
 
@@ -111,6 +118,7 @@ class Relay:
             done.swept = sweep_lost_runs(self.app, self.db, self.sweep_interval, self.batch)
         # Always on: a parked run has no other way back (its delivery was acked).
         done.woken = wake_waiting_runs(self.app, self.db, self.rewake_after, self.batch)
+        done.released = release_stale(self.db, self.release_after, self.batch)
         return done
 
     def serve(

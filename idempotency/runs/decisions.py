@@ -21,6 +21,7 @@ from oncelery.runs.views import RunView
 __all__ = [
     "MAX_ERROR_CHARS",
     "REASON_BAD_MESSAGE",
+    "REASON_BUDGET",
     "REASON_CONFLICT",
     "REASON_MAX_DELIVERIES",
     "REASON_NEVER_SUCCEEDS",
@@ -189,6 +190,7 @@ REASON_MAX_DELIVERIES = "max_deliveries"
 REASON_CONFLICT = "conflict"
 REASON_BAD_MESSAGE = "bad_message"
 REASON_REVOKED = "revoked"  # Celery revoked the message of a parked (or terminated) run: cancelled by a person
+REASON_BUDGET = "budget_exceeded"  # a model call's estimate did not fit a budget: replay after raising the cap
 REASON_REPUBLISH_CAP = "republish_cap"  # an outbox row published too often with no run finishing
 
 

@@ -7,6 +7,7 @@ from typing import cast
 from sqlalchemy import Table
 
 from oncelery.models import (
+    CapChange,
     DeadLetter,
     DeliveryOutcome,
     EntityVersion,
@@ -14,9 +15,11 @@ from oncelery.models import (
     LedgerLabelTotal,
     LedgerTotal,
     LetterTotal,
+    LlmBudget,
     LlmIntent,
     LlmLimiter,
     ModelCall,
+    OperatorCap,
     OutboxMessage,
     RunStatusTotal,
     Secret,
@@ -25,7 +28,10 @@ from oncelery.models import (
 )
 
 __all__ = [
+    "BUDGETS",
     "CALLS",
+    "CAPS",
+    "CAP_CHANGES",
     "HISTOGRAM_BUCKETS",
     "INTENTS",
     "LABEL_TOTALS",
@@ -62,6 +68,10 @@ LABEL_TOTALS = cast(Table, LedgerLabelTotal.__table__)
 # Write-ahead model-call intents (oncelery.llm): one row per call, before the call.
 INTENTS = cast(Table, LlmIntent.__table__)
 LIMITERS = cast(Table, LlmLimiter.__table__)
+# Budgets (spent + reserved <= limit, a CHECK), the caps an operator set, and every change of one.
+BUDGETS = cast(Table, LlmBudget.__table__)
+CAPS = cast(Table, OperatorCap.__table__)
+CAP_CHANGES = cast(Table, CapChange.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.
 RUN_STATUS_TOTALS = cast(Table, RunStatusTotal.__table__)
 LETTER_TOTALS = cast(Table, LetterTotal.__table__)

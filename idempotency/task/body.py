@@ -128,6 +128,7 @@ class RunBody(Announcing):
         at_most_once: bool | None = None,
         on_lost: str | None = None,
         inline_wait: Any = _TASK_DEFAULT,
+        max_cost_usd: Any = None,
         **request: Any,
     ) -> Any:
         """Make the model call `request` as step `name`: paid once where the provider allows it, replayed after.
@@ -137,6 +138,8 @@ class RunBody(Announcing):
         (`oncelery.llm.output_text(response)` gives its text) and records the call in the cost ledger. A background
         call still running after `inline_wait` seconds (the task's `llm_inline_wait`, 5 s) parks the run WAITING:
         the worker slot is freed, and `oncelery relay` wakes the run when the provider's answer is due.
+        Under `oncelery_limits` and budgets (`oncelery_budgets`, the task's `max_cost_usd`, this call's
+        `max_cost_usd`) the call is admitted and its estimated cost reserved before it is sent (docs/limits.md).
         """
         # Imported here: the ledger's pricing (task.metering) imports IdempotentTask, which this class makes.
         from oncelery.task.llm_step import call_unclaimed, policy_of, resolve_adapter, run_llm_step
@@ -148,7 +151,10 @@ class RunBody(Announcing):
         ctx = self.run_context("self.llm()")
         # A direct or eager call has no broker to wake a parked run through: it blocks, as inline_wait=None does.
         woken = bool((self.request.headers or {}).get(HEADER_WOKEN))  # this delivery woke a parked run
-        policy = policy_of(self, at_most_once, on_lost, background, waits if ctx.parkable else None, woken)
+        policy = policy_of(
+            self, at_most_once, on_lost, background, waits if ctx.parkable else None, woken,
+            model=str(request.get("model", "")), max_cost_usd=max_cost_usd,
+        )  # fmt: skip
         ctx.heartbeat.check()
         if ctx.effects.connection is not None:
             raise ConfigurationError(

@@ -18,12 +18,13 @@ from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
+from oncelery.llm.budgets import BudgetPlan, BudgetRule, charge_txn, parse_budgets, parse_usd
 from oncelery.llm.call import CallPolicy, call_model
 from oncelery.llm.intents import Intent
 from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
 from oncelery.runs.encoding import canonical_json
-from oncelery.settings import CONF_LIMITS
+from oncelery.settings import CONF_BUDGETS, CONF_LIMITS, CONF_PRICES
 from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
 
@@ -52,6 +53,9 @@ def policy_of(
     background: bool,
     inline_wait: Any = None,
     woken: bool = False,
+    *,
+    model: str = "",
+    max_cost_usd: Any = None,
 ) -> CallPolicy:
     """Return the call's policy: the per-call values, else the task's `llm_*` options."""
     lost = on_lost if on_lost is not None else task.llm_on_lost
@@ -67,8 +71,40 @@ def policy_of(
     wait = None if inline_wait is None else float(inline_wait)
     limits = limits_of(task.app.conf)
     return CallPolicy(
-        background=background, at_most_once=bool(once), on_lost=lost, inline_wait_s=wait, limits=limits, woken=woken
-    )
+        background=background, at_most_once=bool(once), on_lost=lost, inline_wait_s=wait, limits=limits, woken=woken,
+        budgets=budget_plan(task, model, max_cost_usd),
+    )  # fmt: skip
+
+
+def budget_plan(task: Any, model: str, max_cost_usd: Any = None) -> BudgetPlan | None:
+    """The budgets a call of `model` reserves in (None: none applies), or ConfigurationError (no price)."""
+    conf = task.app.conf
+    rules = budgets_of(conf)
+    job = None if task.max_cost_usd is None else parse_usd(task.max_cost_usd, f"{task.name}: max_cost_usd")
+    call = None if max_cost_usd is None else parse_usd(max_cost_usd, f"{task.name}: self.llm(max_cost_usd=)")
+    if not rules and job is None and call is None:
+        return None
+    price = price_of(model, conf)
+    if price is None:
+        raise ConfigurationError(
+            f"{task.name}: a budget applies to this call, and model {model!r} has no price: add it to "
+            f"app.conf.{CONF_PRICES} ({{'{model}': {{'input': usd_per_1M, 'output': usd_per_1M}}}})"
+        )
+    return BudgetPlan(rules, job, (price.input, price.output), task.on_budget, call)
+
+
+def budgets_of(conf: Any) -> tuple[BudgetRule, ...]:
+    """The app's `oncelery_budgets`, parsed once per value (a bad table raises ConfigurationError, naming it)."""
+    table = conf.get(CONF_BUDGETS)
+    cached = _PARSED_BUDGETS.get(id(conf))
+    if cached is not None and cached[0] is table:
+        return cached[1]
+    rules = parse_budgets(table, CONF_BUDGETS)
+    _PARSED_BUDGETS[id(conf)] = (table, rules)
+    return rules
+
+
+_PARSED_BUDGETS: dict[int, tuple[Any, tuple[BudgetRule, ...]]] = {}
 
 
 def limits_of(conf: Any) -> tuple[LimitRule, ...]:
@@ -123,7 +159,8 @@ class LedgerRecorder:
             "reason": reason,
             "reattached": reattached,
         }
-        add_call(conn, self.ctx.steps.store.db.dialect, row)
+        if add_call(conn, self.ctx.steps.store.db.dialect, row):  # once per call id: so is its charge
+            charge_txn(conn, intent.reservation, cost)
 
 
 def run_llm_step(

@@ -106,6 +106,16 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: slot (the relay wakes it; a woken delivery polls once, then parks again). None blocks until the call
     #: ends, holding the slot. Per call too: self.llm(..., inline_wait=...).
     llm_inline_wait: float | None = 5.0
+    #: The most one job (one run, across its retries and redeliveries) may spend on model calls, in USD: each
+    #: call reserves its estimate before it is sent, and a call that does not fit raises BudgetExceeded (the run
+    #: is dead-lettered; docs/limits.md). None: no cap. Per call too: self.llm(..., max_cost_usd=...) caps one call.
+    max_cost_usd: Any = None
+    #: Over a day or month budget (oncelery_budgets): "dead_letter" (BudgetExceeded) or "defer" (the run waits
+    #: WAITING until the window resets, holding no worker slot). A job's own cap always dead-letters.
+    on_budget: str = "dead_letter"
+    #: The models this task's self.llm() calls use (e.g. ("gpt-4.1-mini",)): under a budget, a worker refuses to
+    #: start if one has no price in oncelery_prices, instead of dead-lettering its first call.
+    llm_models: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,9 +140,18 @@ class TaskOptions(Task):  # type: ignore[misc]
         if bad:
             raise ConfigurationError(f"{self.name}: dead_on={self.dead_on!r}; give a tuple of exception classes")
         self._check_versioning()
+        self._check_budget_options()
         if self.name and (self.name.startswith("tasks.") or "." not in self.name):
             logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
         _ = self._keys, self._concurrency_keys
+
+    def _check_budget_options(self) -> None:
+        from oncelery.llm.budgets import ON_BUDGET, parse_usd
+
+        if self.max_cost_usd is not None:
+            parse_usd(self.max_cost_usd, f"{self.name}: max_cost_usd")
+        if self.on_budget not in ON_BUDGET:
+            raise ConfigurationError(f"{self.name}: on_budget={self.on_budget!r}; use one of {', '.join(ON_BUDGET)}")
 
     def _check_option_names(self) -> None:
         # Celery keeps any unknown task option as a class attribute, where nothing reads a misspelt one of ours

@@ -20,10 +20,13 @@ from typing import Any
 from celery import signals
 from sqlalchemy.exc import DBAPIError
 
-from oncelery.errors import OnceleryError, StoreUnavailable
+from oncelery.errors import ConfigurationError, OnceleryError, StoreUnavailable
+from oncelery.llm.budgets import parse_budgets
 from oncelery.llm.limits import parse_limits
 from oncelery.settings import (
+    CONF_BUDGETS,
     CONF_LIMITS,
+    CONF_PRICES,
     CONF_STARTUP_WAIT,
     ENV_PASS_THROUGH,
     ENV_STARTUP_WAIT,
@@ -134,6 +137,26 @@ def watch_worker_start(task_class: type) -> None:
     signals.worker_init.connect(refuse, weak=False, dispatch_uid="oncelery.startup")
 
 
+def check_spending_settings(app: Any, task_class: type) -> None:
+    """Refuse (ConfigurationError) a bad `oncelery_limits` or `oncelery_budgets`, and under a budget a model
+    without a price: every model named in `oncelery_limits` and in a task's `llm_models` must be in
+    `oncelery_prices`, or its calls could not be reserved for."""
+    rules = parse_limits(app.conf.get(CONF_LIMITS), CONF_LIMITS)
+    budgets = parse_budgets(app.conf.get(CONF_BUDGETS), CONF_BUDGETS)
+    ours = [task for task in app.tasks.values() if isinstance(task, task_class)]
+    if not budgets and all(getattr(task, "max_cost_usd", None) is None for task in ours):
+        return
+    models = {rule.scope.split(":", 1)[1] for rule in rules if not rule.scope.startswith(("tenant:", "task:"))}
+    models |= {str(m) for task in ours for m in getattr(task, "llm_models", None) or ()}
+    prices = app.conf.get(CONF_PRICES) or {}
+    missing = sorted(m for m in models - {"*"} if m not in prices)
+    if missing:
+        raise ConfigurationError(
+            f"a budget applies, and these models have no price in {CONF_PRICES}: {', '.join(missing)}; "
+            f"add {{'<model>': {{'input': usd_per_1M, 'output': usd_per_1M}}}} for each"
+        )
+
+
 def _refuse_to_start_unless_ready(task_class: type, sender: Any) -> None:
     # worker_init runs after the app's task modules are imported and before any consumer starts (Celery makes
     # the consumer's broker connection after it, from app.conf: the settled visibility timeout reaches kombu).
@@ -141,7 +164,7 @@ def _refuse_to_start_unless_ready(task_class: type, sender: Any) -> None:
     app = getattr(sender, "app", None)
     try:
         if app is not None:
-            parse_limits(app.conf.get(CONF_LIMITS), CONF_LIMITS)  # a bad limit table refuses here, in one line
+            check_spending_settings(app, task_class)  # a bad limit or budget table refuses here, in one line
         revision = wait_for_database(app, task_class)
         passing = revision is not None and pass_through()
         if revision is not None and app is not None:

@@ -164,6 +164,10 @@ class HTTPAdapter:
 
     http: Transport
 
+    def rate_hint(self) -> RateHint:
+        """What the provider's rate-limit headers said on the last answer (the shared limiters heed it)."""
+        return self.http.last_hint
+
     def close(self) -> None:
         """Close the adapter's HTTP client."""
         self.http.close()
