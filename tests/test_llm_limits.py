@@ -195,6 +195,25 @@ def test_a_long_limiter_wait_parks_the_run_instead_of_holding_a_slot(
 
 
 @ON_SQLITE
+def test_the_providers_rate_headers_hold_the_limiter_before_a_429(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    """The provider allows 3 requests per 1.5 s window; our limiter is configured far above it (a stale table).
+    Its `x-ratelimit-remaining-requests: 0` after the third call holds the limiter until the window resets, so
+    the fourth waits for it instead of being refused: 0 429s."""
+    fake.set_knobs(rpm_limit=3, rate_window_s=1.5)
+    app.conf.oncelery_limits = {"openai:gpt-test": {"rpm": 600}}
+    task = summarizer(app, responses, llm_inline_wait=0.2)
+    with worker_factory(app), relay_running(app, db_url):
+        for i in range(4):  # one after another: each sees the headers of the one before
+            assert task.delay(f"h{i}", f"{TEXT} {i}").get(timeout=JOB) == generate_text("gpt-test", f"{TEXT} {i}")
+    stats = fake.stats()
+    assert stats["errors_served"] == {}, stats
+    assert sum(stats["creates_by_intent"].values()) == 4
+    assert limiter(db_url, "openai:gpt-test/rpm")["throttled_local"] >= 1  # held after the third call
+
+
+@ON_SQLITE
 def test_a_token_limit_needs_an_output_limit(app: Celery, db_url: str, responses: OpenAIResponses) -> None:
     app.conf.oncelery_limits = {"openai:gpt-test": {"tpm": 1000}}
 

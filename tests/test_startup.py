@@ -36,6 +36,9 @@ FRAMEWORK_TABLES = {
     "histogram_buckets",
     "llm_intents",
     "llm_limiters",
+    "llm_budgets",
+    "oncelery_caps",
+    "oncelery_cap_changes",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, TypeVar
 
 import click
@@ -52,11 +53,13 @@ def _utc(value: datetime) -> datetime:
 
 
 def to_json(value: Any) -> Any:
-    """Return `value` as JSON-ready data: datetimes as ISO 8601 UTC, statuses as their strings, recursively."""
+    """Return `value` as JSON-ready data: datetimes as ISO 8601 UTC, statuses and Decimals as strings, recursively."""
     if isinstance(value, RunStatus | Outcome):
         return value.value
     if isinstance(value, datetime):
         return _utc(value).isoformat()
+    if isinstance(value, Decimal):  # money: exact, as a string ("12.500000"), never a float
+        return str(value)
     if isinstance(value, dict):
         return {str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -314,6 +314,9 @@ def _send(step: _Step, intent: Intent) -> Answered:
     return _wait(step, mark_sent(step.store, step.claim, intent, first.reference, first.cursor), first)
 
 
+HINT_MARGIN_S = 0.1
+
+
 def _heed_hint(step: _Step) -> None:
     """Read the provider's rate-limit headers of the create: when they say the window is spent (no request
     left, or fewer tokens than a call like this one), hold this provider's limiters until the window resets,
@@ -327,9 +330,9 @@ def _heed_hint(step: _Step) -> None:
     spent = (hint.remaining_requests is not None and hint.remaining_requests < 1) or (
         hint.remaining_tokens is not None and hint.remaining_tokens < tokens
     )
-    if spent:
+    if spent:  # a little past the reset: the provider's clock and ours differ by a few milliseconds
         with step.store.db.begin() as conn:
-            hold(conn, step.store.db.dialect, names, hint.reset_s)
+            hold(conn, step.store.db.dialect, names, hint.reset_s + HINT_MARGIN_S)
 
 
 def _provider_limiters(step: _Step) -> list[str]:

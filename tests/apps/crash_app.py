@@ -12,6 +12,7 @@ The test that starts a worker sets:
     ONCELERY_FAKE_PROVIDER_URL         the fake model provider `oncelery.crash_llm` calls (the test's own)
     ONCELERY_CRASH_MARKS               a folder: a job stopped at its fault point leaves a mark there (once only)
     ONCELERY_CRASH_RELEASE             a folder: a file named after a job's key there ends its work at once
+    ONCELERY_CRASH_BUDGET_USD          if set, a global day budget (USD) the model calls reserve in
 
 Delivery settings are oncelery.CELERY_DELIVERY_DEFAULTS (what celeryconfig.py deploys): late ack, reject on
 worker lost, prefetch 1, JSON only.
@@ -45,6 +46,7 @@ ENV_VISIBILITY_TIMEOUT = "ONCELERY_VISIBILITY_TIMEOUT"
 ENV_RESTORE_INTERVAL = "ONCELERY_UNACKED_RESTORE_INTERVAL"
 ENV_LEASE = "ONCELERY_CRASH_LEASE"
 ENV_RELEASE = "ONCELERY_CRASH_RELEASE"
+ENV_BUDGET = "ONCELERY_CRASH_BUDGET_USD"
 logger = logging.getLogger(__name__)
 REQUIRED = (ENV_DATABASE_URL, ENV_BROKER_URL, ENV_RESULT_BACKEND, ENV_QUEUE)
 
@@ -83,6 +85,9 @@ def create_app(environ: Mapping[str, str]) -> Celery:
         timezone="UTC",
         enable_utc=True,
     )
+    if environ.get(ENV_BUDGET):  # a fleet-wide day budget: `oncelery.crash_llm` reserves before its call
+        app.conf.oncelery_prices = {"gpt-crash": {"input": 2.0, "output": 8.0}}
+        app.conf.oncelery_budgets = {"global": {"day": environ[ENV_BUDGET]}}
     return app
 
 

@@ -177,24 +177,22 @@ class _Handler(BaseHTTPRequestHandler):
         if figures is None:
             return {}
         reset = float(figures["reset_s"])
-        if anthropic:
-            at = (datetime.now(UTC) + timedelta(seconds=reset)).isoformat(timespec="seconds").replace("+00:00", "Z")
-            return {
-                "anthropic-ratelimit-requests-limit": str(figures["limit_requests"]),
-                "anthropic-ratelimit-requests-remaining": str(figures["remaining_requests"]),
-                "anthropic-ratelimit-requests-reset": at,
-                "anthropic-ratelimit-tokens-limit": str(figures["limit_tokens"]),
-                "anthropic-ratelimit-tokens-remaining": str(figures["remaining_tokens"]),
-                "anthropic-ratelimit-tokens-reset": at,
-            }
-        return {
-            "x-ratelimit-limit-requests": str(figures["limit_requests"]),
-            "x-ratelimit-remaining-requests": str(figures["remaining_requests"]),
-            "x-ratelimit-reset-requests": f"{reset:.3f}s",
-            "x-ratelimit-limit-tokens": str(figures["limit_tokens"]),
-            "x-ratelimit-remaining-tokens": str(figures["remaining_tokens"]),
-            "x-ratelimit-reset-tokens": f"{reset:.3f}s",
-        }
+        headers: dict[str, str] = {}
+        # Only the limits that are set (a provider has both; the fake may set one): an unset limit is not 0 left.
+        for kind in ("requests", "tokens"):
+            if not figures[f"limit_{kind}"]:
+                continue
+            limit, left = str(figures[f"limit_{kind}"]), str(figures[f"remaining_{kind}"])
+            if anthropic:
+                at = datetime.now(UTC) + timedelta(seconds=reset)
+                headers[f"anthropic-ratelimit-{kind}-limit"] = limit
+                headers[f"anthropic-ratelimit-{kind}-remaining"] = left
+                headers[f"anthropic-ratelimit-{kind}-reset"] = at.isoformat(timespec="seconds").replace("+00:00", "Z")
+            else:
+                headers[f"x-ratelimit-limit-{kind}"] = limit
+                headers[f"x-ratelimit-remaining-{kind}"] = left
+                headers[f"x-ratelimit-reset-{kind}"] = f"{reset:.3f}s"
+        return headers
 
     # -- retrieve, resume, cancel ------------------------------------------------------------------------------
     def _response(self, call_id: str) -> Any:
