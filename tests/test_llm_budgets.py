@@ -40,6 +40,7 @@ from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import proc_state, wait_for
 from tests.test_crash import JOB_TIMEOUT, cluster
+from tests.test_metrics import scrape
 
 TEXT = "The council approved the new library budget on Tuesday."
 JOB = 60.0
@@ -331,6 +332,12 @@ def test_a_tenant_day_cap_defers_and_an_operators_cap_wins_with_its_history(
     assert (change["cap"], change["from"], change["by"]) == ("budget:tenant:acme/day", None, "alice")
     assert Decimal(str(change["to"])) == Decimal(1)
     assert budget_rows(db_url)[f"tenant:acme/day/{day}"]["spent_micros"] == 2 * ACTUAL
+    samples = scrape(db_url)  # the exporter: per scope, the current window
+    acme_series = (("budget", "tenant:acme/day"),)
+    assert samples[("oncelery_llm_budget_spent_usd", acme_series)] == pytest.approx(2 * ACTUAL / 1_000_000)
+    assert samples[("oncelery_llm_budget_limit_usd", acme_series)] == 1.0
+    assert samples[("oncelery_llm_budget_refused_calls", acme_series)] == 1
+    assert samples[("oncelery_llm_budget_reserved_usd", acme_series)] == 0
     # Lowering it below what is held never breaks the CHECK: the window's limit stops at what it holds.
     cli(db_url, "budgets", "set", "tenant:acme", "--day", "--usd", "0.000001", "--by", "bob")
     assert budget_rows(db_url)[f"tenant:acme/day/{day}"]["limit_micros"] == 2 * ACTUAL

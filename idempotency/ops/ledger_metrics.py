@@ -16,13 +16,14 @@ from sqlalchemy import Connection, select
 
 from oncelery.llm.limits import backlog_s
 from oncelery.models.intents import IntentState
-from oncelery.models.money import MICROS_PER_USD
+from oncelery.models.money import MICROS_PER_USD, usd
 from oncelery.ops.histograms import PREFIX, TenantCap, age_seconds
-from oncelery.store.tables import INTENTS, LABEL_TOTALS, LIMITERS, OUTCOME_TOTALS, TOTALS
+from oncelery.store.tables import BUDGETS, INTENTS, LABEL_TOTALS, LIMITERS, OUTCOME_TOTALS, TOTALS
 
 __all__ = [
     "REATTACHED",
     "UNKNOWN_OUTCOME",
+    "budget_families",
     "ledger_families",
     "lifetime_families",
     "limiter_families",
@@ -179,3 +180,47 @@ def limiter_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
         backlog.add_metric([name], backlog_s(float(tat), now))
         capacity.add_metric([name], float(factor))
     yield from (throttled, admitted, backlog, capacity)
+
+
+BUDGET_SERIES = 200  # current windows exported at most (largest spend first): tenants are unbounded
+
+
+def budget_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
+    """The current window of each fleet and tenant budget (llm_budgets): limit, spent, reserved, overrun, refusals.
+
+    Labelled by the budget's scope ("tenant:acme/day"), not its window: a new day continues the same series.
+    A job's own budget (max_cost_usd, one row per run) is not exported: it would be one series per run.
+    """
+    labels = ["budget"]
+    gauges = {
+        "limit": GaugeMetricFamily(f"{PREFIX}_llm_budget_limit_usd", "The window's cap in USD.", labels=labels),
+        "spent": GaugeMetricFamily(
+            f"{PREFIX}_llm_budget_spent_usd", "USD spent in the window (its calls' ledger rows).", labels=labels
+        ),
+        "reserved": GaugeMetricFamily(
+            f"{PREFIX}_llm_budget_reserved_usd", "USD reserved by calls in flight (their estimates).", labels=labels
+        ),
+        "overrun": GaugeMetricFamily(
+            f"{PREFIX}_llm_budget_overrun_usd",
+            "USD calls cost above their reservation that the cap could not hold (an estimate's error; 0 expected).",
+            labels=labels,
+        ),
+        "refused": GaugeMetricFamily(
+            f"{PREFIX}_llm_budget_refused_calls",
+            "Calls refused in the window (BudgetExceeded or deferred).",
+            labels=labels,
+        ),
+    }
+    now = (clock if clock.tzinfo is not None else clock.replace(tzinfo=UTC)).timestamp()
+    b = BUDGETS.c
+    rows = conn.execute(
+        select(b.scope, b.limit_micros, b.spent_micros, b.reserved_micros, b.overrun_micros, b.refused)
+        .where(b.resets_at.is_not(None), b.resets_at > now)
+        .order_by(b.spent_micros.desc())
+        .limit(BUDGET_SERIES)
+    )
+    for scope, limit, spent, reserved, overrun, refused in rows:
+        for name, value in (("limit", limit), ("spent", spent), ("reserved", reserved), ("overrun", overrun)):
+            gauges[name].add_metric([scope], float(usd(int(value)) or 0))
+        gauges["refused"].add_metric([scope], int(refused))
+    yield from gauges.values()

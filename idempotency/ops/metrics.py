@@ -24,7 +24,13 @@ from sqlalchemy import ColumnElement, Connection, DateTime, case, func, select, 
 from oncelery.errors import OnceleryError
 from oncelery.models import Outcome, RunStatus
 from oncelery.ops.histograms import TenantCap, age_seconds, histogram_families, tenant_cap
-from oncelery.ops.ledger_metrics import ledger_families, lifetime_families, limiter_families, open_call_families
+from oncelery.ops.ledger_metrics import (
+    budget_families,
+    ledger_families,
+    lifetime_families,
+    limiter_families,
+    open_call_families,
+)
 from oncelery.runs.waits import WAIT_FAMILY
 from oncelery.settings import DEFAULT_METRICS_MAX_TENANTS
 from oncelery.store.database import Database
@@ -101,6 +107,7 @@ class ClaimsCollector(Collector):
             yield from ledger_families(conn, cap)
             yield from open_call_families(conn, clock)
             yield from limiter_families(conn, clock)
+            yield from budget_families(conn, clock)
             yield from histogram_families(conn, cap)
 
 
