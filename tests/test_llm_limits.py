@@ -92,6 +92,46 @@ def test_limits_are_validated_with_one_line_each() -> None:
     assert [a.name for a in limiters_for(rules, "openai", "other", "", "t", (1, 1))] == []
 
 
+@ON_SQLITE
+def test_an_operators_cap_wins_over_the_configuration_and_is_recorded(db_url: str) -> None:
+    """`oncelery limits set` stores a cap in the database: every admission paces by it, whatever the
+    configuration says, until it is unset; each change is in the history."""
+    [fast] = limiters_for((LimitRule("openai:m", "rpm", 6000),), "openai", "m", "", "t", (1, 1))  # 0.01 s apart
+    db = Database(db_url)
+
+    def wait_after_two() -> float:
+        try:
+            with db.begin() as conn:
+                admit_txn(conn, db.dialect, [fast])
+                admit_txn(conn, db.dialect, [fast])
+        except Throttled as refused:
+            return refused.wait_s
+        return 0.0
+
+    runner = CliRunner()
+    said = runner.invoke(oncelery_cli, ["--database-url", db_url, "limits", "set", "openai:m/rpm", "--per-minute", "6",
+                                        "--by", "carol"])  # fmt: skip
+    assert said.exit_code == 0 and "openai:m/rpm: cap (configuration) -> 6" in said.output, said.output
+    assert 9.0 < wait_after_two() <= 10.0  # paced 10 s apart by the cap, not 0.01 s by the configuration
+    [listed] = json.loads(runner.invoke(oncelery_cli, ["--database-url", db_url, "limits", "--json"]).output)[
+        "limiters"
+    ]
+    assert (listed["per_minute"], listed["cap"]) == (6.0, 6.0)
+    unset = runner.invoke(oncelery_cli, ["--database-url", db_url, "limits", "set", "openai:m/rpm", "--unset"])
+    assert unset.exit_code == 0, unset.output
+    with db.begin() as conn:  # the backlog the cap left is the configuration's to pay off from here
+        conn.execute(LIMITERS.update().values(tat=0.0))
+    assert wait_after_two() < 0.02  # the configuration's pace again: 0.01 s apart
+    history = json.loads(runner.invoke(oncelery_cli, ["--database-url", db_url, "budgets", "history", "--json"]).output)
+    assert [(c["cap"], c["from"], c["to"]) for c in history["changes"]] == [
+        ("limit:openai:m/rpm", None, 6),
+        ("limit:openai:m/rpm", 6, None),
+    ]
+    assert history["changes"][0]["by"] == "carol"
+    bad = runner.invoke(oncelery_cli, ["--database-url", db_url, "limits", "set", "openai:m/rph", "--per-minute", "6"])
+    assert bad.exit_code == 2 and "<scope>/<rpm|tpm|itpm|otpm>" in bad.output
+
+
 def test_racing_admissions_never_share_a_slot_of_the_limiter(db_url: str) -> None:
     """8 threads, each with its own connections, race one limiter of 600 a minute (one every 0.1 s): every
     admission moves the theoretical arrival time by exactly its cost, so no two ever took the same slot."""
