@@ -198,6 +198,7 @@ def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: Repeat
     waited = 0.0
     budget = None if step.policy.budgets is None else (step.policy.budgets, step.estimate_micros)
     while True:
+        fault_point("llm_prepare", task=step.claim.task_name, key=step.claim.key, step=step.name)
         try:
             return prepare_intent(
                 step.store, step.claim, position=step.position, step_name=step.name, request=_row(step, digest),

@@ -29,6 +29,7 @@ POINTS = (
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "ledger_write",  # before a model call's ledger row (and running totals) is written
     "ledger_committed",  # after a model call's ledger row committed, before its writer learns so (a lost answer)
+    "llm_prepare",  # before a model call's intent is prepared (its limiters admit it, its budgets reserve)
     "llm_create",  # a model call's intent is committed `prepared`; before its create request is sent
     "llm_created",  # the provider answered the create; before the intent is marked `sent` (the create window)
     "llm_poll",  # before a sent call is polled (its reference is saved)
