@@ -83,7 +83,9 @@ def cli(db_url: str, *args: str) -> Any:
 
 @ON_SQLITE
 def test_budgets_are_validated_with_one_line_each(app: Celery) -> None:
-    rules = parse_budgets({"global": {"month": 1000}, "tenant:*": {"day": "2.50"}, "tenant:acme": {"day": 20}})
+    rules = parse_budgets(
+        {"global": {"usd_per_month": 1000}, "tenant:*": {"usd_per_day": "2.50"}, "tenant:acme": {"day": 20}}
+    )
     assert [(r.scope, r.period, r.limit_micros) for r in rules] == [
         ("global", "month", 1_000_000_000),
         ("tenant:*", "day", 2_500_000),
@@ -94,7 +96,7 @@ def test_budgets_are_validated_with_one_line_each(app: Celery) -> None:
         ({"global": {"week": 1}}, "unknown period 'week'"),
         ({"global": {"day": -1}}, "give an amount in USD > 0"),
         ({"global": {"day": True}}, "give an amount in USD > 0"),
-        ({"global": 5}, "give {'day': usd}"),
+        ({"global": 5}, "give {'usd_per_day': usd}"),
         ([1], "must be a dict"),
     ]:
         with pytest.raises(ConfigurationError, match=says):

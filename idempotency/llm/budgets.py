@@ -65,6 +65,8 @@ __all__ = [
 ]
 
 PERIODS = ("day", "month")
+# As DESIGN.md's public API names them ({"tenant:*": {"usd_per_day": 50}}), and their short forms.
+PERIOD_NAMES = {"usd_per_day": "day", "usd_per_month": "month", "day": "day", "month": "month"}
 ON_BUDGET = ("dead_letter", "defer")  # over budget: dead-letter the run (BudgetExceeded), or park it WAITING
 
 
@@ -126,7 +128,8 @@ def parse_usd(value: Any, where: str) -> int:
 
 
 def parse_budgets(table: Any, setting: str = "oncelery_budgets") -> tuple[BudgetRule, ...]:
-    """Validate `oncelery_budgets` ({"global"|"tenant:*"|"tenant:<id>": {"day"|"month": usd}}) or raise."""
+    """Validate `oncelery_budgets` ({"global"|"tenant:*"|"tenant:<id>": {"usd_per_day"|"usd_per_month": usd}})
+    or raise ConfigurationError naming the entry ("day" and "month" are accepted for the periods too)."""
     if table is None:
         return ()
     if not isinstance(table, Mapping):
@@ -137,11 +140,15 @@ def parse_budgets(table: Any, setting: str = "oncelery_budgets") -> tuple[Budget
         if not isinstance(scope, str) or not (scope == "global" or (scope.startswith("tenant:") and scope[7:])):
             raise ConfigurationError(f"{where}: name a scope as 'global', 'tenant:*' or 'tenant:<id>'")
         if not isinstance(entry, Mapping) or not entry:
-            raise ConfigurationError(f"{where} = {entry!r}: give {{'day': usd}} and/or {{'month': usd}}")
+            raise ConfigurationError(
+                f"{where} = {entry!r}: give {{'usd_per_day': usd}} and/or {{'usd_per_month': usd}}"
+            )
         for period, amount in entry.items():
-            if period not in PERIODS:
-                raise ConfigurationError(f"{where}: unknown period {period!r}; use 'day' or 'month' (UTC)")
-            rules.append(BudgetRule(scope, str(period), parse_usd(amount, f"{where}[{period!r}]")))
+            if period not in PERIOD_NAMES:
+                raise ConfigurationError(
+                    f"{where}: unknown period {period!r}; use 'usd_per_day' or 'usd_per_month' (UTC; or 'day', 'month')"
+                )
+            rules.append(BudgetRule(scope, PERIOD_NAMES[period], parse_usd(amount, f"{where}[{period!r}]")))
     return tuple(rules)
 
 
