@@ -30,6 +30,7 @@ from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import output_text
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.batches import BatchPolicy
 from oncelery.llm.errors import (
     BudgetExceeded,
     CallOutcomeUnknown,
@@ -137,6 +138,7 @@ __all__ = [
     "price_of",
     # Model calls as durable steps (self.llm): provider adapters, the fake provider, their errors
     "AnthropicMessages",
+    "BatchPolicy",
     "BudgetExceeded",
     "CallOutcomeUnknown",
     "FakeProvider",

@@ -7,6 +7,7 @@ user's database.
 """
 
 from oncelery.models.base import Base
+from oncelery.models.batches import BatchState, ItemState, LlmBatch, LlmBatchItem, OnceleryLease
 from oncelery.models.budgets import CapChange, LlmBudget, OperatorCap
 from oncelery.models.intents import IntentState, LlmIntent, LlmLimiter, RepeatReason
 from oncelery.models.ledger import LedgerLabelTotal, LedgerTotal, ModelCall
@@ -28,19 +29,24 @@ from oncelery.models.totals import HistogramBucket, LetterTotal, RunStatusTotal
 __all__ = [
     "DIGEST_KEY_SECRET",
     "Base",
+    "BatchState",
     "CapChange",
     "DeadLetter",
     "DeliveryOutcome",
     "EntityVersion",
     "HistogramBucket",
     "IntentState",
+    "ItemState",
     "LedgerLabelTotal",
     "LedgerTotal",
     "LetterTotal",
+    "LlmBatch",
+    "LlmBatchItem",
     "LlmBudget",
     "LlmIntent",
     "LlmLimiter",
     "ModelCall",
+    "OnceleryLease",
     "OperatorCap",
     "OutboxMessage",
     "OutboxStatus",

@@ -39,6 +39,9 @@ FRAMEWORK_TABLES = {
     "llm_budgets",
     "oncelery_caps",
     "oncelery_cap_changes",
+    "llm_batches",
+    "llm_batch_items",
+    "oncelery_leases",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}

@@ -36,6 +36,17 @@ from sqlalchemy import Connection
 from oncelery.errors import ConfigurationError, RunParked, StepMismatch
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
+from oncelery.llm.batches import (
+    BatchItem,
+    BatchPolicy,
+    batch_micros,
+    batch_url,
+    clear_item_txn,
+    fall_back,
+    queue_item,
+    read_item,
+    seconds_since,
+)
 from oncelery.llm.budgets import BudgetPlan, count_refused, estimate_micros, remaining_micros
 from oncelery.llm.errors import (
     BudgetExceeded,
@@ -51,12 +62,13 @@ from oncelery.llm.intents import Intent, end_intent, end_intent_txn, latest_inte
 from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, hold, limiters_for, penalize
 from oncelery.llm.request import request_digest
 from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
+from oncelery.models.batches import ItemState
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim
 from oncelery.runs.faults import fault_point
 
-__all__ = ["Answered", "CallPolicy", "Recorder", "call_model"]
+__all__ = ["Answered", "CallPolicy", "Recorder", "call_batched", "call_model"]
 
 POLL_FAILURES = 5  # consecutive failed polls (free) before the delivery gives up; the next one re-attaches
 DEFAULT_POLL_S = 1.0
@@ -132,15 +144,7 @@ def call_model(
     )  # fmt: skip
     digest = request_digest(request)
     latest = latest_intent(store, claim.run_id, position)
-    if latest is not None and latest.request_digest != digest:
-        raise StepMismatch(
-            f"{claim.task_name}[{claim.key}]: the model call of step {name!r} changed since attempt "
-            f"{latest.attempt} was prepared (another model, prompt or parameter); use a new key to run the new request",
-            position=position,
-            expected=name,
-            found=name,
-            changed=["request"],
-        )
+    _same_request(step, latest, digest)
     if latest is not None and latest.state is IntentState.SENT and latest.reference:
         return _wait(step, latest, reattached=True)
     reason = _repeat_reason(step, latest)
@@ -152,6 +156,118 @@ def call_model(
     except ProviderError as exc:
         _check_retry_budget(step, exc)
         raise
+
+
+def _same_request(step: _Step, latest: Intent | None, digest: str) -> None:
+    """Raise StepMismatch if the step's last attempt was prepared for another request."""
+    claim, name, position = step.claim, step.name, step.position
+    if latest is not None and latest.request_digest != digest:
+        raise StepMismatch(
+            f"{claim.task_name}[{claim.key}]: the model call of step {name!r} changed since attempt "
+            f"{latest.attempt} was prepared (another model, prompt or parameter); use a new key to run the new request",
+            position=position,
+            expected=name,
+            found=name,
+            changed=["request"],
+        )
+
+
+BATCH_RECHECK_S = 60.0  # a parked batch step looks at its item this often if no wake came (the poller wakes it)
+
+
+def call_batched(
+    store: RunStore,
+    claim: Claim,
+    position: int,
+    name: str,
+    adapter: Adapter,
+    request: Mapping[str, Any],
+    policy: CallPolicy,
+    record: Recorder,
+    batch: BatchPolicy,
+) -> Answered:
+    """Make the call of step `name` as an item of a provider batch: queue it and park the run, or, once the
+    poller applied its result, end it (oncelery.llm.batches has the table). `adapter` is the synchronous one:
+    it names the provider and endpoint, reads the usage, and makes the call if the item falls back."""
+    if policy.inline_wait_s is None:
+        raise ConfigurationError(
+            f"{claim.task_name}: step {name!r} is a batch step: its run parks until the batch returns, so send the "
+            "task through the broker (.delay / apply_async), not as a direct or eager call"
+        )
+    digest = request_digest(request)
+    latest = latest_intent(store, claim.run_id, position)
+    if latest is not None and latest.mode != "batch":  # it fell back to a background call: that call's protocol
+        return call_model(store, claim, position, name, adapter, request, policy, record)
+    batch_url(adapter.endpoint)  # a batch endpoint exists for it, or ConfigurationError before anything is written
+    estimate = _estimate(policy, request)
+    step = _Step(store, claim, position, name, adapter, request, policy, record, (), batch_micros(estimate))
+    _same_request(step, latest, digest)
+    if latest is not None and latest.state is IntentState.SENT:
+        item = read_item(store, latest.public_id)
+        if item is not None and item.state is ItemState.DONE and item.response is not None:
+            return _batch_done(step, latest, item.response)
+        if item is not None and item.state is ItemState.FAILED:
+            end_intent(store, claim, latest, IntentState.FAILED, error=item.error or "failed in its batch")
+            raise ProviderCallFailed.of(adapter.provider, name, "failed", item.error or "failed in its batch")
+        # Past its fallback time and never submitted (nothing runs at the provider for it): a background call.
+        fallback = item is not None and item.state is ItemState.QUEUED and _past_fallback(store, item)
+        if fallback and item is not None and fall_back(store, item.custom_id):
+            end_intent(store, claim, latest, IntentState.CANCELLED, error="fell back to a background call")
+            return call_model(store, claim, position, name, adapter, request, policy, record)
+        if item is not None and item.state is not ItemState.CANCELLED:
+            raise _park_batch(step, item.state.value, _wake_in(store, item))
+        end_intent(store, claim, latest, IntentState.LOST, error="its batch item is gone")
+    reason = (
+        None if latest is None else _repeat_reason(step, latest) if latest.state.terminal else RepeatReason.SUPERSEDED
+    )
+    budget = None if policy.budgets is None else (policy.budgets, step.estimate_micros)
+    queue_item(
+        store, claim, position=position, step_name=name, row={**_row(step, digest), "mode": "batch"},
+        request=request, policy=batch, supersedes=latest, reason=reason,
+        budget=budget,
+    )  # fmt: skip
+    raise _park_batch(step, ItemState.QUEUED.value, batch.max_wait_s + BATCH_MARGIN_S)
+
+
+BATCH_MARGIN_S = 5.0  # past the batch's max wait, a first look if the poller's wake has not come
+
+
+def _past_fallback(store: RunStore, item: BatchItem) -> bool:
+    return item.fallback_after_s is not None and seconds_since(store, item.queued_at) >= item.fallback_after_s
+
+
+def _wake_in(store: RunStore, item: BatchItem) -> float:
+    """When a parked batch step looks again if the poller has not woken it: at its fallback time, else later."""
+    if item.state is ItemState.QUEUED and item.fallback_after_s is not None:
+        left = item.fallback_after_s - seconds_since(store, item.queued_at)
+        return max(WAKE_FIRST_S, min(BATCH_RECHECK_S, left))
+    return BATCH_RECHECK_S
+
+
+def _park_batch(step: _Step, state: str, wake_in: float) -> RunParked:
+    provider = step.adapter.provider
+    return RunParked(wake_in, f"model call {step.name!r} waiting on a {provider} batch (item {state})")
+
+
+def _batch_done(step: _Step, intent: Intent, response: Mapping[str, Any]) -> Answered:
+    """The poller applied the item's result: end the intent with the step's checkpoint and the ledger row (at the
+    batch price), and forget the item's request and response, in one transaction."""
+    usage = step.adapter.usage(response)
+
+    def writes(conn: Connection) -> None:
+        end_intent_txn(
+            conn,
+            step.store,
+            intent,
+            IntentState.DONE,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+        )
+        reason = intent.repeat_reason.value if intent.repeat_reason else None
+        step.record(conn, intent, usage, ok=True, reason=reason, reattached=False, error=None)
+        clear_item_txn(conn, intent.public_id)
+
+    return Answered(response, writes, False, intent.repeat_reason)
 
 
 def _estimate(policy: CallPolicy, request: Mapping[str, Any]) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
+from oncelery.llm.batcher import POLL_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
@@ -60,11 +61,14 @@ class RelayRound:
     swept: int = 0
     woken: int = 0  # WAITING runs whose wake came: their messages re-sent
     released: int = 0  # budget reservations of calls left prepared by a dead holder, released
+    batches_submitted: int = 0  # provider batches the batcher created (batch steps)
+    batch_items_applied: int = 0  # batch items whose results were applied (done or failed): their runs woken
     purged: int = 0
 
     def busy(self) -> bool:
         """Whether the round moved anything (the loop then goes again without sleeping)."""
-        return bool(self.published or self.republished or self.swept or self.woken or self.done)
+        batched = self.batches_submitted or self.batch_items_applied
+        return bool(self.published or self.republished or self.swept or self.woken or self.done or batched)
 
 
 class Relay:
@@ -87,6 +91,8 @@ class Relay:
         max_publishes: int = DEFAULT_MAX_PUBLISHES,
         rewake_after: float = DEFAULT_REWAKE_S,
         release_after: float | None = None,
+        batch_adapters: Mapping[str, Any] | None = None,
+        batch_poll_s: float = POLL_S,
     ) -> None:
         self.app = app
         self.db = Database(url)
@@ -102,6 +108,10 @@ class Relay:
         # after it was prepared (the app's oncelery_budget_release_s, default 900 s).
         configured = app.conf.get(CONF_BUDGET_RELEASE)
         self.release_after = float(release_after or configured or DEFAULT_RELEASE_S)
+        # Batch steps: the provider batch APIs, by provider (given, else the app's tasks' llm_batch_adapter).
+        adapters = batch_adapters if batch_adapters is not None else batch_adapters_of(app)
+        self.batcher = Batcher(self.db, adapters, poll_s=batch_poll_s) if adapters else None
+        self.last_batch_round: BatchRound | None = None  # what the batcher did in the latest round
         dia = self.db.dialect
         self._now = dia.now()
 
@@ -119,6 +129,12 @@ class Relay:
         # Always on: a parked run has no other way back (its delivery was acked).
         done.woken = wake_waiting_runs(self.app, self.db, self.rewake_after, self.batch)
         done.released = release_stale(self.db, self.release_after, self.batch)
+        if self.batcher is not None:
+            batched = self.last_batch_round = self.batcher.run_once()
+            done.batches_submitted = batched.submitted
+            done.batch_items_applied = batched.applied + batched.failed
+            if done.batch_items_applied:  # their runs are due now: wake them in this round, not the next
+                done.woken += wake_waiting_runs(self.app, self.db, self.rewake_after, self.batch)
         return done
 
     def serve(
@@ -339,6 +355,19 @@ class Relay:
         done.done += len(closed)
         done.republished += len(sent)
         return done
+
+
+def batch_adapters_of(app: Celery) -> dict[str, Any]:
+    """The provider batch APIs the app's tasks name (`llm_batch_adapter`: an adapter or a factory), by provider."""
+    found: dict[str, Any] = {}
+    for task in list(app.tasks.values()):
+        chosen = getattr(task, "llm_batch_adapter", None)
+        if chosen is None:
+            continue
+        if not hasattr(chosen, "retrieve") and callable(chosen):
+            chosen = chosen()
+        found.setdefault(str(chosen.provider), chosen)
+    return found
 
 
 def install_relay_task(app: Celery, every: float = 1.0, url: str | None = None, **relay_options: Any) -> Any:

@@ -45,6 +45,13 @@ POINTS = (
     "publish",  # before a stored job is sent to the broker (relay, sweeper, dead-letter replay): a broker refusal
     "relay_published",  # after the relay published a batch, before it marks the rows sent
     "purge_batch",  # inside a purge batch's transaction, after its deletes, before it commits
+    # The batcher (oncelery.llm.batcher, in the relay): each crash point of a provider batch's life.
+    "batch_claimed",  # its items are claimed under the batch row; nothing uploaded
+    "batch_uploaded",  # its input file is at the provider; the file id is not saved
+    "batch_created",  # the provider's batch exists (the create window); its id is not saved
+    "batch_saved",  # the provider's batch id is saved
+    "batch_downloaded",  # its results are read, none applied yet
+    "batch_applying",  # between two result lines applied (mid fan-out)
 )
 
 _hooks: dict[str, Callable[[str, dict[str, Any]], None]] = {}

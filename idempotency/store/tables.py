@@ -15,10 +15,13 @@ from oncelery.models import (
     LedgerLabelTotal,
     LedgerTotal,
     LetterTotal,
+    LlmBatch,
+    LlmBatchItem,
     LlmBudget,
     LlmIntent,
     LlmLimiter,
     ModelCall,
+    OnceleryLease,
     OperatorCap,
     OutboxMessage,
     RunStatusTotal,
@@ -28,6 +31,8 @@ from oncelery.models import (
 )
 
 __all__ = [
+    "BATCHES",
+    "BATCH_ITEMS",
     "BUDGETS",
     "CALLS",
     "CAPS",
@@ -35,6 +40,7 @@ __all__ = [
     "HISTOGRAM_BUCKETS",
     "INTENTS",
     "LABEL_TOTALS",
+    "LEASES",
     "LETTERS",
     "LETTER_TOTALS",
     "LIMITERS",
@@ -68,6 +74,10 @@ LABEL_TOTALS = cast(Table, LedgerLabelTotal.__table__)
 # Write-ahead model-call intents (oncelery.llm): one row per call, before the call.
 INTENTS = cast(Table, LlmIntent.__table__)
 LIMITERS = cast(Table, LlmLimiter.__table__)
+# Batch steps (models/batches.py): provider batches, their items (parked calls), the batcher's lease.
+BATCHES = cast(Table, LlmBatch.__table__)
+BATCH_ITEMS = cast(Table, LlmBatchItem.__table__)
+LEASES = cast(Table, OnceleryLease.__table__)
 # Budgets (spent + reserved <= limit, a CHECK), the caps an operator set, and every change of one.
 BUDGETS = cast(Table, LlmBudget.__table__)
 CAPS = cast(Table, OperatorCap.__table__)

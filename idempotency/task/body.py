@@ -129,6 +129,8 @@ class RunBody(Announcing):
         on_lost: str | None = None,
         inline_wait: Any = _TASK_DEFAULT,
         max_cost_usd: Any = None,
+        mode: str = "call",
+        batch: Any = None,
         **request: Any,
     ) -> Any:
         """Make the model call `request` as step `name`: paid once where the provider allows it, replayed after.
@@ -140,9 +142,11 @@ class RunBody(Announcing):
         the worker slot is freed, and `oncelery relay` wakes the run when the provider's answer is due.
         Under `oncelery_limits` and budgets (`oncelery_budgets`, the task's `max_cost_usd`, this call's
         `max_cost_usd`) the call is admitted and its estimated cost reserved before it is sent (docs/limits.md).
+        `mode="batch"` (with `batch=BatchPolicy(...)`) makes the call an item of a provider batch at about half
+        the price: the run waits WAITING until the batch returns (docs/batches.md).
         """
         # Imported here: the ledger's pricing (task.metering) imports IdempotentTask, which this class makes.
-        from oncelery.task.llm_step import call_unclaimed, policy_of, resolve_adapter, run_llm_step
+        from oncelery.task.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
 
         chosen = resolve_adapter(self, adapter)
         waits = self.llm_inline_wait if inline_wait is _TASK_DEFAULT else inline_wait
@@ -161,7 +165,7 @@ class RunBody(Announcing):
                 f"{self.name}: self.llm({name!r}) called after effects(); run every model call before effects()"
             )
         self._report_progress(ctx, name)
-        return run_llm_step(self, ctx, name, chosen, request, policy)
+        return run_llm_step(self, ctx, name, chosen, request, policy, batch_policy(self, mode, batch))
 
     @property
     def run_id(self) -> int | None:

@@ -18,8 +18,9 @@ from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
+from oncelery.llm.batches import BatchPolicy, batch_micros
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, charge_txn, parse_budgets, parse_usd
-from oncelery.llm.call import CallPolicy, call_model
+from oncelery.llm.call import CallPolicy, call_batched, call_model
 from oncelery.llm.intents import Intent
 from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
@@ -28,7 +29,32 @@ from oncelery.settings import CONF_BUDGETS, CONF_LIMITS, CONF_PRICES
 from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
 
-__all__ = ["LedgerRecorder", "call_unclaimed", "limits_of", "policy_of", "resolve_adapter", "run_llm_step"]
+__all__ = [
+    "LedgerRecorder",
+    "batch_policy",
+    "call_unclaimed",
+    "limits_of",
+    "policy_of",
+    "resolve_adapter",
+    "run_llm_step",
+]
+
+MODES = ("call", "batch")
+
+
+def batch_policy(task: Any, mode: str, batch: Any) -> BatchPolicy | None:
+    """The call's batch policy (None: a synchronous or background call), or ConfigurationError."""
+    if mode not in MODES:
+        raise ConfigurationError(f"{task.name}: self.llm(mode={mode!r}): use 'call' or 'batch'")
+    if mode == "call":
+        if batch is not None:
+            raise ConfigurationError(f"{task.name}: self.llm(batch=...) needs mode='batch'")
+        return None
+    chosen = batch if batch is not None else getattr(task, "llm_batch", None) or BatchPolicy()
+    if not isinstance(chosen, BatchPolicy):
+        raise ConfigurationError(f"{task.name}: self.llm(batch={chosen!r}): give oncelery.BatchPolicy(...)")
+    return chosen.check(str(task.name))
+
 
 ON_LOST = ("recall", "dead_letter")
 
@@ -139,6 +165,8 @@ class LedgerRecorder:
         """Add the row (and the running totals, once) for `intent`'s call."""
         claim, step = self.ctx.claim, self.step
         cost = None if self.price is None else self.price.cost_micros(usage.input_tokens, usage.output_tokens)
+        if cost is not None and intent.mode == "batch":  # a batch item is billed at the batch price
+            cost = batch_micros(cost)
         row = {
             "call_id": intent.public_id,
             "task_name": claim.task_name,
@@ -164,18 +192,27 @@ class LedgerRecorder:
 
 
 def run_llm_step(
-    task: Any, ctx: RunContext, name: str, adapter: Adapter, request: Mapping[str, Any], policy: CallPolicy
+    task: Any,
+    ctx: RunContext,
+    name: str,
+    adapter: Adapter,
+    request: Mapping[str, Any],
+    policy: CallPolicy,
+    batch: BatchPolicy | None = None,
 ) -> Any:
     """Run the call as step `name` of the live run: replayed if checkpointed, else made or found again."""
     request = json.loads(canonical_json(dict(request)))  # JSON only, checked before anything is written
     meta = {"llm": {"provider": adapter.provider, "endpoint": adapter.endpoint, "model": request.get("model")}}
+    if batch is not None:
+        meta["llm"]["mode"] = "batch"
 
     def call() -> WithWrites:
         step = current_step()
         if step is None:  # StepRunner always runs `call` inside its step
             raise ConfigurationError(f"{task.name}: self.llm() ran outside its step")
         recorder = LedgerRecorder(ctx, request, task.app.conf)
-        answered = call_model(ctx.steps.store, ctx.claim, step.position, name, adapter, request, policy, recorder)
+        where = (ctx.steps.store, ctx.claim, step.position, name, adapter, request, policy, recorder)
+        answered = call_model(*where) if batch is None else call_batched(*where, batch)
         return WithWrites(dict(answered.response), answered.writes)
 
     return ctx.steps.run(name, call, (), {}, meta, False, request_digest(request))

@@ -116,6 +116,11 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: The models this task's self.llm() calls use (e.g. ("gpt-4.1-mini",)): under a budget, a worker refuses to
     #: start if one has no price in oncelery_prices, instead of dead-lettering its first call.
     llm_models: tuple[str, ...] = ()
+    #: The default BatchPolicy of this task's self.llm(..., mode="batch") calls (None: BatchPolicy()).
+    llm_batch: Any = None
+    #: The provider's batch API the relay's batcher submits this task's batch items to (an adapter, or a
+    #: zero-argument callable making one), e.g. oncelery.llm.adapters.batch.OpenAIBatches(base_url, api_key).
+    llm_batch_adapter: Any = None
 
     def __init__(self) -> None:
         super().__init__()

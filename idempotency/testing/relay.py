@@ -13,14 +13,17 @@ __all__ = ["relay_running"]
 
 
 @contextmanager
-def relay_running(app: Any, url: str, interval: float = 0.05, sweep_interval: float | None = None) -> Iterator[Relay]:
+def relay_running(
+    app: Any, url: str, interval: float = 0.05, sweep_interval: float | None = None, **relay_options: Any
+) -> Iterator[Relay]:
     """Run `oncelery relay`'s loop for `app` on the claims database `url` in a thread for the block, then stop it.
 
     What a parked run (a model call past its inline wait) needs to wake in a test, as production needs
     `oncelery relay`. `interval`: seconds between idle rounds (short, so a test waits on wakes, not on the
-    loop); `sweep_interval`: the lost-run sweeper's interval (None: off, so a kill test decides when runs return).
+    loop); `sweep_interval`: the lost-run sweeper's interval (None: off, so a kill test decides when runs return);
+    `relay_options`: the rest of `Relay`'s (e.g. `batch_poll_s=0.05` to poll provider batches often).
     """
-    relay = Relay(app, url, sweep_interval=sweep_interval)
+    relay = Relay(app, url, sweep_interval=sweep_interval, **relay_options)
     stop = threading.Event()
     totals: list[RelayRound] = []
     thread = threading.Thread(

@@ -1,0 +1,399 @@
+"""The batcher and its poller: pool parked batch items into provider batches, and apply each result once.
+
+One batcher works at a time (the `batcher` lease in `oncelery_leases`, on the database clock); every write it
+makes is fenced by that lease's token, so a batcher that lost its lease (paused, partitioned) writes nothing.
+It runs inside `oncelery relay` (`Relay.run_once`). A round:
+
+1. **Claim.** Queued items of one group (provider, model, endpoint, policy) are claimed under a batch row once
+   there are `max_items` of them or the oldest waited `max_wait_s`. The batch's id is derived from its items'
+   `custom_id`s: the same items always make the same id, and it is the tag the provider's batch carries.
+2. **Upload** (OpenAI): the input file is named after the batch (`oncelery-<id>.jsonl`); after a crash a file
+   of that name is reused and its duplicates deleted, so no upload is left behind.
+3. **Create**, tagged with the batch's id (OpenAI `metadata`). Before creating, the provider's list is searched
+   for that tag: a batch created in the window before a crash is found again, never created twice.
+4. **Poll** at the batch's pace; once it ended, **apply** each line once by `custom_id` (a conditional UPDATE of
+   a `submitted` item): done with its response, or re-queued (an item error, up to its policy's attempts;
+   expired or cancelled items are re-queued free), or failed. Each applied item wakes its run (its `not_before`
+   becomes now; the relay's waker re-sends it, and the claim absorbs a duplicate wake). Reading the results
+   again after a crash applies nothing twice.
+
+Crash points (`oncelery.runs.faults`): batch_claimed, batch_uploaded, batch_created, batch_saved,
+batch_downloaded, batch_applying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sqlalchemy import Connection, and_, func, select, update
+
+from oncelery.llm.batches import batch_url
+from oncelery.models import RunStatus
+from oncelery.models.batches import BatchState, ItemState
+from oncelery.runs.faults import fault_point
+from oncelery.store.database import Database, rowcount
+from oncelery.store.tables import BATCH_ITEMS, BATCHES, LEASES, RUNS
+
+__all__ = ["BatchRound", "Batcher", "FileBatches"]
+
+logger = logging.getLogger("oncelery.batcher")  # a stable name (users filter on it)
+
+LEASE_NAME = "batcher"
+LEASE_S = 30.0
+POLL_S = 5.0  # between polls of a submitted batch when the provider gives no hint
+CLAIM_LIMIT = 50  # batches formed per round at most (each is one transaction)
+
+
+class Line(Protocol):
+    """One result line of a provider batch."""
+
+    custom_id: str
+    ok: bool
+    response: Mapping[str, Any] | None
+    error: str | None
+    expired: bool
+
+
+class ProviderBatch(Protocol):
+    """What the batcher reads of a provider batch."""
+
+    id: str
+    status: str
+    ended: bool
+
+
+class FileBatches(Protocol):
+    """A provider's batch API with an input file and tagged batches (OpenAI's Files and Batches)."""
+
+    provider: str
+
+    def submit_file(self, lines: list[tuple[str, dict[str, Any]]], endpoint: str, filename: str) -> str: ...
+    def create(self, file_id: str, endpoint: str, tag: str) -> Any: ...
+    def retrieve(self, batch_id: str) -> Any: ...
+    def find(self, tag: str, created_after: float | None = None) -> Any: ...
+    def uploaded_files(self, prefix: str) -> list[tuple[str, str]]: ...
+    def delete_file(self, file_id: str) -> None: ...
+    def results(self, state: Any) -> Iterator[Any]: ...
+
+
+@dataclass
+class BatchRound:
+    """What one batcher round did."""
+
+    claimed: int = 0  # batches formed
+    submitted: int = 0  # provider batches created (or found again by their tag)
+    polled: int = 0
+    applied: int = 0  # items done (their runs woken)
+    requeued: int = 0
+    failed: int = 0
+    files_deleted: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def busy(self) -> bool:
+        """Whether the round moved anything."""
+        return bool(self.claimed or self.submitted or self.applied or self.requeued or self.failed)
+
+
+class _Changed(Exception):
+    """The items changed under a claim: its transaction rolls back."""
+
+
+class LeaseLost(Exception):
+    """The batcher's lease passed to another: this one writes nothing more this round."""
+
+
+class Batcher:
+    """Pools queued batch items into provider batches and applies their results (see the module)."""
+
+    def __init__(self, db: Database, adapters: Mapping[str, Any], *, poll_s: float = POLL_S) -> None:
+        self.db = db
+        self.adapters = dict(adapters)
+        self.poll_s = poll_s
+        self.owner = uuid.uuid4().hex
+        self.token = 0
+
+    # -- the lease -----------------------------------------------------------------------------------------
+    def _acquire(self) -> bool:
+        """Take or renew the `batcher` lease (database clock); return whether this batcher holds it."""
+        dialect, c = self.db.dialect, LEASES.c
+        with self.db.begin() as conn:
+            now = float(conn.execute(select(dialect.epoch())).scalar_one())
+            row = conn.execute(select(c.owner, c.token, c.expires_at).where(c.name == LEASE_NAME)).first()
+            if row is None:
+                stmt = dialect.insert(LEASES).values(
+                    name=LEASE_NAME, owner=self.owner, token=1, expires_at=now + LEASE_S
+                )
+                if rowcount(conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))) != 1:
+                    return False
+                self.token = 1
+                return True
+            owner, token, expires = row
+            if owner != self.owner and expires >= now:
+                return False
+            token = int(token) if owner == self.owner else int(token) + 1
+            taken = conn.execute(
+                update(LEASES)
+                .where(c.name == LEASE_NAME, c.owner == owner, c.token == row.token)
+                .values(owner=self.owner, token=token, expires_at=now + LEASE_S)
+            )
+            if rowcount(taken) != 1:
+                return False
+            self.token = token
+            return True
+
+    def _fence(self, conn: Connection) -> None:
+        """In the caller's transaction: raise LeaseLost unless this batcher still holds its lease."""
+        c = LEASES.c
+        held = conn.execute(
+            select(c.name).where(c.name == LEASE_NAME, c.owner == self.owner, c.token == self.token)
+        ).first()
+        if held is None:
+            raise LeaseLost(f"batcher {self.owner} lost its lease")
+
+    # -- a round -------------------------------------------------------------------------------------------
+    def run_once(self) -> BatchRound:
+        """One round: claim due groups, submit claimed batches, poll submitted ones and apply their results."""
+        done = BatchRound()
+        if not self._has_work() or not self._acquire():
+            return done
+        try:
+            self._claim_due(done)
+            for batch in self._batches(BatchState.CLAIMED, BatchState.UPLOADED):
+                self._submit(batch, done)
+            for batch in self._due_polls():
+                self._poll(batch, done)
+        except LeaseLost as exc:
+            done.errors.append(str(exc))
+        return done
+
+    def _has_work(self) -> bool:
+        """A cheap read first: an idle relay round never takes the lease or SQLite's writer lock."""
+        i, b = BATCH_ITEMS.c, BATCHES.c
+        with self.db.read() as conn:
+            queued = conn.execute(select(i.id).where(i.state == ItemState.QUEUED).limit(1)).first()
+            open_ = conn.execute(
+                select(b.id)
+                .where(b.state.in_((BatchState.CLAIMED, BatchState.UPLOADED, BatchState.SUBMITTED)))
+                .limit(1)
+            ).first()
+        return queued is not None or open_ is not None
+
+    # -- 1. claim ------------------------------------------------------------------------------------------
+    def _claim_due(self, done: BatchRound) -> None:
+        i = BATCH_ITEMS.c
+        with self.db.read() as conn:
+            now = float(conn.execute(select(self.db.dialect.epoch())).scalar_one())
+            groups = conn.execute(
+                select(i.group_key, i.max_items, i.max_wait_s, func.count(), func.min(i.queued_at))
+                .where(i.state == ItemState.QUEUED)
+                .group_by(i.group_key, i.max_items, i.max_wait_s)
+            ).all()
+        for key, max_items, max_wait, count, oldest in groups:
+            while count >= max_items or (count > 0 and now - float(oldest) >= float(max_wait)):
+                if done.claimed >= CLAIM_LIMIT:
+                    return
+                taken = self._claim(str(key), int(max_items))
+                if taken == 0:
+                    break
+                done.claimed += 1
+                count -= taken
+
+    def _claim(self, key: str, max_items: int) -> int:
+        """Claim up to `max_items` of the group's oldest queued items under one batch row; return how many."""
+        try:
+            return self._claim_txn(key, max_items)
+        except _Changed:  # rolled back: nothing claimed
+            return 0
+
+    def _claim_txn(self, key: str, max_items: int) -> int:
+        i = BATCH_ITEMS.c
+        with self.db.begin() as conn:
+            self._fence(conn)
+            rows = conn.execute(
+                select(i.id, i.custom_id, i.provider, i.model, i.endpoint)
+                .where(i.state == ItemState.QUEUED, i.group_key == key)
+                .order_by(i.id)
+                .limit(max_items)
+            ).all()
+            if not rows:
+                return 0
+            batch_id = batch_id_of(key, [r.custom_id for r in rows])
+            conn.execute(
+                BATCHES.insert().values(
+                    id=batch_id, provider=rows[0].provider, model=rows[0].model, endpoint=rows[0].endpoint,
+                    group_key=key, state=BatchState.CLAIMED, items=len(rows),
+                )
+            )  # fmt: skip
+            moved = conn.execute(
+                update(BATCH_ITEMS)
+                .where(i.id.in_([r.id for r in rows]), i.state == ItemState.QUEUED)
+                .values(state=ItemState.CLAIMED, batch_id=batch_id)
+            )
+            if rowcount(moved) != len(rows):  # an item fell back meanwhile: form the batch again next round
+                raise _Changed(batch_id)
+        fault_point("batch_claimed", batch=batch_id)
+        return len(rows)
+
+    def _batches(self, *states: BatchState) -> list[Any]:
+        b = BATCHES.c
+        with self.db.read() as conn:
+            return list(conn.execute(select(BATCHES).where(b.state.in_(states)).order_by(b.created_at)).all())
+
+    # -- 2 and 3. upload, create -----------------------------------------------------------------------------
+    def _submit(self, batch: Any, done: BatchRound) -> None:
+        adapter = self.adapters.get(batch.provider)
+        if adapter is None:
+            done.errors.append(f"no batch adapter for provider {batch.provider!r} (batch {batch.id})")
+            return
+        url = batch_url(batch.endpoint)
+        file_id = batch.file_id
+        if batch.state is BatchState.CLAIMED:
+            prefix = f"oncelery-{batch.id}"
+            found = [f for f, name in adapter.uploaded_files(prefix) if name.startswith(prefix)]
+            if found:  # uploaded before a crash: use the first, delete the others
+                file_id = found[0]
+            else:
+                file_id = adapter.submit_file(self._lines(batch.id), url, f"{prefix}.jsonl")
+                fault_point("batch_uploaded", batch=batch.id)
+            done.files_deleted += self._delete_files(adapter, [f for f in found if f != file_id])
+            self._save(batch.id, BatchState.CLAIMED, state=BatchState.UPLOADED, file_id=file_id)
+        tagged = adapter.find(batch.id)  # created in the window before a crash: found by its tag, not created again
+        if tagged is None:
+            tagged = adapter.create(str(file_id), url, batch.id)
+            fault_point("batch_created", batch=batch.id)
+        with self.db.begin() as conn:
+            self._fence(conn)
+            now = self.db.dialect.now()
+            conn.execute(
+                update(BATCHES)
+                .where(BATCHES.c.id == batch.id, BATCHES.c.state == BatchState.UPLOADED)
+                .values(state=BatchState.SUBMITTED, provider_batch_id=tagged.id, provider_status=tagged.status,
+                        submitted_at=now)
+            )  # fmt: skip
+            conn.execute(
+                update(BATCH_ITEMS)
+                .where(BATCH_ITEMS.c.batch_id == batch.id, BATCH_ITEMS.c.state == ItemState.CLAIMED)
+                .values(state=ItemState.SUBMITTED)
+            )
+        fault_point("batch_saved", batch=batch.id)
+        done.submitted += 1
+        logger.info("batcher: batch %s submitted as %s (%d items)", batch.id, tagged.id, batch.items)
+
+    def _lines(self, batch_id: str) -> list[tuple[str, dict[str, Any]]]:
+        i = BATCH_ITEMS.c
+        with self.db.read() as conn:
+            rows = conn.execute(select(i.custom_id, i.request).where(i.batch_id == batch_id).order_by(i.id)).all()
+        return [(r.custom_id, dict(r.request or {})) for r in rows]
+
+    def _save(self, batch_id: str, was: BatchState, **values: Any) -> None:
+        with self.db.begin() as conn:
+            self._fence(conn)
+            conn.execute(update(BATCHES).where(BATCHES.c.id == batch_id, BATCHES.c.state == was).values(**values))
+
+    @staticmethod
+    def _delete_files(adapter: Any, file_ids: Iterable[str]) -> int:
+        deleted = 0
+        for file_id in file_ids:
+            adapter.delete_file(file_id)
+            deleted += 1
+        return deleted
+
+    # -- 4. poll and apply -----------------------------------------------------------------------------------
+    def _due_polls(self) -> list[Any]:
+        b = BATCHES.c
+        with self.db.read() as conn:
+            now = float(conn.execute(select(self.db.dialect.epoch())).scalar_one())
+            due = (b.next_poll_at.is_(None)) | (b.next_poll_at <= now)
+            return list(conn.execute(select(BATCHES).where(b.state == BatchState.SUBMITTED, due)).all())
+
+    def _poll(self, batch: Any, done: BatchRound) -> None:
+        adapter = self.adapters.get(batch.provider)
+        if adapter is None:
+            return
+        state = adapter.retrieve(batch.provider_batch_id)
+        done.polled += 1
+        hint = getattr(state, "poll_after_s", None) or self.poll_s
+        with self.db.begin() as conn:
+            self._fence(conn)
+            now = float(conn.execute(select(self.db.dialect.epoch())).scalar_one())
+            conn.execute(
+                update(BATCHES)
+                .where(BATCHES.c.id == batch.id)
+                .values(provider_status=state.status, polls=BATCHES.c.polls + 1, next_poll_at=now + hint)
+            )
+        if not state.ended:
+            return
+        lines = list(adapter.results(state))
+        fault_point("batch_downloaded", batch=batch.id)
+        for n, line in enumerate(lines):
+            if n:
+                fault_point("batch_applying", batch=batch.id, line=n)
+            self._apply(batch.id, line, done)
+        self._requeue_rest(batch.id, done)  # in no line (expired, cancelled, missing): queued again
+        self._save(batch.id, BatchState.SUBMITTED, state=BatchState.ENDED, ended_at=self.db.dialect.now())
+        if batch.file_id:
+            done.files_deleted += self._delete_files(adapter, [batch.file_id])
+
+    def _apply(self, batch_id: str, line: Any, done: BatchRound) -> None:
+        """Apply one result line once (a conditional UPDATE of its submitted item), and wake its run."""
+        i = BATCH_ITEMS.c
+        mine = and_(i.custom_id == line.custom_id, i.batch_id == batch_id, i.state == ItemState.SUBMITTED)
+        with self.db.begin() as conn:
+            self._fence(conn)
+            row = conn.execute(select(i.run_id, i.attempts, i.group_key).where(mine)).first()
+            if row is None:
+                return  # applied before (a re-read after a crash), or not ours
+            if line.ok:
+                values: dict[str, Any] = {"state": ItemState.DONE, "response": dict(line.response or {}),
+                                          "done_at": self.db.dialect.now(), "request": None}  # fmt: skip
+                done.applied += 1
+            elif line.expired or int(row.attempts) + 1 < _attempts_of(str(row.group_key)):
+                values = {"state": ItemState.QUEUED, "batch_id": None, "error": line.error,
+                          "attempts": i.attempts + (0 if line.expired else 1)}  # fmt: skip
+                done.requeued += 1
+            else:
+                values = {"state": ItemState.FAILED, "error": line.error or "failed in its batch", "request": None}
+                done.failed += 1
+            conn.execute(update(BATCH_ITEMS).where(mine).values(**values))
+            if values["state"] is not ItemState.QUEUED:
+                wake_run(conn, self.db, int(row.run_id))
+
+    def _requeue_rest(self, batch_id: str, done: BatchRound) -> None:
+        i = BATCH_ITEMS.c
+        with self.db.begin() as conn:
+            self._fence(conn)
+            left = conn.execute(
+                update(BATCH_ITEMS)
+                .where(i.batch_id == batch_id, i.state == ItemState.SUBMITTED)
+                .values(state=ItemState.QUEUED, batch_id=None, error="not in the batch's results")
+            )
+            done.requeued += rowcount(left)
+
+
+def wake_run(conn: Connection, db: Database, run_id: int) -> None:
+    """Make a WAITING run due now (the relay's waker re-sends it); nothing if it is not waiting."""
+    r = RUNS.c
+    conn.execute(
+        update(RUNS)
+        .where(r.id == run_id, r.status == RunStatus.WAITING)
+        .values(not_before=db.dialect.now(), swept_at=None)
+    )
+
+
+def batch_id_of(group: str, custom_ids: list[str]) -> str:
+    """The batch's id, from its group and items: the same items make the same id (the provider-side tag)."""
+    digest = hashlib.sha256("\n".join([group, *custom_ids]).encode()).hexdigest()
+    return f"ob-{digest[:32]}"
+
+
+def _attempts_of(group: str) -> int:
+    """The policy's max_attempts, the group key's last field (oncelery.llm.batches.group_key)."""
+    try:
+        return int(group.rsplit("|", 1)[1])
+    except (IndexError, ValueError):
+        return 3

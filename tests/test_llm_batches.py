@@ -1,0 +1,141 @@
+"""Batch steps (`self.llm(..., mode="batch")`): parked items pooled into one provider batch at half the price, the
+runs waiting without a worker slot and woken once each; real workers, the relay's batcher, and the fake
+provider's batch API, whose counters (batches created, submissions per custom_id) are the oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import func, select
+
+from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery.llm.adapters.batch import OpenAIBatches
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
+from oncelery.models import IntentState, RunStatus
+from oncelery.models.batches import BatchState, ItemState
+from oncelery.store.database import get_engine
+from oncelery.store.tables import BATCH_ITEMS, BATCHES, CALLS, INTENTS, RUNS
+from oncelery.testing import relay_running
+from tests.conftest import ON_POSTGRESQL, ON_SQLITE
+
+JOB = 60.0
+OUT = 8
+PRICE = {"gpt-test": {"input": 1000, "output": 1000}}  # 1,000 micro-USD per token, synchronous
+TEXTS = [f"Article {n}: the council met on Tuesday to discuss the harbour's new budget." for n in range(6)]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    """A fake provider whose batches end after two polls."""
+    with FakeProvider(Knobs(poll_after_ms=5, generation_s=0.0, batch_polls=2)) as provider:
+        yield provider
+
+
+@pytest.fixture
+def adapters(fake: FakeProvider) -> Iterator[tuple[OpenAIResponses, OpenAIBatches]]:
+    """The synchronous adapter (provider, usage, fallback) and the batch API adapter, on the fake."""
+    with OpenAIResponses(fake.openai_base_url, "sk") as sync, OpenAIBatches(fake.openai_base_url, "sk") as batches:
+        yield sync, batches
+
+
+def scorer(app: Celery, adapters: tuple[OpenAIResponses, OpenAIBatches], policy: BatchPolicy) -> Any:
+    sync, batches = adapters
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_batch_score",
+              idempotency_key="doc:{doc}", llm_batch_adapter=batches)  # fmt: skip
+    def score(self: IdempotentTask, doc: str, text: str) -> str:
+        answer = self.llm("score", adapter=sync, model="gpt-test", input=text, max_output_tokens=OUT, mode="batch",
+                          batch=policy)  # fmt: skip
+        return output_text(answer)
+
+    return score
+
+
+def rows(db_url: str, table: Any) -> list[dict[str, Any]]:
+    with get_engine(db_url).connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(select(table))]
+
+
+def sync_answers(fake: FakeProvider, texts: list[str]) -> list[str]:
+    """What the same requests answer synchronously (made after the batch ran: their creates are not counted)."""
+    with OpenAIResponses(fake.openai_base_url, "sk") as sync:
+        return [
+            output_text(
+                sync.create(
+                    {"model": "gpt-test", "input": t, "max_output_tokens": OUT}, "ref", background=False
+                ).response
+            )
+            for t in texts
+        ]
+
+
+@ON_SQLITE
+def test_batch_steps_share_one_provider_batch_at_half_price_and_each_run_wakes_once(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, adapters: Any
+) -> None:
+    app.conf.oncelery_prices = PRICE
+    task = scorer(app, adapters, BatchPolicy(max_items=5, max_wait_s=30))
+    with worker_factory(app, concurrency=2), relay_running(app, db_url, batch_poll_s=0.05):
+        pending = [task.delay(f"d{n}", text) for n, text in enumerate(TEXTS[:5])]
+        answers = [p.get(timeout=JOB) for p in pending]
+    stats = fake.stats()
+    assert stats["creates_by_intent"] == {}, "no synchronous call"
+    assert stats["batches_created"] == {"openai": 1}, stats["batches_created"]  # 5 items = max_items: one batch
+    assert sorted(stats["items_by_custom_id"].values()) == [1] * 5  # each custom_id processed once
+    assert answers == sync_answers(fake, TEXTS[:5])
+    counts = task.outcome_counts()
+    assert counts["executed"] == 5 and counts["waiting"] >= 5, counts  # each parked, none held a slot waiting
+    # The ledger: each call at exactly half its synchronous price (money is exact, integer micro-USD).
+    sync_cost = sum((count_tokens(t) + OUT) * 1000 for t in TEXTS[:5])
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.sum(CALLS.c.cost_micros))).scalar_one() * 2 == sync_cost
+        assert {r.state for r in conn.execute(select(INTENTS))} == {IntentState.DONE}
+        assert {r.status for r in conn.execute(select(RUNS))} == {RunStatus.COMPLETED}
+    [batch] = rows(db_url, BATCHES)
+    assert batch["state"] is BatchState.ENDED and batch["items"] == 5 and batch["provider_batch_id"]
+    items = rows(db_url, BATCH_ITEMS)
+    assert {i["state"] for i in items} == {ItemState.DONE}
+    assert all(i["request"] is None and i["response"] is None for i in items), "no prompt or answer kept at rest"
+    assert stats["files_deleted"] >= 1, "the input file is deleted once the batch ended"
+
+
+@ON_POSTGRESQL
+def test_items_with_another_policy_never_share_a_batch_and_a_stale_item_falls_back(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, adapters: Any
+) -> None:
+    """Two policies: two batches. An item whose fallback time passes while still queued (never submitted)
+    becomes a background call: one synchronous create, no batch for it."""
+    app.conf.oncelery_prices = PRICE
+    quick = scorer(app, adapters, BatchPolicy(max_items=2, max_wait_s=0.2))
+    sync, batches = adapters
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_batch_other",
+              idempotency_key="doc:{doc}", llm_batch_adapter=batches)  # fmt: skip
+    def other(self: IdempotentTask, doc: str, text: str) -> str:
+        policy = BatchPolicy(max_items=1000, max_wait_s=3600, fallback_after_s=0.5)  # never full, never due
+        answer = self.llm("score", adapter=sync, model="gpt-test", input=text, max_output_tokens=OUT, mode="batch",
+                          batch=policy)  # fmt: skip
+        return output_text(answer)
+
+    with worker_factory(app, concurrency=2), relay_running(app, db_url, batch_poll_s=0.05):
+        firsts = [quick.delay(f"q{n}", TEXTS[n]) for n in range(2)]
+        late = other.delay("o", TEXTS[2])
+        assert [p.get(timeout=JOB) for p in firsts] == sync_answers(fake, TEXTS[:2])
+        assert late.get(timeout=JOB) == sync_answers(fake, TEXTS[2:3])[0]
+    stats = fake.stats()
+    assert stats["batches_created"] == {"openai": 1} and len(stats["items_by_custom_id"]) == 2
+    # sync_answers made 3 creates of their own (reference "ref"); the fallback made one more, by its intent.
+    assert len(stats["creates_by_intent"]) == 2, stats["creates_by_intent"]
+    with get_engine(db_url).connect() as conn:
+        fell = conn.execute(select(BATCH_ITEMS).where(BATCH_ITEMS.c.state == ItemState.FALLBACK)).all()
+        assert len(fell) == 1 and fell[0].batch_id is None
+        intents = conn.execute(select(INTENTS).where(INTENTS.c.step_name == "score").order_by(INTENTS.c.id)).all()
+    late_intents = [i for i in intents if i.run_id == fell[0].run_id]
+    assert [(i.mode, i.state) for i in late_intents] == [
+        ("batch", IntentState.CANCELLED),
+        ("background", IntentState.DONE),
+    ]
