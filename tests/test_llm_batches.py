@@ -4,7 +4,12 @@ provider's batch API, whose counters (batches created, submissions per custom_id
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,3 +144,58 @@ def test_items_with_another_policy_never_share_a_batch_and_a_stale_item_falls_ba
         ("batch", IntentState.CANCELLED),
         ("background", IntentState.DONE),
     ]
+
+
+# -- the batcher SIGKILLed at each crash point ------------------------------------------------------------------
+
+POINTS = ["batch_claimed", "batch_uploaded", "batch_created", "batch_saved", "batch_downloaded", "batch_applying"]
+
+
+def relay_process(app: Celery, db_url: str, fake: FakeProvider, marks: Path, kill_at: str | None) -> Any:
+    env = {
+        **os.environ,
+        "ONCELERY_DATABASE_URL": db_url,
+        "ONCELERY_BROKER_URL": str(app.conf.broker_url),
+        "ONCELERY_RESULT_BACKEND": str(app.conf.result_backend),
+        "ONCELERY_OUTBOX_QUEUE": str(app.conf.task_default_queue),
+        "ONCELERY_FAKE_PROVIDER_URL": fake.url,
+        "ONCELERY_CRASH_MARKS": str(marks),
+        "ONCELERY_KILL_AT": kill_at or "",
+    }
+    return subprocess.Popen([sys.executable, "-m", "tests.apps.batch_relay"], env=env, start_new_session=True)
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize(
+    ("point", "db_url"), [(p, ("sqlite", "postgresql")[n % 2]) for n, p in enumerate(POINTS)], indirect=["db_url"]
+)
+def test_the_batcher_sigkilled_at_each_crash_point_submits_and_applies_each_item_once(
+    point: str, app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, adapters: Any, tmp_path: Path
+) -> None:
+    app.conf.oncelery_prices = PRICE
+    task = scorer(app, adapters, BatchPolicy(max_items=4, max_wait_s=30))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    texts = TEXTS[:4]
+    first = relay_process(app, db_url, fake, marks, point)
+    second = None
+    try:
+        with worker_factory(app, concurrency=2):
+            pending = [task.delay(f"k{n}", text) for n, text in enumerate(texts)]
+            assert first.wait(timeout=JOB) == -signal.SIGKILL, f"the relay was not killed at {point}"
+            second = relay_process(app, db_url, fake, marks, None)
+            answers = [p.get(timeout=JOB) for p in pending]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    assert answers == sync_answers(fake, texts)
+    stats = fake.stats()
+    assert stats["batches_created"] == {"openai": 1}, f"{point}: {stats['batches_created']}"  # 0 duplicates
+    assert sorted(stats["items_by_custom_id"].values()) == [1] * 4, f"{point}: each custom_id processed once"
+    assert stats["files_uploaded"] == 1, f"{point}: an upload left by the crash is reused, not repeated"
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 4  # one ledger row each
+        assert {r.status for r in conn.execute(select(RUNS))} == {RunStatus.COMPLETED}
+    assert task.outcome_counts()["executed"] == 4

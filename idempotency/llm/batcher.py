@@ -110,10 +110,13 @@ class LeaseLost(Exception):
 class Batcher:
     """Pools queued batch items into provider batches and applies their results (see the module)."""
 
-    def __init__(self, db: Database, adapters: Mapping[str, Any], *, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, db: Database, adapters: Mapping[str, Any], *, poll_s: float = POLL_S, lease_s: float = LEASE_S
+    ) -> None:
         self.db = db
         self.adapters = dict(adapters)
         self.poll_s = poll_s
+        self.lease_s = lease_s  # a batcher that dies holds the lease this long: the next one waits it out
         self.owner = uuid.uuid4().hex
         self.token = 0
 
@@ -126,7 +129,7 @@ class Batcher:
             row = conn.execute(select(c.owner, c.token, c.expires_at).where(c.name == LEASE_NAME)).first()
             if row is None:
                 stmt = dialect.insert(LEASES).values(
-                    name=LEASE_NAME, owner=self.owner, token=1, expires_at=now + LEASE_S
+                    name=LEASE_NAME, owner=self.owner, token=1, expires_at=now + self.lease_s
                 )
                 if rowcount(conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))) != 1:
                     return False
@@ -139,7 +142,7 @@ class Batcher:
             taken = conn.execute(
                 update(LEASES)
                 .where(c.name == LEASE_NAME, c.owner == owner, c.token == row.token)
-                .values(owner=self.owner, token=token, expires_at=now + LEASE_S)
+                .values(owner=self.owner, token=token, expires_at=now + self.lease_s)
             )
             if rowcount(taken) != 1:
                 return False

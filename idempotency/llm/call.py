@@ -226,7 +226,8 @@ def call_batched(
         request=request, policy=batch, supersedes=latest, reason=reason,
         budget=budget,
     )  # fmt: skip
-    raise _park_batch(step, ItemState.QUEUED.value, batch.max_wait_s + BATCH_MARGIN_S)
+    first_look = min(batch.max_wait_s + BATCH_MARGIN_S, BATCH_RECHECK_S, batch.fallback_after_s or BATCH_RECHECK_S)
+    raise _park_batch(step, ItemState.QUEUED.value, max(WAKE_FIRST_S, first_look))
 
 
 BATCH_MARGIN_S = 5.0  # past the batch's max wait, a first look if the poller's wake has not come

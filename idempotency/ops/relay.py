@@ -17,7 +17,7 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
-from oncelery.llm.batcher import POLL_S, Batcher, BatchRound
+from oncelery.llm.batcher import LEASE_S, POLL_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
@@ -93,6 +93,7 @@ class Relay:
         release_after: float | None = None,
         batch_adapters: Mapping[str, Any] | None = None,
         batch_poll_s: float = POLL_S,
+        batch_lease_s: float = LEASE_S,
     ) -> None:
         self.app = app
         self.db = Database(url)
@@ -110,7 +111,7 @@ class Relay:
         self.release_after = float(release_after or configured or DEFAULT_RELEASE_S)
         # Batch steps: the provider batch APIs, by provider (given, else the app's tasks' llm_batch_adapter).
         adapters = batch_adapters if batch_adapters is not None else batch_adapters_of(app)
-        self.batcher = Batcher(self.db, adapters, poll_s=batch_poll_s) if adapters else None
+        self.batcher = Batcher(self.db, adapters, poll_s=batch_poll_s, lease_s=batch_lease_s) if adapters else None
         self.last_batch_round: BatchRound | None = None  # what the batcher did in the latest round
         dia = self.db.dialect
         self._now = dia.now()

@@ -1,0 +1,58 @@
+"""A relay subprocess whose batcher is SIGKILLed once at a batch crash point (`python -m tests.apps.batch_relay`).
+
+    ONCELERY_DATABASE_URL      the claims database
+    ONCELERY_BROKER_URL        the Redis broker (the woken runs are re-sent there)
+    ONCELERY_RESULT_BACKEND    the Redis result backend
+    ONCELERY_OUTBOX_QUEUE      the test's queue
+    ONCELERY_FAKE_PROVIDER_URL the fake provider (its batch API)
+    ONCELERY_KILL_AT           a batch fault point (oncelery.runs.faults) where this process SIGKILLs itself, once
+    ONCELERY_CRASH_MARKS       a folder: the kill leaves a mark there, so a restarted relay passes the point
+
+It serves rounds until SIGTERM (or the kill).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from oncelery import Relay
+from oncelery.llm.adapters.batch import OpenAIBatches
+from oncelery.runs.faults import fault_injected
+from tests.apps.outbox_app import ENV_DATABASE_URL, create_app
+
+
+def _kill_once(point: str) -> Any:
+    mark = Path(os.environ["ONCELERY_CRASH_MARKS"]) / f"relay.{point}"
+
+    def hook(_name: str, _context: dict[str, Any]) -> None:
+        try:
+            mark.touch(exist_ok=False)
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def main() -> None:
+    """Serve relay rounds (the batcher polling every 50 ms) until SIGTERM; die at $ONCELERY_KILL_AT once."""
+    app = create_app(os.environ)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    adapter = OpenAIBatches(os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1", "sk-batch")
+    relay = Relay(app, os.environ[ENV_DATABASE_URL], sweep_interval=None, batch_adapters={"openai": adapter},
+                  batch_poll_s=0.05, batch_lease_s=1.0)  # fmt: skip
+    point = os.environ.get("ONCELERY_KILL_AT")
+    if point:
+        with fault_injected(point, _kill_once(point)):
+            relay.serve(stop, interval=0.05)
+    else:
+        relay.serve(stop, interval=0.05)
+
+
+if __name__ == "__main__":
+    main()
