@@ -2,16 +2,18 @@
 
 It answers `POST /v1/responses` (foreground, background, streamed with sequence numbers; retrieve, stream
 resume with `starting_after`, cancel, the `openai-poll-after-ms` header), `POST /v1/chat/completions` and
-Anthropic's `POST /v1/messages`, with deterministic text and exact token counts of its own. Its counters
-(creates per intent, 429s served, polls, cancels) are the oracle of every test of a model call: they are what a
-provider would have billed. Knobs make it slow, forgetful, stuck, failing, or hold a create's answer so that a
-test can kill a worker inside the create window every time.
+Anthropic's `POST /v1/messages`, with deterministic text and exact token counts of its own, and both providers'
+batch APIs (OpenAI Files and Batch, Anthropic Message Batches), time compressed: a batch advances as it is polled.
+Its counters (creates per intent, 429s served, polls, cancels, batch items per custom_id) are the oracle of every
+test of a model call: they are what a provider would have billed. Knobs make it slow, forgetful, stuck, failing,
+or hold a create's answer so that a test can kill a worker inside the create window every time.
 
 Standard library only: it imports without pytest, the demo or any provider SDK, so `oncelery process` can run it
 on a plain `pip install oncelery`. Run it in a thread (`FakeProvider()`) or as a process
 (`python -m oncelery.llm.fake --port 0`), and drive either over HTTP with `FakeProviderControl`.
 
-Reading order: `generate` (text and tokens), `state` (responses, knobs, counters), `server` (HTTP).
+Reading order: `generate` (text and tokens), `state` (responses, knobs, counters), `protocol` (wire shapes),
+`batches` (files and batches), `server` (HTTP).
 """
 
 from oncelery.llm.fake.generate import generate_text

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from oncelery.llm.fake.state import ANTHROPIC_INTENT_PREFIX, INTENT_KEY, Call
+from oncelery.llm.tokens import request_text
 
 # Request fields each create accepts; anything else is refused, as the providers refuse unknown arguments.
 RESPONSES_FIELDS = frozenset(
@@ -47,6 +48,29 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str], required: tuple[
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadRequest(f"Unrecognized request argument supplied: {unknown[0]}")
+
+
+def check_request(kind: str, body: dict[str, Any]) -> tuple[str | None, str]:
+    """Validate a create of `kind` (responses, chat, messages); return its metadata's intent and its billed prompt.
+
+    Chat's intent comes from metadata only here: the server also reads the `x-client-request-id` header.
+    """
+    if kind == "responses":
+        check_fields(body, RESPONSES_FIELDS, ("model", "input"))
+        return openai_intent(body), "\n".join(
+            filter(None, [request_text(body.get("instructions")), request_text(body["input"])])
+        )
+    if kind == "chat":
+        check_fields(body, CHAT_FIELDS, ("model", "messages"))
+        if body.get("stream"):
+            raise BadRequest("stream=true is not served by the fake's chat completions")
+        return openai_intent(body), request_text(body["messages"])
+    check_fields(body, MESSAGES_FIELDS, ("model", "messages", "max_tokens"))
+    if body.get("stream"):
+        raise BadRequest("stream=true is not served by the fake's messages endpoint")
+    return anthropic_intent(body), "\n".join(
+        filter(None, [request_text(body.get("system")), request_text(body["messages"])])
+    )
 
 
 def openai_intent(body: dict[str, Any]) -> str | None:

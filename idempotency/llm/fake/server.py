@@ -1,5 +1,9 @@
 """The fake provider's HTTP side: routes, headers, held and hung answers, and the `/_fake/*` control API.
 
+Batch APIs (`batches`): OpenAI's `/v1/files` (multipart upload, list, retrieve, content, delete) and
+`/v1/batches` (create, retrieve, list, cancel); Anthropic's `/v1/messages/batches` (create, retrieve, list,
+cancel, results, delete). A batch create takes `fail_next`, `hold_creates` and `hang_next` like any create.
+
 Control endpoints (JSON): `GET /_fake/stats`, `POST /_fake/knobs` (a partial `Knobs`), `POST /_fake/release`
 (held answers), `POST /_fake/forget` (one call, or all: past retention now), `POST /_fake/reset`,
 `GET /_fake/health`. They drive a fake run as a thread or as a process alike.
@@ -20,11 +24,13 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from oncelery.llm.fake import protocol as wire
+from oncelery.llm.fake.batches import BatchError, FakeBatches
 from oncelery.llm.fake.generate import Generator, default_generator
 from oncelery.llm.fake.state import KnobError, Knobs, ProviderState, retry_after_header
-from oncelery.llm.tokens import count_tokens, request_text
+from oncelery.llm.tokens import count_tokens
 
 STREAM_TICK_S = 0.02  # how often a streaming answer looks for its next available event
+SHUTDOWN_POLL_S = 0.02  # how often the threaded server looks for a shutdown request
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -48,6 +54,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, self.server.state.stats.as_json())
         elif path == "/_fake/health":
             self._json(200, {"ok": True})
+        elif self._batches("GET", path, query, None):
+            pass
         elif path.startswith("/v1/responses/") and path.count("/") == 3:
             self._retrieve(path.rsplit("/", 1)[1], query)
         else:
@@ -55,12 +63,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         """Route a POST."""
-        path, _ = self._target()
+        path, query = self._target()
+        if path == "/v1/files":
+            self._upload()
+            return
         body = self._body()
         if body is None:
             return
         state = self.server.state
-        if path == "/_fake/knobs":
+        if self._batches("POST", path, query, body):
+            pass
+        elif path == "/_fake/knobs":
             try:
                 with state.lock:
                     state.knobs.update(body)
@@ -86,6 +99,112 @@ class _Handler(BaseHTTPRequestHandler):
             self._cancel(path.split("/")[3])
         else:
             self._json(404, wire.openai_error(404, f"Invalid URL (POST {path})"))
+
+    def do_DELETE(self) -> None:
+        """Route a DELETE."""
+        path, query = self._target()
+        if not self._batches("DELETE", path, query, None):
+            self._json(404, wire.openai_error(404, f"Invalid URL (DELETE {path})"))
+
+    # -- batches -----------------------------------------------------------------------------------------------
+    def _batches(self, method: str, path: str, query: dict[str, list[str]], body: dict[str, Any] | None) -> bool:
+        """Serve a Files or batch API request; return False when `path` is not one of theirs."""
+        parts = path.split("/")[1:]  # "v1", then the resource
+        if parts[:3] == ["v1", "messages", "batches"]:
+            provider, rest = "anthropic", parts[3:]
+        elif parts[:2] in (["v1", "batches"], ["v1", "files"]):
+            provider, rest = "openai", parts[1:]
+        else:
+            return False
+        anthropic = provider == "anthropic"
+        error = wire.anthropic_error if anthropic else wire.openai_error
+        if not self._authorised(anthropic):
+            return True
+        base = f"http://{self.headers.get('host') or '127.0.0.1'}"
+        try:
+            if anthropic:
+                self._anthropic_batches(method, rest, query, body, base)
+            else:
+                self._openai_batches(method, rest, query, body, base)
+        except BatchError as exc:
+            self._json(exc.status, error(exc.status, str(exc)))
+        return True
+
+    def _openai_batches(
+        self, method: str, rest: list[str], query: dict[str, list[str]], body: dict[str, Any] | None, base: str
+    ) -> None:
+        fake = self.server.batches
+        resource, ident, tail = rest[0], rest[1] if len(rest) > 1 else None, rest[2:]
+        if resource == "files":
+            if method == "GET" and ident is None:
+                self._json(200, fake.list_files(query))
+            elif method == "GET" and ident and not tail:
+                self._json(200, fake.file(ident).as_json())
+            elif method == "GET" and ident and tail == ["content"]:
+                self._raw(200, fake.file(ident).content, "application/octet-stream")
+            elif method == "DELETE" and ident and not tail:
+                self._json(200, fake.delete_file(ident))
+            else:
+                raise BatchError(404, f"Invalid URL ({method} /v1/{'/'.join(rest)})")
+        elif method == "POST" and ident is None:
+            self._create_batch(lambda: fake.check_openai(body or {}), base, anthropic=False)
+        elif method == "GET" and ident is None:
+            self._json(200, fake.list_batches("openai", query, base))
+        elif method == "GET" and ident and not tail:
+            self._json(200, fake.retrieve("openai", ident, base))
+        elif method == "POST" and ident and tail == ["cancel"]:
+            self._json(200, fake.cancel("openai", ident, base))
+        else:
+            raise BatchError(404, f"Invalid URL ({method} /v1/{'/'.join(rest)})")
+
+    def _anthropic_batches(
+        self, method: str, rest: list[str], query: dict[str, list[str]], body: dict[str, Any] | None, base: str
+    ) -> None:
+        fake = self.server.batches
+        ident, tail = rest[0] if rest else None, rest[1:]
+        if method == "POST" and ident is None:
+            self._create_batch(lambda: fake.check_anthropic(body or {}), base, anthropic=True)
+        elif method == "GET" and ident is None:
+            self._json(200, fake.list_batches("anthropic", query, base))
+        elif method == "GET" and ident and not tail:
+            self._json(200, fake.retrieve("anthropic", ident, base))
+        elif method == "GET" and ident and tail == ["results"]:
+            self._raw(200, fake.results(ident), "application/binary")
+        elif method == "POST" and ident and tail == ["cancel"]:
+            self._json(200, fake.cancel("anthropic", ident, base))
+        elif method == "DELETE" and ident and not tail:
+            self._json(200, fake.delete(ident))
+        else:
+            raise BatchError(404, f"Invalid URL ({method} /v1/messages/batches/{'/'.join(rest)})")
+
+    def _create_batch(self, check: Callable[[], Any], base: str, anthropic: bool) -> None:
+        """Validate, then take an injected failure if armed, then accept; hold or hang the answer if armed."""
+        plan = check()
+        state = self.server.state
+        failure = state.injected_failure()
+        if failure is not None:
+            status, retry_after = failure
+            error = wire.anthropic_error if anthropic else wire.openai_error
+            self._json(status, error(status, f"injected {status}"), {"retry-after": retry_after_header(retry_after)})
+            return
+        batch = self.server.batches.create(plan)
+        state.hold()
+        hang = state.hang()
+        if hang and self.server.stopping.wait(hang):
+            return
+        with batch.lock:
+            payload = self.server.batches.as_json(batch, base)
+        self._json(200, payload)
+
+    def _upload(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not self._authorised(False):
+            return
+        try:
+            self._json(200, self.server.batches.upload(self.headers.get("content-type") or "", raw))
+        except BatchError as exc:
+            self._json(exc.status, wire.openai_error(exc.status, str(exc)))
 
     # -- creates ---------------------------------------------------------------------------------------------
     def _create(self, kind: str, body: dict[str, Any]) -> None:
@@ -139,24 +258,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, wire.anthropic_message(call), headers)
 
     def _check(self, kind: str, body: dict[str, Any]) -> tuple[str | None, str]:
-        if kind == "responses":
-            wire.check_fields(body, wire.RESPONSES_FIELDS, ("model", "input"))
-            return wire.openai_intent(body), "\n".join(
-                filter(None, [request_text(body.get("instructions")), request_text(body["input"])])
-            )
+        intent, prompt = wire.check_request(kind, body)
         if kind == "chat":
-            wire.check_fields(body, wire.CHAT_FIELDS, ("model", "messages"))
-            if body.get("stream"):
-                raise wire.BadRequest("stream=true is not served by the fake's chat completions")
             # OpenAI takes metadata on chat completions only with store=true: clients tag the header instead.
-            intent = wire.openai_intent(body) or self.headers.get("x-client-request-id")
-            return intent, request_text(body["messages"])
-        wire.check_fields(body, wire.MESSAGES_FIELDS, ("model", "messages", "max_tokens"))
-        if body.get("stream"):
-            raise wire.BadRequest("stream=true is not served by the fake's messages endpoint")
-        return wire.anthropic_intent(body), "\n".join(
-            filter(None, [request_text(body.get("system")), request_text(body["messages"])])
-        )
+            intent = intent or self.headers.get("x-client-request-id")
+        return intent, prompt
 
     def _authorised(self, anthropic: bool) -> bool:
         if anthropic:
@@ -283,6 +389,16 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return body
 
+    def _raw(self, status: int, data: bytes, content_type: str) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("content-type", content_type)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
     def _json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()
         try:
@@ -305,6 +421,7 @@ class _Server(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.state = state
         self.generator = generator
+        self.batches = FakeBatches(state, generator)
         self.stopping = threading.Event()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -370,7 +487,10 @@ class FakeProvider(FakeProviderControl):
         self._server = _Server(("127.0.0.1", port), self.state, generator or default_generator)
         self.port = int(self._server.server_address[1])
         super().__init__(f"http://127.0.0.1:{self.port}")
-        self._thread = threading.Thread(target=self._server.serve_forever, name="oncelery-fake-provider", daemon=True)
+        # A short poll interval: `stop` (shutdown) waits for it, 0.5 s by default, at every test's teardown.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="oncelery-fake-provider", daemon=True
+        )
 
     @property
     def openai_base_url(self) -> str:

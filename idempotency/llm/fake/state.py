@@ -6,15 +6,20 @@ Times are the provider's own monotonic clock: the fake is the other side of the 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oncelery.llm.tokens import count_tokens, truncate_tokens
+
+if TYPE_CHECKING:
+    from oncelery.llm.fake.batches import Batch, StoredFile
 
 #: The metadata key whose value the fake counts creates by (the opaque intent id a client sends).
 INTENT_KEY = "oncelery_intent"
@@ -48,6 +53,12 @@ class Knobs:
     rpm_limit: int = 0  # requests per minute per model (0: unlimited); over it: 429 with retry-after
     tpm_limit: int = 0  # tokens (input + max output) per minute per model (0: unlimited)
     rate_window_s: float = WINDOW_S  # the limits' fixed window: 60 s as providers state it; shorter compresses time
+    # Batches (time compressed: each retrieve of a batch advances it). Read when a batch is created.
+    batch_polls: int = 2  # retrieves a batch stays in progress; the next one finalizes (OpenAI) or ends it
+    batch_fail_ids: list[str] = field(default_factory=list)  # custom_ids that fail (a 500 item) in every batch
+    batch_fail_first: int = 0  # the first N submissions of each custom_id fail, later ones succeed (re-queues)
+    batch_expire: bool = False  # batches expire: items at even positions done, the others expired
+    batch_shuffle: bool = False  # result lines come out of input order
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply `changes`, all or none, refusing unknown names and values of the wrong type."""
@@ -55,9 +66,14 @@ class Knobs:
         unknown = sorted(set(changes) - set(types))
         if unknown:
             raise KnobError(f"unknown knob(s) {unknown}; knobs are {sorted(types)}")
-        checked = {}
+        checked: dict[str, Any] = {}
         for name, value in changes.items():
             want = types[name]
+            if want is list:
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise KnobError(f"knob {name} takes a list of strings, not {value!r}")
+                checked[name] = list(value)
+                continue
             ok = (
                 isinstance(value, bool)
                 if want is bool
@@ -126,7 +142,16 @@ class Stats:
     held: int = 0  # answers held right now
     billed_input_tokens: int = 0
     billed_output_tokens: int = 0
-    batches_submitted: int = 0
+    batches_submitted: int = 0  # batches created, both providers
+    batches_created: Counter[str] = field(default_factory=Counter)  # per provider: "openai", "anthropic"
+    # How many times each custom_id was submitted in a created batch: the "processed exactly once" oracle.
+    items_by_custom_id: Counter[str] = field(default_factory=Counter)
+    files_uploaded: int = 0
+    files_deleted: int = 0
+    batch_retrieves: int = 0  # retrieves of a batch (each one advances it), both providers
+    # Billed for batch items that succeeded, apart from the synchronous bill above.
+    batch_billed_input_tokens: int = 0
+    batch_billed_output_tokens: int = 0
     forgotten: int = 0  # calls dropped by `forget` (a test's "past retention, now")
     # The most calls generating at once, seen at each create: above the callers' worker slots, callers let go of
     # their slots while the provider worked (parked runs), instead of each blocking on its call.
@@ -183,6 +208,10 @@ class ProviderState:
         self.window = RateWindow()
         self.stats = Stats()
         self.released = 0  # held answers released so far (a generation counter the holders wait on)
+        # Batch APIs (`batches`): uploaded and produced files, batches of both providers, one creation order.
+        self.files: dict[str, StoredFile] = {}
+        self.batches: dict[str, Batch] = {}
+        self.sequence = itertools.count()
 
     def now(self) -> float:
         """Return the provider's clock (monotonic seconds)."""
@@ -220,28 +249,8 @@ class ProviderState:
         """Accept a create: count it (per intent too), fix its answer and when it completes, and keep it."""
         with self.lock:
             now = self.now()
-            limit = int(request.get("max_output_tokens") or request.get("max_tokens") or 0)
-            output = count_tokens(answer)
-            truncated = 0 < limit < output
-            if truncated:
-                answer, output = truncate_tokens(answer, limit), limit
-            prefix = {"responses": "resp_", "chat": "chatcmpl-", "messages": "msg_01"}[kind]
-            call = Call(
-                id=prefix + uuid.uuid4().hex,
-                kind=kind,
-                model=model,
-                request=request,
-                text=answer,
-                input_tokens=count_tokens(prompt),
-                output_tokens=output,
-                truncated=truncated,
-                created=now,
-                created_at=int(time.time()),
-                ends=now + self._generation_s(answer),
-                background=bool(request.get("background")),
-                store=request.get("store", True) is not False,
-                stuck=bool(request.get("background")) and self.knobs.stuck_queued,
-            )
+            call = new_call(kind, model, request, prompt, answer, now, self._generation_s)
+            call.stuck = call.background and self.knobs.stuck_queued
             self.calls[call.id] = call
             generating = sum(1 for c in self.calls.values() if c.status(now) in ("queued", "in_progress"))
             self.stats.max_in_flight = max(self.stats.max_in_flight, generating)
@@ -322,8 +331,42 @@ class ProviderState:
         """Forget every call and counter and restore the default knobs (a fresh provider)."""
         with self.lock:
             self.knobs, self.calls, self.window, self.stats = Knobs(), {}, RateWindow(), Stats()
+            self.files, self.batches = {}, {}
             self.released += 1
             self.lock.notify_all()
+
+
+def new_call(
+    kind: str,
+    model: str,
+    request: dict[str, Any],
+    prompt: str,
+    answer: str,
+    now: float,
+    generation_s: Callable[[str], float],
+) -> Call:
+    """Build a call of `kind` (not yet kept or counted): its answer cut at the request's output limit, its tokens."""
+    limit = int(request.get("max_output_tokens") or request.get("max_tokens") or 0)
+    output = count_tokens(answer)
+    truncated = 0 < limit < output
+    if truncated:
+        answer, output = truncate_tokens(answer, limit), limit
+    prefix = {"responses": "resp_", "chat": "chatcmpl-", "messages": "msg_01"}[kind]
+    return Call(
+        id=prefix + uuid.uuid4().hex,
+        kind=kind,
+        model=model,
+        request=request,
+        text=answer,
+        input_tokens=count_tokens(prompt),
+        output_tokens=output,
+        truncated=truncated,
+        created=now,
+        created_at=int(time.time()),
+        ends=now + generation_s(answer),
+        background=bool(request.get("background")),
+        store=request.get("store", True) is not False,
+    )
 
 
 def retry_after_header(seconds: float) -> str:
