@@ -23,7 +23,7 @@ from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.store.database import get_engine
-from oncelery.store.tables import BATCH_ITEMS, BATCHES, CALLS, INTENTS, RUNS
+from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, RUNS
 from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 
@@ -199,3 +199,33 @@ def test_the_batcher_sigkilled_at_each_crash_point_submits_and_applies_each_item
         assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 4  # one ledger row each
         assert {r.status for r in conn.execute(select(RUNS))} == {RunStatus.COMPLETED}
     assert task.outcome_counts()["executed"] == 4
+
+
+@ON_SQLITE
+def test_item_errors_are_requeued_then_fail_the_step_and_an_expired_batch_requeues_its_unfinished_items(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, adapters: Any
+) -> None:
+    """Each item fails its first submission (a 500 in the error file): re-queued, it succeeds in the next batch.
+    Then a batch that expires with half its items done: the done half is applied, the rest goes again, free.
+    And items failing past their policy's attempts fail their step through the normal failure path."""
+    app.conf.oncelery_prices = PRICE
+    app.conf.oncelery_budgets = {"global": {"usd_per_day": 100}}  # batch items reserve at the batch price
+    task = scorer(app, adapters, BatchPolicy(max_items=3, max_wait_s=0.2, max_attempts=2))
+    fake.set_knobs(batch_fail_first=1)
+    with worker_factory(app, concurrency=2), relay_running(app, db_url, batch_poll_s=0.05):
+        assert [task.delay(f"e{n}", TEXTS[n]).get(timeout=JOB) for n in range(3)] == sync_answers(fake, TEXTS[:3])
+        stats = fake.stats()
+        assert sorted(stats["items_by_custom_id"].values()) == [2, 2, 2], "each failed once, then succeeded"
+        fake.set_knobs(batch_fail_first=0, batch_expire=True)
+        expiring = [task.delay(f"x{n}", TEXTS[n]) for n in range(3, 6)]
+        assert [p.get(timeout=JOB) for p in expiring] == sync_answers(fake, TEXTS[3:6])
+        fake.set_knobs(batch_expire=False, batch_fail_first=5)
+        with pytest.raises(Exception, match="failed"):
+            task.delay("doomed", TEXTS[0] + " again").get(timeout=JOB)
+    with get_engine(db_url).connect() as conn:
+        calls = conn.execute(select(CALLS.c.cost_micros)).scalars().all()
+        spent, reserved = conn.execute(select(BUDGETS.c.spent_micros, BUDGETS.c.reserved_micros)).one()
+        doomed = conn.execute(select(BATCH_ITEMS).where(BATCH_ITEMS.c.state == ItemState.FAILED)).all()
+    assert len(calls) == 6, "one ledger row per applied result, none for a failed or expired submission"
+    assert sum(calls) == spent and reserved == 0, (sum(calls), spent, reserved)
+    assert len(doomed) == 1 and doomed[0].attempts == 1 and doomed[0].request is None

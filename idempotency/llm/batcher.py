@@ -225,7 +225,9 @@ class Batcher:
             ).all()
             if not rows:
                 return 0
-            batch_id = batch_id_of(key, [r.custom_id for r in rows])
+            # The group's batches so far make it unique: re-queued items (an error, an expiry) form a new batch.
+            formed = conn.execute(select(func.count()).select_from(BATCHES).where(BATCHES.c.group_key == key)).scalar()
+            batch_id = batch_id_of(f"{key}#{int(formed or 0)}", [r.custom_id for r in rows])
             conn.execute(
                 BATCHES.insert().values(
                     id=batch_id, provider=rows[0].provider, model=rows[0].model, endpoint=rows[0].endpoint,
@@ -389,7 +391,8 @@ def wake_run(conn: Connection, db: Database, run_id: int) -> None:
 
 
 def batch_id_of(group: str, custom_ids: list[str]) -> str:
-    """The batch's id, from its group and items: the same items make the same id (the provider-side tag)."""
+    """The batch's id, from its group (with the count of its batches so far) and items: known before anything is
+    sent, saved with the claim, and carried by the provider's batch as its tag."""
     digest = hashlib.sha256("\n".join([group, *custom_ids]).encode()).hexdigest()
     return f"ob-{digest[:32]}"
 
