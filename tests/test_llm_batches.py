@@ -4,6 +4,7 @@ provider's batch API, whose counters (batches created, submissions per custom_id
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +15,11 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import func, select
 
 from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
@@ -106,6 +109,11 @@ def test_batch_steps_share_one_provider_batch_at_half_price_and_each_run_wakes_o
     assert {i["state"] for i in items} == {ItemState.DONE}
     assert all(i["request"] is None and i["response"] is None for i in items), "no prompt or answer kept at rest"
     assert stats["files_deleted"] >= 1, "the input file is deleted once the batch ended"
+    shown = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "batches", "--items", "--json"])
+    assert shown.exit_code == 0, shown.output
+    listed = json.loads(shown.output)
+    assert [(b["state"], b["items"]) for b in listed["batches"]] == [("ended", 5)]
+    assert listed["items_by_state"] == {"done": 5} and all(i["request"] is None for i in listed["items"])
 
 
 @ON_POSTGRESQL

@@ -15,6 +15,7 @@ from typing import Any
 import click
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from oncelery.cli.batches import batches
 from oncelery.cli.cache import cache
 from oncelery.cli.context import (
     EXIT_CONFIGURATION,
@@ -126,7 +127,7 @@ def build_group() -> OnceleryGroup:
         """Oncelery: exactly-once effects for Celery tasks: inspect and operate the claims database, run the demo."""
         ctx.meta[URL_META] = database_url
 
-    _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets))
+    _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets, batches))
     _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics))
     return group
 
