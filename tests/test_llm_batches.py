@@ -20,7 +20,8 @@ from sqlalchemy import func, select
 
 from oncelery import BatchPolicy, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
-from oncelery.llm.adapters.batch import OpenAIBatches
+from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
+from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.models import IntentState, RunStatus
@@ -159,7 +160,9 @@ def test_items_with_another_policy_never_share_a_batch_and_a_stale_item_falls_ba
 POINTS = ["batch_claimed", "batch_uploaded", "batch_created", "batch_saved", "batch_downloaded", "batch_applying"]
 
 
-def relay_process(app: Celery, db_url: str, fake: FakeProvider, marks: Path, kill_at: str | None) -> Any:
+def relay_process(
+    app: Celery, db_url: str, fake: FakeProvider, marks: Path, kill_at: str | None, provider: str = "openai"
+) -> Any:
     env = {
         **os.environ,
         "ONCELERY_DATABASE_URL": db_url,
@@ -169,8 +172,12 @@ def relay_process(app: Celery, db_url: str, fake: FakeProvider, marks: Path, kil
         "ONCELERY_FAKE_PROVIDER_URL": fake.url,
         "ONCELERY_CRASH_MARKS": str(marks),
         "ONCELERY_KILL_AT": kill_at or "",
+        "ONCELERY_BATCH_PROVIDER": provider,
     }
-    return subprocess.Popen([sys.executable, "-m", "tests.apps.batch_relay"], env=env, start_new_session=True)
+    with (marks / f"relay-{kill_at or 'after'}.log").open("ab") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.apps.batch_relay"], env=env, start_new_session=True, stdout=log, stderr=log
+        )
 
 
 @pytest.mark.crash
@@ -237,3 +244,52 @@ def test_item_errors_are_requeued_then_fail_the_step_and_an_expired_batch_requeu
     assert len(calls) == 6, "one ledger row per applied result, none for a failed or expired submission"
     assert sum(calls) == spent and reserved == 0, (sum(calls), spent, reserved)
     assert len(doomed) == 1 and doomed[0].attempts == 1 and doomed[0].request is None
+
+
+@pytest.mark.crash
+@ON_POSTGRESQL
+def test_an_untagged_anthropic_batch_created_before_a_crash_is_found_by_its_items_not_created_again(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, tmp_path: Path
+) -> None:
+    """Anthropic's batches carry no metadata: killed after the create, before its id is saved, the next batcher
+    lists the batches created since, waits for them to end, and adopts the one whose custom_ids are its own."""
+    app.conf.oncelery_prices = {"claude-test": {"input": 1000, "output": 1000}}
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with (
+        AnthropicMessages(fake.openai_base_url, "sk-ant") as sync,
+        AnthropicBatches(fake.openai_base_url, "sk-ant") as b,
+    ):
+
+        @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_batch_claude",
+                  idempotency_key="doc:{doc}", llm_batch_adapter=b)  # fmt: skip
+        def judge(self: IdempotentTask, doc: str, text: str) -> str:
+            messages = [{"role": "user", "content": text}]
+            answer = self.llm("judge", adapter=sync, model="claude-test", messages=messages, max_tokens=OUT,
+                              mode="batch", batch=BatchPolicy(max_items=3, max_wait_s=30))  # fmt: skip
+            return str(answer["content"][0]["text"])
+
+        first = relay_process(app, db_url, fake, marks, "batch_created", provider="anthropic")
+        second = None
+        try:
+            with worker_factory(app, concurrency=2):
+                pending = [judge.delay(f"c{n}", TEXTS[n]) for n in range(3)]
+                assert first.wait(timeout=JOB) == -signal.SIGKILL
+                second = relay_process(app, db_url, fake, marks, None, provider="anthropic")
+                answers = [p.get(timeout=JOB) for p in pending]
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+        expected = [
+            sync.create({"model": "claude-test", "messages": [{"role": "user", "content": t}], "max_tokens": OUT},
+                        "ref", background=False).response["content"][0]["text"]
+            for t in TEXTS[:3]
+        ]  # fmt: skip
+    assert answers == expected
+    stats = fake.stats()
+    assert stats["batches_created"] == {"anthropic": 1}, stats["batches_created"]
+    assert sorted(stats["items_by_custom_id"].values()) == [1, 1, 1]
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 3

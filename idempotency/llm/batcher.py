@@ -28,6 +28,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, and_, func, select, update
@@ -47,6 +48,11 @@ LEASE_NAME = "batcher"
 LEASE_S = 30.0
 POLL_S = 5.0  # between polls of a submitted batch when the provider gives no hint
 CLAIM_LIMIT = 50  # batches formed per round at most (each is one transaction)
+# A provider whose batches carry no tag (Anthropic): after a crash in the create window, batches created from
+# this long before the claim are examined, and a batch still running is waited for up to UNTAGGED_SEARCH_S (its
+# requests can only be matched once it has ended; Anthropic ends every batch within 24 h).
+UNTAGGED_SLACK_S = 60.0
+UNTAGGED_SEARCH_S = 24 * 3600.0
 
 
 class Line(Protocol):
@@ -255,6 +261,9 @@ class Batcher:
         if adapter is None:
             done.errors.append(f"no batch adapter for provider {batch.provider!r} (batch {batch.id})")
             return
+        if not hasattr(adapter, "submit_file"):
+            self._submit_untagged(adapter, batch, done)
+            return
         url = batch_url(batch.endpoint)
         file_id = batch.file_id
         if batch.state is BatchState.CLAIMED:
@@ -271,14 +280,47 @@ class Batcher:
         if tagged is None:
             tagged = adapter.create(str(file_id), url, batch.id)
             fault_point("batch_created", batch=batch.id)
+        self._submitted(batch, tagged, done)
+        logger.info("batcher: batch %s submitted as %s (%d items)", batch.id, tagged.id, batch.items)
+
+    def _submit_untagged(self, adapter: Any, batch: Any, done: BatchRound) -> None:
+        """A provider whose batches carry no tag (Anthropic): mark the create as maybe sent, then create. After a
+        crash in that window, the batches created since are listed; once each has ended, one whose results are
+        exactly this batch's custom_ids is adopted. Only past UNTAGGED_SEARCH_S with none found is it created
+        again (a batch still running when that bound passes may then run it twice: the ledger would label it)."""
+        if batch.state is BatchState.CLAIMED:
+            self._save(batch.id, BatchState.CLAIMED, state=BatchState.UPLOADED)  # from here a create may be sent
+            created = adapter.create(self._lines(batch.id))
+            fault_point("batch_created", batch=batch.id)
+            self._submitted(batch, created, done)
+            return
+        mine = set(self._custom_ids(batch.id))
+        since = _epoch(batch.created_at) - UNTAGGED_SLACK_S
+        running = False
+        for listed in adapter.list_since(since):
+            candidate = listed if listed.ended else adapter.retrieve(listed.id)
+            if not candidate.ended:
+                running = True  # its requests cannot be read before it ends: wait for it
+                continue
+            if {line.custom_id for line in adapter.results(candidate)} == mine:
+                self._submitted(batch, candidate, done)
+                logger.warning("batcher: batch %s found again as %s (created before a crash)", batch.id, candidate.id)
+                return
+        with self.db.read() as conn:
+            waited = float(conn.execute(select(self.db.dialect.epoch())).scalar_one()) - _epoch(batch.created_at)
+        if running and waited < UNTAGGED_SEARCH_S:
+            return
+        self._submitted(batch, adapter.create(self._lines(batch.id)), done)
+
+    def _submitted(self, batch: Any, created: Any, done: BatchRound) -> None:
+        """Save the provider's batch id (fenced), and its items as submitted."""
         with self.db.begin() as conn:
             self._fence(conn)
-            now = self.db.dialect.now()
             conn.execute(
                 update(BATCHES)
-                .where(BATCHES.c.id == batch.id, BATCHES.c.state == BatchState.UPLOADED)
-                .values(state=BatchState.SUBMITTED, provider_batch_id=tagged.id, provider_status=tagged.status,
-                        submitted_at=now)
+                .where(BATCHES.c.id == batch.id, BATCHES.c.state.in_((BatchState.CLAIMED, BatchState.UPLOADED)))
+                .values(state=BatchState.SUBMITTED, provider_batch_id=created.id, provider_status=created.status,
+                        submitted_at=self.db.dialect.now())
             )  # fmt: skip
             conn.execute(
                 update(BATCH_ITEMS)
@@ -287,7 +329,11 @@ class Batcher:
             )
         fault_point("batch_saved", batch=batch.id)
         done.submitted += 1
-        logger.info("batcher: batch %s submitted as %s (%d items)", batch.id, tagged.id, batch.items)
+
+    def _custom_ids(self, batch_id: str) -> list[str]:
+        i = BATCH_ITEMS.c
+        with self.db.read() as conn:
+            return list(conn.execute(select(i.custom_id).where(i.batch_id == batch_id)).scalars())
 
     def _lines(self, batch_id: str) -> list[tuple[str, dict[str, Any]]]:
         i = BATCH_ITEMS.c
@@ -395,6 +441,13 @@ def batch_id_of(group: str, custom_ids: list[str]) -> str:
     sent, saved with the claim, and carried by the provider's batch as its tag."""
     digest = hashlib.sha256("\n".join([group, *custom_ids]).encode()).hexdigest()
     return f"ob-{digest[:32]}"
+
+
+def _epoch(value: Any) -> float:
+    """A database timestamp (aware, or naive UTC as SQLite returns it) as epoch seconds."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return float(value.timestamp())
 
 
 def _attempts_of(group: str) -> int:

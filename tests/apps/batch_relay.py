@@ -7,12 +7,14 @@
     ONCELERY_FAKE_PROVIDER_URL the fake provider (its batch API)
     ONCELERY_KILL_AT           a batch fault point (oncelery.runs.faults) where this process SIGKILLs itself, once
     ONCELERY_CRASH_MARKS       a folder: the kill leaves a mark there, so a restarted relay passes the point
+    ONCELERY_BATCH_PROVIDER    "openai" (default: Files and Batches, tagged) or "anthropic" (Message Batches, untagged)
 
 It serves rounds until SIGTERM (or the kill).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from oncelery import Relay
-from oncelery.llm.adapters.batch import OpenAIBatches
+from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.runs.faults import fault_injected
 from tests.apps.outbox_app import ENV_DATABASE_URL, create_app
 
@@ -40,11 +42,14 @@ def _kill_once(point: str) -> Any:
 
 def main() -> None:
     """Serve relay rounds (the batcher polling every 50 ms) until SIGTERM; die at $ONCELERY_KILL_AT once."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(os.environ)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    adapter = OpenAIBatches(os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1", "sk-batch")
-    relay = Relay(app, os.environ[ENV_DATABASE_URL], sweep_interval=None, batch_adapters={"openai": adapter},
+    base = os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1"
+    provider = os.environ.get("ONCELERY_BATCH_PROVIDER") or "openai"
+    adapter = AnthropicBatches(base, "sk-batch") if provider == "anthropic" else OpenAIBatches(base, "sk-batch")
+    relay = Relay(app, os.environ[ENV_DATABASE_URL], sweep_interval=None, batch_adapters={provider: adapter},
                   batch_poll_s=0.05, batch_lease_s=1.0)  # fmt: skip
     point = os.environ.get("ONCELERY_KILL_AT")
     if point:
