@@ -72,6 +72,10 @@ worker_send_task_events = True
 task_send_sent_event = True
 task_track_started = True
 
+# -- the demo model's price (USD per 1M tokens): the local model is free, these are a small hosted model's list
+# prices, so `oncelery costs` and `oncelery process --batch` show money. A real app prices its own models.
+oncelery_prices = {"local-extractive": {"input": 0.15, "output": 0.60}}
+
 broker_connection_retry_on_startup = True
 timezone = "UTC"
 enable_utc = True

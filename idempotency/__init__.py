@@ -28,6 +28,7 @@ from oncelery.errors import (
 )
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import output_text
+from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.batches import BatchPolicy
@@ -44,7 +45,7 @@ from oncelery.llm.errors import (
 )
 from oncelery.llm.fake import FakeProvider
 from oncelery.models import Outcome, RunStatus
-from oncelery.ops.costs import CostLine, CostReport, Spend, cost_report
+from oncelery.ops.costs import BatchSavings, CostLine, CostReport, Spend, batch_savings, cost_report
 from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport
 from oncelery.ops.relay import Relay, RelayRound, install_relay_task
 from oncelery.ops.retention import PurgeReport, parse_age, purge
@@ -133,15 +134,19 @@ __all__ = [
     "MeteredCall",
     "Price",
     "Spend",
+    "batch_savings",
     "cost_report",
     "model_call",
     "price_of",
     # Model calls as durable steps (self.llm): provider adapters, the fake provider, their errors
+    "AnthropicBatches",
     "AnthropicMessages",
     "BatchPolicy",
+    "BatchSavings",
     "BudgetExceeded",
     "CallOutcomeUnknown",
     "FakeProvider",
+    "OpenAIBatches",
     "OpenAIChat",
     "OpenAIResponses",
     "ProviderCallFailed",

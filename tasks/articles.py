@@ -13,7 +13,7 @@ from oncelery import IdempotentTask, ProviderCallFailed, ProviderRateLimited, Pr
 from oncelery.models.jobs import ArticleScore
 from oncelery.tasks.app import app
 from oncelery.tasks.llm import parse_keywords, parse_quality
-from oncelery.tasks.llm.served import adapter, request
+from oncelery.tasks.llm.served import BATCH, adapter, batched, request
 
 STEPS = ("summarize", "keywords", "quality")
 
@@ -35,9 +35,12 @@ def score_article(
 ) -> dict[str, Any]:
     """Summarize, extract keywords and score one article version; exactly one ArticleScore per version."""
     step_results: dict[str, str] = {}
+    # `oncelery process --batch`: each step an item of a provider batch (about half the price), the run WAITING
+    # without a worker slot until the batch returns. The request is the same either way.
+    mode = {"mode": "batch", "batch": BATCH} if batched() else {}
     for step in STEPS:
         # Keywords and quality read the article itself; each step's request is in its intent's digest.
-        answer = self.llm(step, adapter=adapter(), **request(step, text, temperature, self.step_seed(step)))
+        answer = self.llm(step, adapter=adapter(), **mode, **request(step, text, temperature, self.step_seed(step)))
         step_results[step] = output_text(answer)
     keywords = parse_keywords(step_results["keywords"])
     quality = parse_quality(step_results["quality"])

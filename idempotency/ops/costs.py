@@ -18,9 +18,9 @@ from sqlalchemy import BigInteger, Select, case, cast, func, select
 
 from oncelery.models.money import usd
 from oncelery.store.database import Database
-from oncelery.store.tables import CALLS, LABEL_TOTALS, RUNS
+from oncelery.store.tables import BATCH_ITEMS, CALLS, INTENTS, LABEL_TOTALS, RUNS
 
-__all__ = ["CostLine", "CostReport", "Spend", "cost_report"]
+__all__ = ["BatchSavings", "CostLine", "CostReport", "Spend", "batch_savings", "cost_report"]
 
 
 @dataclass(frozen=True)
@@ -185,3 +185,41 @@ def _figure(value: Any, is_usd: bool) -> Any:
     if is_usd:
         return None if value is None else usd(int(value))
     return int(value)
+
+
+@dataclass(frozen=True)
+class BatchSavings:
+    """What batch steps cost against the same calls made synchronously (exact: sums of micro-USD)."""
+
+    batches: int  # provider batches their items went through
+    calls: int  # batch items applied (ledger rows of mode batch)
+    cost: Decimal | None  # at the batch price, as the ledger recorded it (None: no call had a price)
+    synchronous: Decimal | None  # the same calls at oncelery_prices' synchronous price
+    saved: Decimal | None
+
+
+def batch_savings(url: str, conf: Any, task_name: str, keys: list[str] | None = None) -> BatchSavings:
+    """The batch calls of `task_name` (of these idempotency `keys`, or all): count, cost, and what they saved."""
+    from oncelery.task.metering import price_of  # the task room prices (ops sits above it)
+
+    c, i, b = CALLS.c, INTENTS.c, BATCH_ITEMS.c
+    where = [i.mode == "batch", c.task_name == task_name]
+    if keys is not None:
+        where.append(c.idempotency_key.in_(keys))
+    joined = CALLS.join(INTENTS, i.public_id == c.call_id)
+    with Database(url).read() as conn:
+        rows = conn.execute(
+            select(c.model, c.input_tokens, c.output_tokens, c.cost_micros).select_from(joined).where(*where)
+        ).all()
+        batches = conn.execute(
+            select(func.count(func.distinct(b.batch_id)))
+            .select_from(joined.join(BATCH_ITEMS, b.custom_id == c.call_id))
+            .where(*where)
+        ).scalar_one()
+    priced = [r for r in rows if r.cost_micros is not None]
+    if not priced:
+        return BatchSavings(int(batches), len(rows), None, None, None)
+    cost = sum(int(r.cost_micros) for r in priced)
+    prices = {r.model: price_of(r.model, conf) for r in priced}
+    sync = sum(p.cost_micros(r.input_tokens, r.output_tokens) for r in priced if (p := prices[r.model]) is not None)
+    return BatchSavings(int(batches), len(rows), usd(cost), usd(sync), usd(sync - cost))

@@ -116,6 +116,10 @@ class Relay:
         dia = self.db.dialect
         self._now = dia.now()
 
+    def use_batch_adapters(self, adapters: Mapping[str, Any], poll_s: float = POLL_S, lease_s: float = LEASE_S) -> None:
+        """Run the batcher on these provider batch APIs (by provider name), e.g. once a provider has started."""
+        self.batcher = Batcher(self.db, adapters, poll_s=poll_s, lease_s=lease_s) if adapters else None
+
     def _forget(self) -> Callable[[list[tuple[str, str, str]]], object] | None:
         return purge_forgetter(self.app.conf, self.db.url)
 

@@ -20,7 +20,18 @@ import click
 from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 
-from oncelery import Database, Identity, InvalidKey, Relay, Runs, differing_fields, is_embedded_broker, outbox
+from oncelery import (
+    Database,
+    Identity,
+    InvalidKey,
+    OpenAIBatches,
+    Relay,
+    Runs,
+    batch_savings,
+    differing_fields,
+    is_embedded_broker,
+    outbox,
+)
 from oncelery.cli import check_services, refuse_unread_broker, resolve_database_url
 from oncelery.tasks.commands.article_file import Article, load_articles, load_sample
 from oncelery.tasks.commands.local_worker import LocalWorker
@@ -35,7 +46,7 @@ from oncelery.tasks.commands.producer import (
 from oncelery.tasks.commands.report import Summary, render, scored, summarize, take_snapshot, write_json
 from oncelery.tasks.commands.watch import Watch
 from oncelery.tasks.llm.openai_compat import ENV_BASE_URL
-from oncelery.tasks.llm.served import ENV_FAKE_PROVIDER_URL, start_provider
+from oncelery.tasks.llm.served import ENV_FAKE_PROVIDER_URL, ENV_LLM_MODE, start_provider
 
 LOG_NAME = "process-worker.log"
 NON_TTY_WIDTH = 110
@@ -107,6 +118,13 @@ NON_TTY_WIDTH = 110
     help="Give up (exit 1) if articles are still unfinished after this many seconds.",
 )
 @click.option(
+    "--batch",
+    "batch",
+    is_flag=True,
+    help="Run the steps as items of provider batches (about half the price): each run waits WAITING, holding no "
+    "worker slot, until its step's batch returns; this command's relay submits and polls the batches.",
+)
+@click.option(
     "--summary-json",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -128,6 +146,7 @@ def process(
     queue: str | None,
     quiet_seconds: float,
     timeout: float,
+    batch: bool,
     summary_json: Path | None,
 ) -> None:
     """Score every article of a JSON Lines FILE (id, version, text), or --sample, exactly once: summary, keywords,
@@ -153,6 +172,11 @@ def process(
         raise click.UsageError(
             "--kill-worker-every and --lease act on a worker this command starts: add --start-worker"
         )
+    if batch and os.environ.get(ENV_BASE_URL):
+        raise click.UsageError(f"--batch runs on the local provider's batch API: unset {ENV_BASE_URL}")
+    if batch and not start_worker:
+        raise click.UsageError(f"--batch needs the workers to run in batch mode: add --start-worker (or set "
+                               f"{ENV_LLM_MODE}=batch on your workers and use this command's relay)")  # fmt: skip
     if not start_worker:  # on the embedded broker, only the demo's own workers would read the jobs
         refuse_unread_broker(broker, resolve_database_url(ctx, app, embedded=True), "process --no-start-worker")
     if queue:
@@ -173,6 +197,11 @@ def process(
     fresh = watch.pending_keys()
     worker_options = (concurrency, queue, lease) if start_worker else None
     with _provider(seconds) as provider_env:
+        if batch:
+            provider_env = {**provider_env, ENV_LLM_MODE: "batch"}
+            base = (provider_env.get(ENV_FAKE_PROVIDER_URL) or os.environ[ENV_FAKE_PROVIDER_URL]).rstrip("/")
+            # The steps' items are pooled and submitted by this command's relay, polled every 0.2 s.
+            relay.use_batch_adapters({"local": OpenAIBatches(base + "/v1", "sk-local", provider="local")}, poll_s=0.2)
         finished = _deliver(
             url, watch, score_article, calls, order, worker_options, timeout, quiet_seconds, fresh, provider_env
         )
@@ -196,6 +225,7 @@ def process(
         steady_seconds=(finished - watch.first_result) if finished and watch.first_result else None,
         score_rows=rows,
         missing=missing,
+        batch=batch_savings(url, app.conf, score_article.name, keys) if batch else None,
     )
     render(console, summary)
     if summary_json is not None:

@@ -17,6 +17,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,7 +27,7 @@ from rich.table import Table
 from sqlalchemy import Table as SqlTable
 from sqlalchemy import case, func, select
 
-from oncelery import Database, Outcome, Runs
+from oncelery import BatchSavings, Database, Outcome, Runs
 from oncelery.models import ModelCall
 from oncelery.models.jobs import ArticleScore
 
@@ -120,6 +121,7 @@ class Summary:
     score_rows: int
     missing: list[tuple[str, int]] = field(default_factory=list)
     parked: int = 0  # deliveries that parked their run WAITING on a model call still running (woken by the relay)
+    batch: BatchSavings | None = None  # with --batch: the provider batches, the calls, the cost saved
 
     @property
     def deliveries_sent(self) -> int:
@@ -144,6 +146,8 @@ class Summary:
         data["articles_per_second"] = round(self.articles_per_second, 3)
         data["llm_calls_without_oncelery"] = self.llm_calls + self.llm_calls_saved
         data["repeated"] = self.repeated
+        if self.batch is not None:  # money as exact strings, never floats
+            data["batch"] = {k: str(v) if isinstance(v, Decimal) else v for k, v in asdict(self.batch).items()}
         return data
 
 
@@ -237,9 +241,21 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
         ("calls re-attached", f"{s.calls_reattached}", "answered to a later delivery (after a kill or a park)"),
         ("repeated calls", f"{s.repeated}", _reasons(s.repeated_calls)),
         ("tokens in / out", f"{s.input_tokens:,} / {s.output_tokens:,}", ""),
+        *_batch_rows(s),
         ("wall time", f"{s.wall_seconds:.1f} s", _wall_note(s)),
         ("articles/s", f"{s.articles_per_second:.1f}", _steady(s)),
     ]
+    return rows
+
+
+def _batch_rows(s: Summary) -> list[tuple[str, str, str]]:
+    if s.batch is None:
+        return []
+    b = s.batch
+    rows = [("provider batches", f"{b.batches}", f"{b.calls} batch calls, each step pooled across articles")]
+    if b.cost is not None and b.synchronous is not None:
+        rows.append(("cost at the batch price", f"${b.cost}", f"${b.synchronous} as synchronous calls"))
+        rows.append(("saved by batching", f"${b.saved}", "exact: integer micro-USD, oncelery_prices"))
     return rows
 
 

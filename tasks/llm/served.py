@@ -17,12 +17,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Final
 
-from oncelery import FakeProvider, OpenAIChat, OpenAIResponses
+from oncelery import BatchPolicy, FakeProvider, OpenAIChat, OpenAIResponses
 from oncelery.tasks.llm.base import INSTRUCTIONS, check_task
 from oncelery.tasks.llm.local import LocalModel
 from oncelery.tasks.llm.openai_compat import ENV_API_KEY, ENV_BASE_URL, ENV_MODEL, OpenAICompatibleClient
 
 ENV_FAKE_PROVIDER_URL: Final = "ONCELERY_FAKE_PROVIDER_URL"
+# "batch": the article steps are items of provider batches at about half the price (`oncelery process --batch`).
+ENV_LLM_MODE: Final = "ONCELERY_LLM_MODE"
+# Each step of every article in one provider batch, sent once the oldest item waited a second.
+BATCH: Final = BatchPolicy(max_items=10_000, max_wait_s=1.0)
 MAX_OUTPUT_TOKENS: Final = 256
 SEED_KEY: Final = "oncelery_seed"  # in the request's metadata: the step's seed, which the digest leaves out
 _BY_INSTRUCTIONS = {text: task for task, text in INSTRUCTIONS.items()}
@@ -69,6 +73,12 @@ def _make_adapter() -> Any:
     # A worker started without the command's provider runs one of its own, for as long as it lives.
     url = os.environ.get(ENV_FAKE_PROVIDER_URL) or start_provider().url
     return OpenAIResponses(url.rstrip("/") + "/v1", "sk-local", provider="local")
+
+
+def batched() -> bool:
+    """Whether this process's article steps are batch items ($ONCELERY_LLM_MODE=batch; the fake provider only:
+    a compatible server's chat completions have no batch API)."""
+    return os.environ.get(ENV_LLM_MODE) == "batch" and not os.environ.get(ENV_BASE_URL)
 
 
 def request(task: str, text: str, temperature: float, seed: int) -> dict[str, Any]:
