@@ -31,7 +31,7 @@ class BatchState(enum.Enum):
     UPLOADED = "uploaded"  # its input file is at the provider (file_id saved)
     SUBMITTED = "submitted"  # the provider's batch exists (provider_batch_id saved)
     ENDED = "ended"  # every result line applied (done, failed or re-queued)
-    FAILED = "failed"  # the provider refused the batch: its items were re-queued
+    FAILED = "failed"  # the provider refused the batch (4xx): its items failed, their steps fail
 
 
 class ItemState(enum.Enum):

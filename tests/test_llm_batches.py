@@ -293,3 +293,23 @@ def test_an_untagged_anthropic_batch_created_before_a_crash_is_found_by_its_item
     assert sorted(stats["items_by_custom_id"].values()) == [1, 1, 1]
     with get_engine(db_url).connect() as conn:
         assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 3
+
+
+@ON_POSTGRESQL
+def test_a_batch_the_provider_refuses_fails_its_items_steps_instead_of_retrying_for_ever(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, adapters: Any
+) -> None:
+    app.conf.oncelery_prices = PRICE
+    task = scorer(app, adapters, BatchPolicy(max_items=2, max_wait_s=0.2))
+    fake.set_knobs(fail_next=1, fail_status=400)  # the batch's first request (its upload or its create): a 400
+    with worker_factory(app, concurrency=2), relay_running(app, db_url, batch_poll_s=0.05):
+        pending = [task.delay(f"r{n}", TEXTS[n]) for n in range(2)]
+        for p in pending:
+            with pytest.raises(Exception, match="400"):
+                p.get(timeout=JOB)
+    [batch] = rows(db_url, BATCHES)
+    assert batch["state"] is BatchState.FAILED and "400" in (batch["error"] or "")
+    assert {i["state"] for i in rows(db_url, BATCH_ITEMS)} == {ItemState.FAILED}
+    assert fake.stats()["batches_created"] in ({}, {"openai": 0}) and fake.stats()["creates_by_intent"] == {}
+    with get_engine(db_url).connect() as conn:
+        assert {r.status for r in conn.execute(select(RUNS))} <= {RunStatus.FAILED, RunStatus.DEAD}

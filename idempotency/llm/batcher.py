@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, and_, func, select, update
 
 from oncelery.llm.batches import batch_url
+from oncelery.llm.errors import ProviderError, ProviderRejected
 from oncelery.models import RunStatus
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.runs.faults import fault_point
@@ -173,12 +174,51 @@ class Batcher:
         try:
             self._claim_due(done)
             for batch in self._batches(BatchState.CLAIMED, BatchState.UPLOADED):
-                self._submit(batch, done)
+                self._guarded(self._submit, batch, done)
             for batch in self._due_polls():
-                self._poll(batch, done)
+                self._guarded(self._poll, batch, done)
         except LeaseLost as exc:
             done.errors.append(str(exc))
         return done
+
+    def _guarded(self, step: Any, batch: Any, done: BatchRound) -> None:
+        """One batch's step: a provider that refuses the batch (4xx) fails its items (their steps fail through
+        the normal retry path, instead of the batch being retried for ever); an outage leaves it to a later round,
+        and never stops the other batches of the round."""
+        try:
+            step(batch, done)
+        except ProviderRejected as exc:
+            done.errors.append(f"batch {batch.id}: {exc}")
+            self._fail_batch(batch.id, str(exc), done)
+        except ProviderError as exc:
+            done.errors.append(f"batch {batch.id}: {exc}")
+            logger.warning("batcher: batch %s: %s (tried again next round)", batch.id, exc)
+
+    def _fail_batch(self, batch_id: str, error: str, done: BatchRound) -> None:
+        i = BATCH_ITEMS.c
+        with self.db.begin() as conn:
+            self._fence(conn)
+            runs = (
+                conn.execute(
+                    select(i.run_id).where(
+                        i.batch_id == batch_id, i.state.in_((ItemState.CLAIMED, ItemState.SUBMITTED))
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            conn.execute(
+                update(BATCH_ITEMS)
+                .where(i.batch_id == batch_id, i.state.in_((ItemState.CLAIMED, ItemState.SUBMITTED)))
+                .values(state=ItemState.FAILED, error=error[:1000], request=None)
+            )
+            conn.execute(
+                update(BATCHES).where(BATCHES.c.id == batch_id).values(state=BatchState.FAILED, error=error[:1000])
+            )
+            for run_id in runs:
+                wake_run(conn, self.db, int(run_id))
+        done.failed += len(runs)
+        logger.error("batcher: the provider refused batch %s; its %d items failed: %s", batch_id, len(runs), error)
 
     def _has_work(self) -> bool:
         """A cheap read first: an idle relay round never takes the lease or SQLite's writer lock."""
