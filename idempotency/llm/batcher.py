@@ -467,12 +467,14 @@ class Batcher:
 
 
 def wake_run(conn: Connection, db: Database, run_id: int) -> None:
-    """Make a WAITING run due now (the relay's waker re-sends it); nothing if it is not waiting."""
+    """Make a WAITING run due now (the relay's waker re-sends it); nothing if it is not waiting, or if its wake
+    is already due (the waker sends it, or sent it: clearing its mark would send a second copy)."""
     r = RUNS.c
+    now = db.dialect.now()
     conn.execute(
         update(RUNS)
-        .where(r.id == run_id, r.status == RunStatus.WAITING)
-        .values(not_before=db.dialect.now(), swept_at=None)
+        .where(r.id == run_id, r.status == RunStatus.WAITING, r.not_before > now)
+        .values(not_before=now, swept_at=None)
     )
 
 

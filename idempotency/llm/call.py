@@ -172,7 +172,10 @@ def _same_request(step: _Step, latest: Intent | None, digest: str) -> None:
         )
 
 
-BATCH_RECHECK_S = 60.0  # a parked batch step looks at its item this often if no wake came (the poller wakes it)
+# A parked batch step is woken by the poller when its item is applied; this is only a safety net (a wake lost
+# in the instant between its item being applied and its run being parked): short enough not to strand a run,
+# long enough that a batch running for hours does not re-deliver its runs every minute.
+BATCH_RECHECK_S = 600.0
 
 
 def call_batched(
