@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +83,27 @@ ON_SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 ON_POSTGRESQL = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite claims file migrated once per session, which each test's `db_url` file is a copy of."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "claims.db"
+    migrated(f"sqlite:///{path}").dispose()
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the file that is copied
+    return path
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """The claims database URL, once per store: a fresh SQLite file, and a truncated PostgreSQL database."""
+    """The claims database URL, once per store: a fresh SQLite file, and a truncated PostgreSQL database.
+
+    The SQLite file is a copy of one migrated once (sqlite_template): the same schema as migrating each file,
+    without the 0.2 s each migration costs."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'claims.db'}"
-        engine = migrated(url)
+        path = tmp_path / "claims.db"
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        url = f"sqlite:///{path}"
+        engine = get_engine(url)
         yield url
         engine.dispose()
         return

@@ -263,6 +263,20 @@ def stop_sessions(procs: Sequence[subprocess.Popen[Any]], grace: float = 30.0) -
     return [proc.returncode for proc in procs]
 
 
+def kill_sessions(procs: Sequence[subprocess.Popen[Any]]) -> list[int | None]:
+    """SIGKILL the process group of each session leader in `procs` (pool children included) and reap the leaders.
+
+    For a test's cleanup once its checks are done: a warm shutdown (stop_sessions) costs a prefork worker 2-3 s
+    of pool teardown and proves nothing there. Returns the exit codes.
+    """
+    for proc in procs:
+        signal_group(proc.pid, signal.SIGKILL)  # a stopped (SIGSTOPped) process dies of SIGKILL too
+    for proc in procs:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    return [proc.returncode for proc in procs]
+
+
 def worker_pids(out: str) -> list[int]:
     """Return the PIDs of every worker a command (`oncelery demo`/`process`) reported starting, restarts too."""
     return [int(pid) for pid in re.findall(r"started a worker: pid (\d+)", out)]

@@ -19,6 +19,7 @@ tests/conftest.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -126,13 +127,35 @@ class Db:
         self.observer.dispose()
 
 
+# The migrated database each pg_db copies, by cluster: migrated once a session, never connected to afterwards.
+_templates: dict[int, str] = {}
+_copies = itertools.count(1)
+
+
+def migrated_template(cluster: PgCluster) -> str:
+    """The name of `cluster`'s template database: migrated to head (framework, jobs) with the test tables."""
+    name = _templates.get(id(cluster))
+    if name is None:
+        name, url = cluster.create_database("faults_template")
+        migrate(url)
+        dispose_engines()  # CREATE DATABASE ... TEMPLATE needs no session on it
+        _templates[id(cluster)] = name
+    return name
+
+
 @pytest.fixture
 def pg_db(pg_cluster: PgCluster) -> Iterator[Db]:
-    """A fresh, migrated database (faults_<n>) on the session's throwaway cluster; engines closed and it
-    dropped after, the cluster left running for the next test whatever this one did to it."""
+    """A fresh, migrated database (faults_copy_<n>) on the session's throwaway cluster; engines closed and it
+    dropped after, the cluster left running for the next test whatever this one did to it.
+
+    A copy of a database migrated once (CREATE DATABASE ... TEMPLATE): the same schema as migrating each one,
+    in a tenth of the time."""
     pg_cluster.ensure_running()  # a previous test that failed while the server was down
-    name, url = pg_cluster.create_database()
-    migrate(url)
+    template = migrated_template(pg_cluster)
+    name = f"faults_copy_{next(_copies)}"
+    pg_cluster.drop_database(name)
+    pg_cluster.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    url = pg_cluster.database_url(name)
     db = Db(url, name, pg_cluster)
     try:
         yield db

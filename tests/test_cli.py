@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,13 @@ def test_db_upgrade_on_a_fresh_sqlite_file_then_runs_list(tmp_path: Path) -> Non
     assert first.code == 0, first.err
     assert "upgraded from revision <none> to" in first.out and "(head)" in first.out
 
-    again = oncelery("--database-url", url, "db", "upgrade", cwd=tmp_path)
+    with ThreadPoolExecutor(2) as pool:  # two processes on the migrated file, side by side
+        again, listed = pool.map(
+            lambda args: oncelery("--database-url", url, *args, cwd=tmp_path), [("db", "upgrade"), ("runs", "list")]
+        )
     assert again.code == 0, again.err
     assert "already at revision" in again.out
 
-    listed = oncelery("--database-url", url, "runs", "list", cwd=tmp_path)
     assert listed.code == 0, listed.err
     header = listed.out.splitlines()[0].split()
     assert header == ["id", "task", "key", "status", "token", "attempts", "owner", "lease_expires_at", "updated_at"]
@@ -102,8 +105,10 @@ def test_reads_never_create_a_database_file(tmp_path: Path, command: list[str]) 
 
 def test_no_database_configured_is_one_line_and_creates_nothing(tmp_path: Path) -> None:
     """Without --database-url, app config or ONCELERY_DATABASE_URL (and no demo file), commands say what to set."""
-    for command in (["runs", "list"], ["outcomes"], ["db", "upgrade"]):
-        done = oncelery(*command, cwd=tmp_path)
+    commands = (["runs", "list"], ["outcomes"], ["db", "upgrade"])
+    with ThreadPoolExecutor(len(commands)) as pool:  # side by side: each spends ~2 s starting up
+        answers = list(pool.map(lambda command: oncelery(*command, cwd=tmp_path), commands))
+    for command, done in zip(commands, answers, strict=True):
         assert done.code != 0, command
         assert "No claims database configured" in done.err and "ONCELERY_DATABASE_URL" in done.err
         assert "Traceback" not in done.err
@@ -133,21 +138,28 @@ def test_upgrade_list_show_outcomes_on_each_store(db_url: str, tmp_path: Path) -
     assert claimed.claim is not None
     store.complete(claimed.claim, {"answer": 42, "text": "naïve"})
 
-    listed = oncelery("--database-url", url, "runs", "list", "--status", "COMPLETED", cwd=tmp_path)
+    # Five reads of the same database, each its own process: run side by side (each spends ~2 s starting up).
+    reads = [
+        ("runs", "list", "--status", "COMPLETED"),
+        ("runs", "list", "--status", "running"),
+        ("runs", "show", "cli:k1", "--task", "oncelery.t_cli"),
+        ("runs", "show", "nope"),
+        ("outcomes", "--task", "oncelery.t_cli"),
+    ]
+    with ThreadPoolExecutor(len(reads)) as pool:
+        listed, none_running, shown, missing, counted = pool.map(
+            lambda args: oncelery("--database-url", url, *args, cwd=tmp_path), reads
+        )
     assert listed.code == 0, listed.err
     assert re.search(r"oncelery\.t_cli\s+cli:k1\s+COMPLETED\s+1\s+1\s", listed.out), listed.out
-    none_running = oncelery("--database-url", url, "runs", "list", "--status", "running", cwd=tmp_path)
     assert "(0 runs)" in none_running.out
 
-    shown = oncelery("--database-url", url, "runs", "show", "cli:k1", "--task", "oncelery.t_cli", cwd=tmp_path)
     assert shown.code == 0, shown.err
     assert '"answer": 42' in shown.out and "naïve" in shown.out
     assert claimed.claim.owner in shown.out  # the full owner id
 
-    missing = oncelery("--database-url", url, "runs", "show", "nope", cwd=tmp_path)
     assert missing.code != 0 and "No run with key 'nope'" in missing.err
 
-    counted = oncelery("--database-url", url, "outcomes", "--task", "oncelery.t_cli", cwd=tmp_path)
     assert counted.code == 0, counted.err
     assert re.search(r"^executed\s+1$", counted.out, re.M), counted.out
     assert re.search(r"^total\s+1$", counted.out, re.M), counted.out

@@ -575,14 +575,6 @@ def test_worker_runs_a_job_and_stops_on_sigterm(migrated: dict[str, str], tmp_pa
 def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) -> None:
     """oncelery-flower answers 401 without credentials and 200 with them, read from FLOWER_BASIC_AUTH_FILE and
     never on its command line; its health check (/healthcheck) needs none; it refuses to start without them."""
-    refused = subprocess.run(
-        [str(BIN / "oncelery-flower")],
-        env={k: v for k, v in migrated.items() if k != "FLOWER_BASIC_AUTH"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert refused.returncode != 0 and "FLOWER_BASIC_AUTH" in refused.stderr
     port = free_port()
     auth_file = tmp_path / "flower_basic_auth"
     auth_file.write_text(":".join(FLOWER_AUTH) + "\n")
@@ -590,6 +582,15 @@ def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) ->
     log = tmp_path / "flower.log"
     flower = start("oncelery-flower", env, log)
     try:
+        # Without credentials it refuses (checked while the one with them boots).
+        refused = subprocess.run(
+            [str(BIN / "oncelery-flower")],
+            env={k: v for k, v in migrated.items() if k != "FLOWER_BASIC_AUTH"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert refused.returncode != 0 and "FLOWER_BASIC_AUTH" in refused.stderr
         wait_for(lambda: exited(flower, log) or port_open("127.0.0.1", port), timeout=60, what="Flower's port")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
             assert http.get("/").status_code == 401

@@ -19,15 +19,16 @@ from oncelery.ops.sweeper import sweep_lost_runs
 from oncelery.store.database import Database
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import wait_for
-from tests.test_crash import JOB_TIMEOUT, Cluster, cluster
+from tests.test_crash import JOB_TIMEOUT, Cluster, Worker, cluster
 
 LEASE = 2.0  # seconds: the killed holder's lease expires (database clock) soon after the kill
 BODY_SECONDS = 30.0  # version 1's body: long enough to be killed inside it
 
 
-def kill_holder_and_lose_its_message(c: Cluster, task: str, doc: str) -> str:
-    """Run version 1 on a worker, SIGKILL the worker mid-body, flush Redis; return version 1's key once its
-    lease has expired by the database clock."""
+def kill_holder_and_lose_its_message(c: Cluster, task: str, doc: str) -> tuple[str, Worker]:
+    """Run version 1 on a worker, SIGKILL the worker mid-body, flush Redis; start the next worker (it boots while
+    the lease runs out, on a queue with nothing in it); return version 1's key once its lease has expired by the
+    database clock, and the next worker."""
     key = f"entity:{doc}:v1"
     release = c.tmp_path / "release"
     release.mkdir(exist_ok=True)
@@ -40,18 +41,18 @@ def kill_holder_and_lose_its_message(c: Cluster, task: str, doc: str) -> str:
     wait_for(lambda: holder.proc.poll() is not None, timeout=JOB_TIMEOUT, what="the killed holder to exit")
     c.flush_redis()  # its message, unacked copy included, is gone with it
     (release / key).touch()  # when it runs again, its body ends at once (nothing is waiting to kill it)
+    worker = c.start("next", pool="solo")
 
     def expired() -> bool:
         run = c.store.get(task, key)
         return run is not None and run.status is RunStatus.RUNNING and not run.lease_live
 
     wait_for(expired, timeout=JOB_TIMEOUT, what="version 1's lease to expire")
-    return key
+    return key, worker
 
 
-def version_two_demotes(c: Cluster, task: str, doc: str, key: str) -> None:
-    """Version 2 claims the document and completes; version 1 is demoted with a retry due."""
-    worker = c.start("next", pool="solo")
+def version_two_demotes(c: Cluster, task: str, doc: str, key: str, worker: Worker) -> None:
+    """Version 2 claims the document (on `worker`) and completes; version 1 is demoted with a retry due."""
     c.wait_ready(worker)
     assert c.sender.send_task(task, args=[doc, 2, 0.0]).get(timeout=JOB_TIMEOUT)["version"] == 2
     demoted = c.store.get(task, key)
@@ -63,8 +64,8 @@ def version_two_demotes(c: Cluster, task: str, doc: str, key: str) -> None:
 def test_a_demoted_run_is_sent_again_and_completes_once(tmp_path: Path, db_url: str, redis_url: str) -> None:
     task, doc = "oncelery.crash_entity", f"d-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url, lease=LEASE) as c:
-        key = kill_holder_and_lose_its_message(c, task, doc)
-        version_two_demotes(c, task, doc, key)
+        key, worker = kill_holder_and_lose_its_message(c, task, doc)
+        version_two_demotes(c, task, doc, key, worker)
         assert sweep_lost_runs(c.sender, Database(db_url), interval=0.0) == 1
 
         def completed() -> bool:
@@ -82,8 +83,8 @@ def test_a_demoted_run_is_sent_again_and_completes_once(tmp_path: Path, db_url: 
 def test_a_demoted_run_whose_version_is_overtaken_ends_stale_once(tmp_path: Path, db_url: str, redis_url: str) -> None:
     task, doc = "oncelery.crash_entity_versioned", f"d-{uuid.uuid4().hex[:8]}"
     with cluster(tmp_path, db_url, redis_url, lease=LEASE) as c:
-        key = kill_holder_and_lose_its_message(c, task, doc)
-        version_two_demotes(c, task, doc, key)
+        key, worker = kill_holder_and_lose_its_message(c, task, doc)
+        version_two_demotes(c, task, doc, key, worker)
         db = Database(db_url)
         assert sweep_lost_runs(c.sender, db, interval=0.0) == 1
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -336,10 +337,10 @@ def test_cli_show_redacts_the_message_unless_asked(app: Celery, db_url: str, tmp
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    redacted = show()
+    with ThreadPoolExecutor(2) as pool:  # two processes reading the run, side by side
+        redacted, shown = pool.map(lambda extra: show(*extra), [(), ("--show-payload",)])
     assert "FAILED" in redacted and "model unavailable" in redacted
     assert "--show-payload prints it" in redacted
     # No part of the note either ("4711" alone may occur by chance inside a hex digest of the run).
     assert secret not in redacted and "patient" not in redacted and "condition X" not in redacted
-    shown = show("--show-payload")
     assert secret in shown and '"args": [7, ' in shown

@@ -113,7 +113,10 @@ def test_a_duplicate_of_a_waiting_run_waits_and_replays_the_one_result(
         assert first.get(timeout=JOB) == duplicate.get(timeout=JOB) == generate_text("gpt-test", TEXT)
     assert sum(fake.stats()["creates_by_intent"].values()) == 1
     counts = task.outcome_counts()
-    assert (counts["executed"], counts["in_progress"], counts["replayed"]) == (1, 1, 1), counts
+    # One execution, one replay to the duplicate; the duplicate was answered "in progress" at least once while
+    # the run waited (more often when its re-check came before the provider finished: timing, not a defect).
+    assert (counts["executed"], counts["replayed"]) == (1, 1) and counts["in_progress"] >= 1, counts
+    assert set(counts) <= {"executed", "in_progress", "replayed", "waiting"}, counts
 
 
 @ON_SQLITE

@@ -12,6 +12,7 @@ import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -217,8 +218,9 @@ def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, r
         return counts.get("executed", 0) >= executed and counts.get("replayed", 0) >= replayed
 
     try:
-        first = start("metrics-a")
-        start("metrics-b")
+        # Both boot at once (each start waits until its worker consumes): two workers, one boot's wait.
+        with ThreadPoolExecutor(2) as boot:
+            first, _ = boot.map(start, ("metrics-a", "metrics-b"))
         send(*(f"k{i}" for i in range(40)))
         wait_until(lambda: counts_reach(40, 0), 60, what="40 executions")
         first.stop()  # a restart: the new process knows nothing the old one counted
@@ -248,7 +250,7 @@ def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, r
             exporter.kill()
             exporter.wait(10)
         for worker in workers:
-            worker.stop()
+            worker.kill()  # the scrape is checked: how the workers end is not (first.stop() above is the restart)
         services.delete_queue_keys(redis_url, queue)
 
 

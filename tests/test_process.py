@@ -131,13 +131,15 @@ def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None
     # --lease 3: a job held by a killed worker is taken over (or swept back by the relay) after 3 s, not 60 s.
     # Copies a killed worker held are not waited for (the command's 11 s settle): this test reads the database.
     env = {**clean_env(), "ONCELERY_PROCESS_SETTLE_S": "1"}
+    # Two kills (after 15 and 30 articles) before the 45th is scored: each lands mid-stream, as with more articles.
+    articles, every = 45, 15
     done = process(
         "--limit",
-        "60",
+        str(articles),
         "--duplicates",
         "0.3",
         "--kill-worker-every",
-        "20",
+        str(every),
         "--lease",
         "3",
         "--quiet-seconds",
@@ -154,11 +156,11 @@ def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None
     assert len(worker_pids(done.out)) == kills + 1  # restarted after every kill
 
     state = database_state(f"sqlite:///{tmp_path / 'oncelery.db'}")
-    check_exactly_once(state, load_articles(60))  # 60 scores, each equal to the no-fault result
+    check_exactly_once(state, load_articles(articles))  # a score per article, each equal to the no-fault result
     # At most the call in flight at each kill is repeated; finished steps are never called again.
-    assert 180 <= state["calls"] <= 180 + kills
+    assert STEPS * articles <= state["calls"] <= STEPS * articles + kills
     assert done.summary["llm_calls"] == state["calls"]
-    assert done.summary["wasted_calls"] == state["calls"] - 180
+    assert done.summary["wasted_calls"] == state["calls"] - STEPS * articles
     # Every call beyond one per step is labelled: the create window's re-send (with the unknown call's own row).
     repeated = done.summary["repeated_calls"]
     assert done.summary["wasted_calls"] == sum(repeated.values()) - repeated.get("unknown_outcome", 0)

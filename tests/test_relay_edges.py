@@ -33,7 +33,7 @@ def test_a_broker_that_is_down_backs_off_then_marks_the_row_dead(db_url: str, db
         with db_engine.begin() as conn:
             task_id = outbox.enqueue(conn, down.signature("oncelery.t_never_published", [1]))
             later_id = outbox.enqueue(conn, down.signature("oncelery.t_never_published", [2]))
-        relay = Relay(down, db_url, max_attempts=3, sweep_interval=None)
+        relay = Relay(down, db_url, max_attempts=2, sweep_interval=None)  # backed off once (1 s), then DEAD
         first = relay.run_once()
         assert (first.published, first.failed, first.dead) == (0, 1, 0)
         row, later = _rows(db_engine)
@@ -50,9 +50,9 @@ def test_a_broker_that_is_down_backs_off_then_marks_the_row_dead(db_url: str, db
             totals["dead"] += relay.run_once().dead
             return totals["dead"] == 1
 
-        wait_for(dead, timeout=TIMEOUT, interval=0.2, what="the row to be marked DEAD after 3 failed publishes")
+        wait_for(dead, timeout=TIMEOUT, interval=0.2, what="the row to be marked DEAD after 2 failed publishes")
         [row] = _rows(db_engine)
-        assert row.status is OutboxStatus.DEAD and row.attempts == 3 and row.celery_task_id == task_id
+        assert row.status is OutboxStatus.DEAD and row.attempts == 2 and row.celery_task_id == task_id
         assert row.publishes == 0 and row.sent_at is None
         assert relay.run_once().failed == 0  # a DEAD row is never tried again
     finally:

@@ -23,6 +23,7 @@ import os
 import time
 import uuid
 from contextvars import ContextVar
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery, signals
@@ -98,6 +99,18 @@ def _name_connection(dialect: Any, conn_rec: Any, cargs: Any, cparams: dict[str,
     # frozen or cut-off process holds no transaction (pg_stat_activity.application_name = chaos:<role>:<pid>).
     if dialect.name == "postgresql":
         cparams["application_name"] = f"chaos:{ROLE}:{os.getpid()}"
+
+
+@signals.before_task_publish.connect
+def _record_publish(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    # Every copy of a job any process sends (runner, relay, a worker re-sending a waiting copy or a faulted one),
+    # before it is sent, with its ETA: a copy a worker holds in memory (even after a FLUSHALL) runs by then.
+    if sender != TASK_NAME:
+        return
+    eta = (headers or {}).get("eta")
+    when = datetime.fromisoformat(eta) if isinstance(eta, str) else None
+    due = None if when is None else (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    ledger().published((headers or {}).get("id"), ROLE, due)
 
 
 @signals.task_prerun.connect

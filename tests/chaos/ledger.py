@@ -16,7 +16,10 @@ What is written, and by whom (Jepsen's history: every operation, recorded by the
   (LeaseLost raised inside the body), or `error:<type>`;
 - `staged`: an attempt about to write its effect in `self.effects()` (so every committed effect has a staged
   record; a committed effect without one was invented by the system under test);
-- `llm_calls`: each call of the fake model, as the job's code made it.
+- `llm_calls`: each call of the fake model, as the job's code made it;
+- `publishes`: each copy of a job any process sends (the runner, the relay, a worker re-sending a copy that
+  waits), *before* it is sent, with the time it is due (its ETA, else the send's): the latest a copy held in a
+  worker's memory can run, which the settle waits out.
 
 The effect itself is the row the job writes through the framework's fenced `effects()` session, tagged with
 its attempt id: only the system under test can say whether that commit happened (a zombie's staged effect
@@ -44,6 +47,8 @@ CREATE TABLE IF NOT EXISTS staged (attempt TEXT PRIMARY KEY, job INTEGER NOT NUL
     at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS llm_calls (id INTEGER PRIMARY KEY, job INTEGER NOT NULL, attempt TEXT, host TEXT,
     pid INTEGER, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS publishes (id INTEGER PRIMARY KEY, task_id TEXT, host TEXT, pid INTEGER, at REAL NOT NULL,
+    due REAL NOT NULL);
 """
 # Writers wait this long for SQLite's single write lock (every write is one short INSERT or UPDATE).
 BUSY_TIMEOUT = 60.0
@@ -135,6 +140,14 @@ class Ledger:
             (job, attempt, host, os.getpid(), time.time()),
         )
 
+    def published(self, task_id: str | None, host: str, due: float | None) -> None:
+        """Record a copy about to be sent, due at `due` (its ETA, wall clock; None: at once)."""
+        now = time.time()
+        self._write(
+            "INSERT INTO publishes (task_id, host, pid, at, due) VALUES (?, ?, ?, ?, ?)",
+            (task_id, host, os.getpid(), now, max(now, due or now)),
+        )
+
     # -- reads -------------------------------------------------------------------------------------
 
     def rows(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
@@ -149,6 +162,11 @@ class Ledger:
     def last_delivery(self) -> float:
         """Return the wall-clock time of the latest delivery recorded (0 if none)."""
         row = self._db().execute("SELECT max(at) FROM deliveries").fetchone()
+        return float(row[0] or 0.0) if row else 0.0
+
+    def last_due(self) -> float:
+        """Return the wall-clock time the latest-due copy ever sent was due (0 if none)."""
+        row = self._db().execute("SELECT max(due) FROM publishes").fetchone()
         return float(row[0] or 0.0) if row else 0.0
 
     def open_attempts(self, hosts: tuple[str, ...], staged: bool = False) -> list[Attempt]:

@@ -20,6 +20,7 @@ from tests.services import alive, stop_sessions
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = "celery"  # Celery's default queue, on a Redis server nobody else uses
+UNACKED = "unacked"  # kombu's hash of the messages workers took and have not acked (ETA waits included)
 
 
 # The runner is not a test: a condition that never comes is an answer (None), not a failure.
@@ -81,6 +82,11 @@ class RedisServer:
         """Return how many messages wait in the queue."""
         with self.client() as client:
             return int(client.llen(QUEUE))
+
+    def held(self) -> int:
+        """Return how many messages workers took and have not acked (running, reserved, or waiting out an ETA)."""
+        with self.client() as client:
+            return int(client.hlen(UNACKED))
 
 
 class Worker:

@@ -33,6 +33,7 @@ STARTUP_TIMEOUT = 90.0
 RESERVE = 0.3  # the share of jobs held back to trickle while faults remain
 TRICKLE = 2.0  # jobs per second while they trickle
 BURST = 10  # originals sent at once when a fault asks for a backlog
+QUIET_IDLE = 3.0  # seconds past the last delivery and the last copy's ETA (nothing queued, held, running)
 
 
 @dataclass
@@ -305,9 +306,12 @@ class Run:
     def settle(self) -> None:
         """Wait (bounded) until every submitted job has an effect, then until the system is quiet.
 
-        Quiet: nothing RUNNING, nothing unpublished in the outbox, nothing queued, and no delivery for longer than
-        a waiting copy's longest backoff (or a visibility timeout). A system that keeps delivering copies after
-        every job finished (e.g. duplicates answered "in progress" for ever) has not settled: a failed run.
+        Quiet, on two polls in a row: nothing RUNNING, nothing unpublished in the outbox, no message queued or
+        held unacked by a worker, no copy sent with a later ETA than QUIET_IDLE seconds ago (a copy waiting out
+        its backoff is held in a worker's memory until then, even after a FLUSHALL emptied the unacked
+        bookkeeping; the ledger records every copy's ETA before it is sent), and no delivery for QUIET_IDLE
+        seconds. A system that keeps delivering copies after every job finished (e.g. duplicates answered "in
+        progress" for ever) has not settled: a failed run.
         """
         from oncelery import WAIT_BACKOFF_CAP
 
@@ -321,9 +325,18 @@ class Run:
                 self.log(f"  {done}/{jobs} jobs have their effect")
             return done >= jobs
 
+        def looks_quiet() -> bool:
+            latest = max(self.ledger.last_delivery(), self.ledger.last_due())
+            if time.time() - latest < QUIET_IDLE:
+                return False
+            return self.sut.unsettled() == 0 and self.redis.queued() == 0 and self.redis.held() == 0
+
+        polls = [False]
+
         def quiet() -> bool:
-            idle = time.time() - self.ledger.last_delivery() >= quiet_for
-            return idle and self.sut.unsettled() == 0 and self.redis.queued() == 0
+            # Twice in a row: a message the broker moves from unacked back to the queue is in neither for a moment.
+            polls.append(looks_quiet())
+            return polls[-1] and polls[-2]
 
         self._last_note = time.monotonic()
         if not wait_for(progress, max(0.0, self.left() - 15), 0.5):
@@ -344,7 +357,9 @@ class Run:
             thread.join(30)
         if self.proxy is not None:
             self.proxy.heal()
-        self.sessions.stop_all()
+        # Settled, the system is idle: a warm shutdown has nothing left to finish (2-3 s of pool teardown per
+        # worker); otherwise each process gets its warm shutdown first, its logs complete.
+        self.sessions.stop_all(grace=0.0 if self.settled else 10.0)
         if self.proxy is not None:
             self.proxy.close()
         if hasattr(self, "sut"):
