@@ -18,9 +18,19 @@ from sqlalchemy import select
 from oncelery import IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError
+from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
-from oncelery.llm.limits import LimitRule, Throttled, admit_txn, limiters_for, parse_limits
+from oncelery.llm.limits import (
+    OUTPUT_KEY,
+    LimitRule,
+    Throttled,
+    admit_txn,
+    limiters_for,
+    parse_limits,
+    penalize,
+    used_by,
+)
 from oncelery.models import IntentState, RunStatus
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import INTENTS, LIMITERS, RUNS
@@ -70,14 +80,21 @@ def test_limits_are_validated_with_one_line_each() -> None:
     assert [(r.scope, r.kind, r.per_minute, r.burst) for r in rules] == [
         ("openai:gpt-test", "rpm", 500, 5),
         ("openai:gpt-test", "tpm", 200_000, 5),
-        ("tenant:*", "tpm", 50, 0),
+        ("tenant:*", "tpm", 50, 1),  # the default burst: 2 % of the rate, rounded down
     ]
+    # Shards: one per 6,000 requests a (real) minute unless given; every kind of a scope has the same count.
+    big = parse_limits({"openai:big": {"rpm": 30_000, "tpm": 9_000_000}, "openai:fast": {"rpm": 200, "window_s": 1}})
+    assert [(r.kind, r.shards, r.burst) for r in big] == [("rpm", 5, 600), ("tpm", 5, 180_000), ("rpm", 2, 4)]
+    assert [r.shards for r in parse_limits({"openai:m": {"rpm": 30_000, "shards": 3}})] == [3]
+    assert [r.burst for r in parse_limits({"openai:m": {"rpm": 49}})] == [0]  # none below 50 a window
     for bad, says in [
         ({"gpt-test": {"rpm": 5}}, "name a scope"),
         ({"openai:m": {"rpm": 0}}, "> 0"),
         ({"openai:m": {"rps": 5}}, "unknown limit 'rps'"),
         ({"openai:m": {"rpm": 5, "burst": -1}}, "'burst'"),
         ({"openai:m": {"rpm": 5, "window_s": 0}}, "'window_s'"),
+        ({"openai:m": {"rpm": 5, "shards": 0}}, "'shards'"),
+        ({"openai:m": {"rpm": 5, "shards": 65}}, "'shards'"),
         ([1], "must be a dict"),
     ]:
         with pytest.raises(ConfigurationError, match=says):
@@ -263,3 +280,153 @@ def test_a_token_limit_needs_an_output_limit(app: Celery, db_url: str, responses
 
     with pytest.raises(ConfigurationError, match="max_output_tokens"):
         unbounded.apply(("x",)).get()
+
+
+def shard_rows(db_url: str, name: str) -> dict[str, dict[str, Any]]:
+    """Every row of limiter `name` (its shards), by row name."""
+    c = LIMITERS.c
+    with get_engine(db_url).connect() as conn:
+        rows = conn.execute(select(LIMITERS).where((c.name == name) | c.name.like(f"{name}#%")))
+        return {r.name: dict(r._mapping) for r in rows}
+
+
+def test_a_full_shard_sends_the_call_to_the_other_and_a_full_limiter_refuses(db_url: str) -> None:
+    """Two shards of 1 a minute each (2 a minute in all): whichever shard the first call drew, the second is
+    admitted by the other (the least-loaded one) and the third is refused with the wait of the soonest shard."""
+    [a] = limiters_for((LimitRule("openai:m", "rpm", 2, shards=2),), "openai", "m", "", "t", (1, 1))
+    db = Database(db_url)
+    rows = []
+    for _ in range(2):
+        with db.begin() as conn:
+            rows.append(admit_txn(conn, db.dialect, [a]))
+    assert sorted(name for r in rows for name in r) == ["openai:m/rpm", "openai:m/rpm#1"], rows
+    with pytest.raises(Throttled) as refused, db.begin() as conn:
+        admit_txn(conn, db.dialect, [a])
+    assert refused.value.limiter == "openai:m/rpm" and 55.0 < refused.value.wait_s <= 60.0
+    assert {n: r["admitted"] for n, r in shard_rows(db_url, a.name).items()} == {a.name: 1, f"{a.name}#1": 1}
+
+
+def test_racing_admissions_through_shards_keep_each_shards_pace_and_the_whole_rate(db_url: str) -> None:
+    """8 threads race a limiter of 1,200 a minute split into 4 shards (each one call per 0.2 s): calls spread
+    over the shards, no two share a slot of a shard, and the fleet never gets ahead of the whole rate by more
+    than one call per shard."""
+    [admission] = limiters_for((LimitRule("openai:m", "rpm", 1200, shards=4),), "openai", "m", "", "t", (1, 1))
+    db = Database(db_url)
+    got: list[tuple[str, float]] = []
+    lock = threading.Lock()
+
+    def racer() -> None:
+        for _ in range(20):
+            try:
+                with db.begin() as conn:
+                    [row] = admit_txn(conn, db.dialect, [admission])
+                    tat = conn.execute(select(LIMITERS.c.tat).where(LIMITERS.c.name == row)).scalar_one()
+                with lock:
+                    got.append((row, float(tat)))
+            except Throttled:
+                pass
+
+    threads = [threading.Thread(target=racer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=JOB)
+    by_shard: dict[str, list[float]] = {}
+    for row, tat in got:
+        by_shard.setdefault(row, []).append(tat)
+    assert len(by_shard) == 4, sorted(by_shard)  # every shard took calls
+    for tats in by_shard.values():
+        tats.sort()
+        assert min(b - a for a, b in itertools.pairwise(tats)) >= 0.2 * (1 - 1e-6), tats  # one slot per call
+    rows = shard_rows(db_url, admission.name)
+    assert sum(r["admitted"] for r in rows.values()) == len(got)
+    # Over the span the tats cover, at most the whole rate (20 a second) plus one call per shard.
+    tats = sorted(t for _, t in got)
+    assert len(got) <= (tats[-1] - tats[0]) * 20 + 4 + 1, (len(got), tats[-1] - tats[0])
+
+
+@ON_SQLITE
+def test_a_cap_a_429_and_the_operator_views_cover_every_shard(db_url: str) -> None:
+    """`oncelery limits set` caps the whole limiter (each shard paces at its share), a provider's 429 halves
+    and holds every shard, and `oncelery limits` and the exporter show one limiter with its shards summed."""
+    [a] = limiters_for((LimitRule("openai:m", "rpm", 6000, shards=2),), "openai", "m", "", "t", (1, 1))
+    db = Database(db_url)
+    with db.begin() as conn:
+        admit_txn(conn, db.dialect, [a])  # makes both shard rows
+    runner = CliRunner()
+    said = runner.invoke(oncelery_cli, ["--database-url", db_url, "limits", "set", a.name, "--per-minute", "6"])
+    assert said.exit_code == 0, said.output
+    assert {r["capped_spu"] for r in shard_rows(db_url, a.name).values()} == {10.0}  # the whole limiter's pace
+    with db.begin() as conn:
+        conn.execute(LIMITERS.update().values(tat=0.0))
+    for _ in range(2):  # one per shard, then both are 20 s ahead: 6 a minute in all
+        with db.begin() as conn:
+            admit_txn(conn, db.dialect, [a])
+    with pytest.raises(Throttled) as refused, db.begin() as conn:
+        admit_txn(conn, db.dialect, [a])
+    assert 19.0 < refused.value.wait_s <= 20.0, refused.value.wait_s
+    [listed] = json.loads(runner.invoke(oncelery_cli, ["--database-url", db_url, "limits", "--json"]).output)[
+        "limiters"
+    ]
+    assert (listed["limiter"], listed["shards"], listed["per_minute"], listed["cap"]) == (a.name, 2, 6.0, 6.0)
+    assert listed["admitted"] == 3
+    with db.begin() as conn:
+        penalize(conn, db.dialect, [a.name], 30.0)
+    rows = shard_rows(db_url, a.name)
+    assert {r["factor"] for r in rows.values()} == {0.5}, rows
+    samples = scrape(db_url)
+    assert samples[("oncelery_llm_limiter_admitted_total", (("limiter", a.name),))] == 3
+    assert samples[("oncelery_llm_limiter_capacity_ratio", (("limiter", a.name),))] == 0.5
+    assert samples[("oncelery_llm_limiter_backlog_seconds", (("limiter", a.name),))] >= 29.0  # held by the 429
+    assert not any(dict(labels).get("limiter", "").endswith("#1") for _, labels in samples)  # one series
+
+
+def test_settlement_gives_back_output_tokens_only_where_the_provider_does() -> None:
+    """A call admitted for 30 input tokens (our estimate) + 100 output tokens (its limit) that used 20 + 10:
+    OpenAI keeps the output limit counted (only the input estimate's excess comes back); Anthropic's output
+    limit gives the unused 90 back too."""
+    admitted = {"openai:m/rpm": 1, "openai:m/tpm#2": 130, "openai:m/itpm": 30, "openai:m/otpm": 100, OUTPUT_KEY: 100}
+    assert used_by(admitted, 20, 10) == {
+        "openai:m/rpm": 1, "openai:m/tpm#2": 120, "openai:m/itpm": 20, "openai:m/otpm": 100,
+    }  # fmt: skip
+    assert used_by(admitted, 20, 10, output_returned=True) == {
+        "openai:m/rpm": 1, "openai:m/tpm#2": 30, "openai:m/itpm": 20, "openai:m/otpm": 10,
+    }  # fmt: skip
+    assert used_by(admitted, 50, 500) == {  # a provider that counted more than we estimated: no give-back
+        "openai:m/rpm": 1, "openai:m/tpm#2": 130, "openai:m/itpm": 30, "openai:m/otpm": 100,
+    }  # fmt: skip
+
+
+@ON_POSTGRESQL
+def test_a_token_limiter_holds_what_each_provider_counts_after_a_call(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    """One token a second (60 a minute): the limiter's backlog after one call, in seconds, is the tokens it
+    still holds. OpenAI: the call's input as the provider counted it + its whole output limit (400); Anthropic:
+    its input + the output it produced. The fake counts the same way (its headers: tokens remaining)."""
+    app.conf.oncelery_limits = {"openai:gpt-test": {"tpm": 60}, "anthropic:claude-test": {"tpm": 60}}
+    with AnthropicMessages(fake.openai_base_url, "sk-ant") as claude:
+
+        @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_held", idempotency_key="d:{doc}")
+        def held(self: IdempotentTask, doc: str, provider: str) -> str:
+            if provider == "openai":
+                return output_text(
+                    self.llm("s", adapter=responses, model="gpt-test", input=TEXT, max_output_tokens=400)
+                )
+            message = [{"role": "user", "content": TEXT}]
+            return output_text(self.llm("s", adapter=claude, model="claude-test", messages=message, max_tokens=400))
+
+        with worker_factory(app):
+            assert held.delay("o", "openai").get(timeout=JOB) == generate_text("gpt-test", TEXT)
+            assert held.delay("a", "anthropic").get(timeout=JOB) == generate_text("claude-test", TEXT)
+    db = Database(db_url)
+    with db.begin() as conn:
+        now = float(conn.execute(select(db.dialect.epoch())).scalar_one())
+        calls = {r.model: r for r in conn.execute(select(INTENTS))}
+    for model, provider, output in [("gpt-test", "openai", 400), ("claude-test", "anthropic", None)]:
+        call = calls[model]
+        assert call.admitted[OUTPUT_KEY] == 400, call.admitted
+        expected = call.input_tokens + (call.output_tokens if output is None else output)
+        assert call.output_tokens < 400  # the answer is shorter than its limit: the difference is what is at stake
+        backlog = limiter(db_url, f"{provider}:{model}/tpm")["tat"] - now
+        assert expected - 5 < backlog <= expected, (model, backlog, expected, dict(call._mapping))

@@ -16,13 +16,18 @@ from oncelery.cli.context import resolve_database_url
 from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.errors import ConfigurationError
 from oncelery.llm.budgets import PERIODS, cap_name, parse_usd, set_cap
-from oncelery.llm.limits import KINDS, backlog_s
+from oncelery.llm.limits import KINDS, LimiterView, limiter_views, rows_of
 from oncelery.models.money import usd
 from oncelery.store.database import Database
 from oncelery.store.tables import BUDGETS, CAP_CHANGES, CAPS, LIMITERS
 
-_HEADERS = ("limiter", "per minute", "backlog s", "capacity", "admitted", "waited (local)", "429s (provider)", "cap")
-_KEYS = ("limiter", "per_minute", "backlog_s", "capacity", "admitted", "throttled_local", "throttled_provider", "cap")
+_HEADERS = (
+    "limiter", "per minute", "backlog s", "capacity", "admitted", "waited (local)", "429s (provider)", "cap", "shards",
+)  # fmt: skip
+_KEYS = (
+    "limiter", "per_minute", "backlog_s", "capacity", "admitted", "throttled_local", "throttled_provider", "cap",
+    "shards",
+)  # fmt: skip
 _BUDGET_HEADERS = ("budget", "limit $", "spent $", "reserved $", "left $", "overrun $", "refused", "resets (UTC)")
 _BUDGET_KEYS = ("budget", "limit_usd", "spent_usd", "reserved_usd", "left_usd", "overrun_usd", "refused", "resets_at")
 
@@ -50,7 +55,7 @@ def limits(ctx: click.Context, as_json: bool) -> None:
     with db.read() as conn:
         now = conn.execute(select(db.dialect.epoch())).scalar_one()
         rows = conn.execute(select(LIMITERS).order_by(c.name)).all()
-    records = [_record(row, float(now)) for row in rows]
+    records = [_record(view) for view in limiter_views(rows, float(now))]
     if as_json:
         echo_json({"count": len(records), "limiters": records})
         return
@@ -58,19 +63,9 @@ def limits(ctx: click.Context, as_json: bool) -> None:
     click.echo(format_table(_HEADERS, table) if table else "no limiter has admitted a call yet")
 
 
-def _record(row: Any, now: float) -> dict[str, Any]:
-    pace = row.capped_spu or row.seconds_per_unit
-    return {
-        "limiter": row.name,
-        # Per 60 s, whatever window the rule was written with (seconds_per_unit is the pace).
-        "per_minute": round(60.0 / pace, 3) if pace else 0.0,
-        "backlog_s": round(backlog_s(float(row.tat), now), 3),
-        "capacity": round(float(row.factor), 3),
-        "admitted": int(row.admitted),
-        "throttled_local": int(row.throttled_local),
-        "throttled_provider": int(row.throttled_provider),
-        "cap": None if row.capped_spu is None else round(60.0 / row.capped_spu, 3),
-    }
+def _record(view: LimiterView) -> dict[str, Any]:
+    return {k: getattr(view, k) for k in ("per_minute", "backlog_s", "capacity", "admitted", "throttled_local",
+                                          "throttled_provider", "cap", "shards")} | {"limiter": view.name}  # fmt: skip
 
 
 @limits.command("set")
@@ -89,7 +84,8 @@ def set_limit(ctx: click.Context, limiter: str, per_minute: int | None, unset: b
     with db.begin() as conn:
         old = set_cap(conn, db.dialect, f"limit:{limiter}", per_minute, _who(by))
         spu = None if per_minute is None else 60.0 / per_minute
-        if conn.execute(update(LIMITERS).where(LIMITERS.c.name == limiter).values(capped_spu=spu)).rowcount != 1:
+        # Every shard of the limiter: the cap is the whole limiter's pace (each shard takes its share of it).
+        if conn.execute(update(LIMITERS).where(rows_of([limiter])).values(capped_spu=spu)).rowcount == 0:
             # Not admitted yet: its row is made now, at rest, carrying the cap (the first admission keeps it).
             row = {"name": limiter, "tat": 0.0, "seconds_per_unit": spu or 60.0, "capped_spu": spu}
             conn.execute(db.dialect.insert(LIMITERS).values(**row).on_conflict_do_nothing(index_elements=["name"]))

@@ -160,7 +160,7 @@ def queue_item(
     _fenced(store, claim, f"the batch item of step {step_name!r} was not queued", write)
     return Intent(
         0, public_id, attempt, claim.token, "batch", str(row["request_digest"]), IntentState.SENT, public_id, None,
-        reason, None, reserved[0],
+        reason, None, reserved[0], str(row["endpoint"]),
     )  # fmt: skip
 
 

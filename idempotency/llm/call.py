@@ -337,8 +337,9 @@ def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: Repeat
                 raise RunParked(over.waits_s, f"{over}; deferred until the window resets (on_budget='defer')") from None
             raise
         except Throttled as throttled:
-            with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
-                count_throttled(conn, throttled.limiter)
+            if waited == 0.0:  # a call that waits is counted once, however many slots it misses
+                with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
+                    count_throttled(conn, throttled.limiter)
             _wait_or_park(step, throttled.wait_s, waited, f"rate limit {throttled.limiter}")
             waited += throttled.wait_s
 

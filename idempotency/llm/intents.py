@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from oncelery.llm.budgets import BudgetPlan, Reservation, release_txn, reserve_txn
-from oncelery.llm.limits import Admission, admit_txn, settle_txn, used_by
+from oncelery.llm.limits import OUTPUT_RETURNED_ENDPOINTS, Admission, admit_txn, settle_txn, used_by
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim, lease_lost
@@ -52,6 +52,7 @@ class Intent:
     repeat_reason: RepeatReason | None
     admitted: dict[str, int] | None = None  # what the shared limiters admitted it for ({limiter: cost})
     reserved: dict[str, Any] | None = None  # what it reserved in the budgets (Reservation.as_json)
+    endpoint: str = ""  # the provider's protocol ("responses", "messages"): how its limits count tokens
 
     @property
     def reservation(self) -> Reservation | None:
@@ -153,7 +154,7 @@ def prepare_intent(
     _fenced(store, claim, f"the call of step {step_name!r} was not prepared", write)
     return Intent(
         0, public_id, attempt, claim.token, str(request["mode"]), str(request["request_digest"]),
-        IntentState.PREPARED, None, None, reason, kept[0], reserved[0],
+        IntentState.PREPARED, None, None, reason, kept[0], reserved[0], str(request["endpoint"]),
     )  # fmt: skip
 
 
@@ -198,7 +199,8 @@ def end_intent_txn(
     )
     known = input_tokens is not None or output_tokens is not None
     if intent.admitted and known and rowcount(ended) == 1:  # settled once: only by the write that ended it
-        used = used_by(intent.admitted, int(input_tokens or 0), int(output_tokens or 0))
+        returned = intent.endpoint in OUTPUT_RETURNED_ENDPOINTS
+        used = used_by(intent.admitted, int(input_tokens or 0), int(output_tokens or 0), returned)
         settle_txn(conn, store.db.dialect, intent.admitted, used)
     if state.terminal:
         release_txn(conn, store.db.dialect, intent.public_id, intent.reservation)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import Connection, select
 
-from oncelery.llm.limits import backlog_s
+from oncelery.llm.limits import limiter_views
 from oncelery.models.intents import IntentState
 from oncelery.models.money import MICROS_PER_USD, usd
 from oncelery.ops.histograms import PREFIX, TenantCap, age_seconds
@@ -169,16 +169,13 @@ def limiter_families(conn: Connection, clock: datetime) -> Iterator[Metric]:
         labels=labels,
     )
     now = (clock if clock.tzinfo is not None else clock.replace(tzinfo=UTC)).timestamp()
-    c = LIMITERS.c
-    rows = conn.execute(
-        select(c.name, c.tat, c.factor, c.admitted, c.throttled_local, c.throttled_provider).order_by(c.name)
-    )
-    for name, tat, factor, n, local, provider in rows:
-        throttled.add_metric([name, "local"], int(local))
-        throttled.add_metric([name, "provider"], int(provider))
-        admitted.add_metric([name], int(n))
-        backlog.add_metric([name], backlog_s(float(tat), now))
-        capacity.add_metric([name], float(factor))
+    rows = conn.execute(select(LIMITERS))
+    for view in limiter_views(rows, now):  # one series per limiter, its shards summed
+        throttled.add_metric([view.name, "local"], view.throttled_local)
+        throttled.add_metric([view.name, "provider"], view.throttled_provider)
+        admitted.add_metric([view.name], view.admitted)
+        backlog.add_metric([view.name], view.backlog_s)
+        capacity.add_metric([view.name], view.capacity)
     yield from (throttled, admitted, backlog, capacity)
 
 

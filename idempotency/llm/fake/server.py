@@ -224,16 +224,21 @@ class _Handler(BaseHTTPRequestHandler):
             status, retry_after = failure
             self._json(status, error(status, f"injected {status}"), {"retry-after": retry_after_header(retry_after)})
             return
-        estimate = count_tokens(prompt) + int(body.get("max_output_tokens") or body.get("max_tokens") or 0)
-        wait = state.admit(model, estimate)
+        limit = int(body.get("max_output_tokens") or body.get("max_tokens") or 0)
+        wait = state.admit(model, count_tokens(prompt) + limit)
         if wait is not None:
             message = f"Rate limit reached for {model}. Please try again in {wait:.3f}s."
             self._json(
                 429, error(429, message), {"retry-after": retry_after_header(wait), **self._limits(model, anthropic)}
             )
             return
+        started = state.window_of(model)  # the window this request was counted in
         answer = self.server.generator(body)
         call = state.create(kind, model, body, prompt, answer, intent)
+        if anthropic and limit > call.output_tokens:
+            # Anthropic estimates output tokens from max_tokens and adjusts to what the call produced (its
+            # answer is known here); OpenAI keeps max_output_tokens counted.
+            state.give_back(model, limit - call.output_tokens, started)
         state.hold()
         hang = state.hang()
         if hang and self.server.stopping.wait(hang):

@@ -186,6 +186,11 @@ class RateWindow:
         self.tokens[model] += tokens
         return None
 
+    def give_back(self, model: str, tokens: int, started: float | None) -> None:
+        """Uncount `tokens` of a request admitted in the window that began at `started` (if it still runs)."""
+        if started is not None and self.start.get(model) == started:
+            self.tokens[model] = max(0, self.tokens[model] - tokens)
+
     def headers(self, model: str, knobs: Knobs, now: float) -> dict[str, int | float]:
         """Return limit, remaining and reset (seconds) of requests and tokens for `model`'s current window."""
         reset = max(0.0, self.start.get(model, now) + knobs.rate_window_s - now)
@@ -235,6 +240,16 @@ class ProviderState:
                 self.stats.rate_limited += 1
                 self.stats.errors_served["429"] += 1
             return wait
+
+    def window_of(self, model: str) -> float | None:
+        """When `model`'s current rate window began (None: no request counted yet)."""
+        with self.lock:
+            return self.window.start.get(model)
+
+    def give_back(self, model: str, tokens: int, started: float | None) -> None:
+        """Uncount the output tokens a finished call did not produce (Anthropic's output-token limit does)."""
+        with self.lock:
+            self.window.give_back(model, tokens, started)
 
     def rate_headers(self, model: str) -> dict[str, int | float] | None:
         """Return the current window's figures for `model`, or None when no limit is set."""
