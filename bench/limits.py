@@ -11,8 +11,9 @@ and a Redis broker (database 9 by default):
    queues more jobs than it can run, then counts the fake's creates and 429s for `--windows` windows from its
    first create.
    Scenarios: `capacity` (no limit anywhere: what the fleet makes, so a limit below it binds), `rpm` (the
-   request limit binds), `rpm-burst` (the same with `burst` = `--burst` units: a late admission keeps its
-   slot; the margin still covers a window: 194 + 4 + 1 <= 200), `tpm` (the token limit binds, answers shorter
+   request limit binds; the default burst, 2 % of the rate: 3 of 194), `rpm-smooth` (the same with `burst: 0`:
+   a late admission loses its slot), `rpm-burst` (the same with `burst` = `--burst` units; the margin still
+   covers a window: 194 + 4 + 1 <= 200), `tpm` (the token limit binds, answers shorter
    than `max_output_tokens`), `tpm-full` (the token limit binds, every answer fills its `max_output_tokens`),
    and the naive ways, with no `oncelery_limits`: `naive` (Celery's `rate_limit` on the task set to the
    provider's limit per worker instance, which is how Celery counts it: the provider's N per W-second window
@@ -31,7 +32,8 @@ and a Redis broker (database 9 by default):
    transaction committed durably (`commit_durably`, as `prepare_intent` does), by 1, 4, 8, 16 processes at
    once with their own connections. Variants: `bare` (one limiter), `rpm+tpm` (a call under both limits: two
    rows), `prepare` (both rows, then the intent row inserted before the commit, as the prepared transaction
-   holds the rows' locks). Compared with a fleet's need (10,000 rpm = 167 calls/s).
+   holds the rows' locks), `prepare/4` and `prepare/8` (the same with the limiter split into 4 or 8 shards).
+   Compared with a fleet's need (10,000 rpm = 167 calls/s).
 
 Other sessions' work on the same cores shows in every figure: each measurement first waits (up to
 `--quiet-wait` s) for an idle machine, and reports the CPUs busy before it and during it.
@@ -375,7 +377,7 @@ class Sampler:
 
 # -- part 1: one limit for the fleet ----------------------------------------------------------------------------
 
-SCENARIOS = ("capacity", "rpm", "rpm-burst", "tpm", "tpm-full", "naive", "naive-paced")
+SCENARIOS = ("capacity", "rpm", "rpm-smooth", "rpm-burst", "tpm", "tpm-full", "naive", "naive-paced")
 
 
 @dataclass
@@ -411,8 +413,10 @@ def plan_scenario(name: str, args: argparse.Namespace, jobs: int) -> Scenario:
     binding = min(rpm, tpm / tokens)
     limits = None
     rate_limit = None
-    if name in ("rpm", "rpm-burst", "tpm", "tpm-full"):
+    if name in ("rpm", "rpm-smooth", "rpm-burst", "tpm", "tpm-full"):
         entry = {"rpm": math.floor(rpm * (1 - margin)), "tpm": math.floor(tpm * (1 - margin)), "window_s": w}
+        if name == "rpm-smooth":
+            entry["burst"] = 0  # no burst: every admission that comes after its slot loses it
         if name == "rpm-burst":
             # A few calls' slack, so an admission that comes late does not lose its slot; the margin covers it:
             # a fixed window sees at most rpm x (1 - margin) + burst + 1 calls.
@@ -718,7 +722,7 @@ def budget_table(result: dict[str, Any]) -> None:
 
 # -- part 3: admissions per second on one hot row ---------------------------------------------------------------
 
-HOT_VARIANTS = ("bare", "rpm+tpm", "prepare")
+HOT_VARIANTS = ("bare", "rpm+tpm", "prepare", "prepare/4", "prepare/8")  # "/N": the limiter split into N shards
 
 
 def _admitter(url: str, variant: str, name: str, seconds: float, ready: Any, start: Any, out: Any) -> None:
@@ -729,7 +733,9 @@ def _admitter(url: str, variant: str, name: str, seconds: float, ready: Any, sta
 
     dispose_engines()  # forked: nothing of the driver's pool is used here (it had none open)
     kinds = ("rpm",) if variant == "bare" else ("rpm", "tpm")
-    rules = tuple(LimitRule(f"openai:{name}", kind, 60_000_000) for kind in kinds)  # a million a second
+    shards = int(variant.split("/")[1]) if "/" in variant else 1
+    # A million a second: nothing is refused, each admission waits only for the row's lock.
+    rules = tuple(LimitRule(f"openai:{name}", kind, 60_000_000, shards=shards) for kind in kinds)
     admissions = limiters_for(rules, "openai", name, "", "t", (10, 10))
     db = Database(url)
     with db.begin() as conn:  # connected before the start: the measured time holds no connection set-up
@@ -744,7 +750,7 @@ def _admitter(url: str, variant: str, name: str, seconds: float, ready: Any, sta
             with db.begin() as conn:
                 db.dialect.commit_durably(conn)
                 admitted = admit_txn(conn, db.dialect, admissions)
-                if variant == "prepare":
+                if variant.startswith("prepare"):
                     conn.execute(
                         INTENTS.insert().values(
                             public_id=uuid.uuid4().hex, run_id=run_id, position=done, step_name="s", attempt=1,
@@ -781,7 +787,7 @@ def hot_part(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     for round_ in range(args.hot_rounds):
         for level in args.hot_levels:
             for variant in args.hot_variants:
-                name = f"hot-{variant.replace('+', '-')}-{level}-{uuid.uuid4().hex[:4]}"
+                name = f"hot-{variant.replace('+', '-').replace('/', 's')}-{level}-{uuid.uuid4().hex[:4]}"
                 ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
                 dispose_engines()  # no pooled connection crosses the fork
                 procs = [
@@ -880,7 +886,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--call-s", type=float, default=0.3, help="seconds each call takes at the provider")
     g = parser.add_argument_group("hot row")
     g.add_argument("--hot-levels", default="1,4,8,16")
-    g.add_argument("--hot-variants", default="bare,prepare", help=", ".join(HOT_VARIANTS))
+    g.add_argument("--hot-variants", default="bare,prepare,prepare/4", help=", ".join(HOT_VARIANTS))
     g.add_argument("--hot-seconds", type=float, default=4.0)
     g.add_argument("--hot-rounds", type=int, default=2)
     args = parser.parse_args(argv)
@@ -891,7 +897,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             "budget_calls": 400,
             "cap": 4.0,
             "hot_levels": "1,8",
-            "hot_variants": "bare,prepare",
+            "hot_variants": "bare,prepare,prepare/4",
             "hot_seconds": 2.0,
             "hot_rounds": 1,
             "quiet_wait": 0.0,

@@ -42,6 +42,9 @@ class ModelCall(Base):
     # Estimated cost in micro-USD (models/money.py: integer, rounded up per call) at the price of the day the
     # row was written (app.conf.oncelery_prices); NULL: no price.
     cost_micros: Mapped[int | None] = mapped_column(BigInteger)
+    # A batch item's row: what the synchronous price would have cost more, exactly (NULL: not a batch call, or
+    # no price). `oncelery costs` sums it as the amount batching saved.
+    batch_saved_micros: Mapped[int | None] = mapped_column(BigInteger)
     # What else produced the answer (model version, seed, temperature, prompt hash...), as the caller gives it.
     meta: Mapped[Any] = mapped_column(Json, nullable=True)
     created_at: Mapped[datetime] = mapped_column(

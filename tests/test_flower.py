@@ -30,7 +30,10 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from oncelery import IdempotentTask
+from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery.llm.adapters.batch import OpenAIBatches
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.testing import in_process_worker
 from tests.conftest import ON_SQLITE
 from tests.services import wait_for
@@ -120,6 +123,19 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
     def ping() -> str:
         return "pong"
 
+    # A batch step with no batcher running (no relay here): its run parks WAITING on the batch, and stays so.
+    fake = FakeProvider(Knobs())
+    fake.start()
+    sync, batches = OpenAIResponses(fake.openai_base_url, "sk"), OpenAIBatches(fake.openai_base_url, "sk")
+    policy = BatchPolicy(max_items=10, max_wait_s=600)
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_flower_batch", idempotency_key="b:{n}",
+              llm_batch_adapter=batches)  # fmt: skip
+    def batched(self: IdempotentTask, n: int) -> str:
+        answer = self.llm("score", adapter=sync, model="gpt-test", input=f"Article {n}.", max_output_tokens=8,
+                          mode="batch", batch=policy)  # fmt: skip
+        return output_text(answer)
+
     port = free_port()
     assert TASKS_COLUMNS is not None, "deploy/bin/oncelery-flower no longer sets FLOWER_TASKS_COLUMNS"
     env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true", "FLOWER_TASKS_COLUMNS": TASKS_COLUMNS.group(1)}
@@ -189,6 +205,12 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
             assert {task for task, _ in labels} <= {job.name, steps.name, ping.name}, labels
             for seen_pair in ((job.name, "task-executed"), (job.name, "task-replayed"), (steps.name, "task-progress")):
                 assert seen_pair in labels, labels
+            # A run parked on a batch: Flower's state and result column say what it waits for (no traceback).
+            parked = batched.delay(1)
+            wait_for(lambda: _state(port, parked.id) == "WAITING", TIMEOUT, what="the batch step as WAITING")
+            seen = flower_tasks(port)[parked.id]
+            assert "waiting on a batch at openai (item queued)" in str(seen["result"]), seen
+            assert not seen.get("exception") and not seen.get("traceback"), seen
             # Opted in, the name carries the outcome again, and so does every monitor's task label (asked of
             # /metrics, which labels by the event's own name: the task's name may be overwritten later by a
             # task-sent event that reaches Flower after the worker's, when the producer is descheduled).
@@ -203,6 +225,9 @@ def test_flower_shows_outcomes_waits_and_steps(app: Celery, redis_url: str, tmp_
     finally:
         gate.set()
         step_gate.set()
+        sync.close()
+        batches.close()
+        fake.stop()
         flower.terminate()
         try:
             flower.wait(30)

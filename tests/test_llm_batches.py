@@ -115,6 +115,14 @@ def test_batch_steps_share_one_provider_batch_at_half_price_and_each_run_wakes_o
     listed = json.loads(shown.output)
     assert [(b["state"], b["items"]) for b in listed["batches"]] == [("ended", 5)]
     assert listed["items_by_state"] == {"done": 5} and all(i["request"] is None for i in listed["items"])
+    # `oncelery costs`: the batch calls, and what batching saved against the synchronous price, exactly.
+    report = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs", "--json"])
+    assert report.exit_code == 0, report.output
+    total = json.loads(report.output)["total"]
+    assert total["batched"]["calls"] == total["made"]["calls"] == 5, total
+    assert round(total["batch_saved"] * 1_000_000) == sync_cost // 2 == round(total["batched"]["cost"] * 1_000_000)
+    said = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs"]).output
+    assert f"saved by batching: {sync_cost // 2 / 1_000_000:.6f} USD" in said, said
 
 
 @ON_POSTGRESQL

@@ -39,3 +39,6 @@ def test_process_batch_scores_each_article_once_at_half_price(tmp_path: Path) ->
     assert cost == Decimal(ledger) / 1_000_000 and saved == sync - cost > 0
     assert cost * 2 - sync <= Decimal("0.000012"), "half price, up to one micro-USD rounded up per call"
     assert "saved by batching" in done.out
+    # Every run parked on each batch step and replayed its checkpoints when woken: not calls saved.
+    s = done.summary
+    assert s["parked"] >= 12 and s["llm_calls_saved"] == 3 * s["replayed"], s

@@ -33,7 +33,8 @@ _HEADERS = (
 @json_option()
 @click.pass_context
 def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json: bool) -> None:
-    """Print model calls made (ok/failed), tokens and estimated cost, and what replays saved.
+    """Print model calls made (ok/failed), tokens and estimated cost, what replays saved, and what batch steps
+    saved against the synchronous price.
 
     Saved: each duplicate delivery answered from a run's stored result made none of that run's calls, so a
     run saved its replays times its ok calls, tokens and cost. Costs are USD at the price of the day each
@@ -53,6 +54,13 @@ def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json
         click.echo(f"({unpriced} call{'s' if unpriced != 1 else ''} of models without a price in oncelery_prices)")
     if report.labels:
         click.echo(_labelled(dict(report.labels)))
+    batched = report.batched
+    if batched.calls:
+        click.echo(
+            f"batch calls: {batched.calls} of {report.made.calls} ({batched.failed_calls} failed), cost "
+            f"{_usd(batched.cost) or '-'} USD at the batch price; saved by batching: "
+            f"{_usd(report.batch_saved) or '-'} USD against the synchronous price"
+        )
 
 
 def _row(task: str, tenant: str, model: str, made: Spend, saved: Spend) -> tuple[Any, ...]:

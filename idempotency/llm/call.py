@@ -250,7 +250,8 @@ def _wake_in(store: RunStore, item: BatchItem) -> float:
 
 def _park_batch(step: _Step, state: str, wake_in: float) -> RunParked:
     provider = step.adapter.provider
-    return RunParked(wake_in, f"model call {step.name!r} waiting on a {provider} batch (item {state})")
+    # Flower's result column and `oncelery runs show` read this: "waiting on a batch" names why the run waits.
+    return RunParked(wake_in, f"model call {step.name!r} waiting on a batch at {provider} (item {state})")
 
 
 def _batch_done(step: _Step, intent: Intent, response: Mapping[str, Any]) -> Answered:

@@ -1,4 +1,5 @@
-"""The read side of the cost ledger: what model calls cost per task, tenant and model, and what replays saved.
+"""The read side of the cost ledger: what model calls cost per task, tenant and model, what replays saved, and
+what batch steps saved (each batch row keeps the difference to its synchronous price, `batch_saved_micros`).
 
 Saved, exactly: a duplicate delivery answered from a COMPLETED run's stored result (`task_runs.replays`)
 made none of the calls the run made, so each run saved `replays x` its ok calls, tokens and cost. Both figure
@@ -67,6 +68,8 @@ class CostLine:
     model: str
     made: Spend = field(default_factory=Spend)
     saved: Spend = field(default_factory=Spend)
+    batched: Spend = field(default_factory=Spend)  # the calls among `made` that went through a provider batch
+    batch_saved: Decimal | None = None  # what their batch price saved against the synchronous price (exact)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,17 @@ class CostReport:
         """Every call replays avoided."""
         return sum((line.saved for line in self.lines), Spend())
 
+    @property
+    def batched(self) -> Spend:
+        """Every call made through a provider batch."""
+        return sum((line.batched for line in self.lines), Spend())
+
+    @property
+    def batch_saved(self) -> Decimal | None:
+        """What batching saved in all (None: no priced batch call)."""
+        amounts = [line.batch_saved for line in self.lines if line.batch_saved is not None]
+        return sum(amounts, Decimal(0)) if amounts else None
+
     def as_dict(self) -> dict[str, Any]:
         """The report as a JSON document (costs in USD)."""
         return {
@@ -99,22 +113,41 @@ class CostReport:
                     "model": line.model,
                     "made": line.made.as_dict(),
                     "saved": line.saved.as_dict(),
+                    "batched": line.batched.as_dict(),
+                    "batch_saved": _number(line.batch_saved),
                 }
                 for line in self.lines
             ],
-            "total": {"made": self.made.as_dict(), "saved": self.saved.as_dict()},
+            "total": {
+                "made": self.made.as_dict(),
+                "saved": self.saved.as_dict(),
+                "batched": self.batched.as_dict(),
+                "batch_saved": _number(self.batch_saved),
+            },
             "labelled_calls": dict(sorted(self.labels.items())),
         }
 
 
 def cost_report(url: str, task_name: str | None = None, tenant: str | None = None) -> CostReport:
-    """Return what the ledger of `url` holds (one task's or tenant's if given): two grouped queries, no scans."""
+    """Return what the ledger of `url` holds (one task's or tenant's if given): three grouped queries, no scans."""
     made = {key: Spend(*figures) for key, figures in _grouped(url, _made_query(), task_name, tenant)}
     # A replay skips whole runs of returned calls: none of what it saved failed.
     saved = {key: Spend(n, 0, *rest) for key, (n, *rest) in _grouped(url, _saved_query(), task_name, tenant)}
+    batched = {
+        key: (Spend(*figures[:-1]), None if figures[-1] is None else usd(int(figures[-1])))
+        for key, figures in _grouped(url, _batch_query(), task_name, tenant, usd_at=-3)
+    }
     keys = sorted(made.keys() | saved.keys(), key=lambda k: (k[0] or "", k[1], k[2]))
-    lines = [CostLine(*key, made.get(key, Spend()), saved.get(key, Spend())) for key in keys]
+    lines = [
+        CostLine(*key, made.get(key, Spend()), saved.get(key, Spend()), *batched.get(key, (Spend(), None)))
+        for key in keys
+    ]
     return CostReport(lines, _labels(url, task_name, tenant))
+
+
+def _number(amount: Decimal | None) -> float | None:
+    # As Spend.as_dict: a JSON number of at most 6 decimals (exact for amounts under 10^9 USD).
+    return None if amount is None else float(amount)
 
 
 def _labels(url: str, task_name: str | None, tenant: str | None) -> dict[str, int]:
@@ -163,8 +196,19 @@ def _saved_query() -> Select[Any]:
     )
 
 
+def _batch_query() -> Select[Any]:
+    # The calls whose intent went through a provider batch: made figures, then what batching saved (raw micros).
+    c, i = CALLS.c, INTENTS.c
+    return (
+        _made_query()
+        .add_columns(func.sum(c.batch_saved_micros))
+        .select_from(CALLS.join(INTENTS, i.public_id == c.call_id))
+        .where(i.mode == "batch")
+    )
+
+
 def _grouped(
-    url: str, stmt: Select[Any], task_name: str | None, tenant: str | None
+    url: str, stmt: Select[Any], task_name: str | None, tenant: str | None, usd_at: int = -2
 ) -> list[tuple[tuple[str | None, str, str], list[Any]]]:
     c = CALLS.c
     if task_name is not None:
@@ -176,15 +220,15 @@ def _grouped(
     # Counts as int (PostgreSQL sums BIGINTs as NUMERIC, i.e. Decimal); the cost, last but one, summed in
     # micro-USD, as Decimal USD or None.
     return [
-        ((row[0], row[1], row[2]), [_figure(value, i == len(row) - 2) for i, value in enumerate(row[3:], start=3)])
+        ((row[0], row[1], row[2]), [_figure(value, i == len(row) + usd_at) for i, value in enumerate(row[3:], start=3)])
         for row in rows
     ]
 
 
 def _figure(value: Any, is_usd: bool) -> Any:
-    if is_usd:
-        return None if value is None else usd(int(value))
-    return int(value)
+    if value is None:  # a SUM over no priced row
+        return None
+    return usd(int(value)) if is_usd else int(value)
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,9 @@ class LedgerRecorder:
         """Add the row (and the running totals, once) for `intent`'s call."""
         claim, step = self.ctx.claim, self.step
         cost = None if self.price is None else self.price.cost_micros(usage.input_tokens, usage.output_tokens)
+        saved = None
         if cost is not None and intent.mode == "batch":  # a batch item is billed at the batch price
-            cost = batch_micros(cost)
+            cost, saved = batch_micros(cost), cost - batch_micros(cost)
         row = {
             "call_id": intent.public_id,
             "task_name": claim.task_name,
@@ -183,6 +184,7 @@ class LedgerRecorder:
             "ok": ok,
             "error": error,
             "cost_micros": cost,
+            "batch_saved_micros": saved,
             "meta": {"attempt": intent.attempt, "mode": intent.mode},
             "reason": reason,
             "reattached": reattached,

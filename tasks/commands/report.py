@@ -6,7 +6,9 @@ end, over this file's articles only, so re-running on the same database reports 
 Calls saved, precisely: a worker without the claim runs every delivery it receives from its first step.
 So each delivery answered from a stored result (replayed) would have made one call per step, and each step
 a resumed run replayed from its checkpoint would have been called again. `calls saved = steps per article x
-replayed deliveries + replayed checkpoints`, and `calls without Oncelery = calls made + calls saved`.
+replayed deliveries + replayed checkpoints`, and `calls without Oncelery = calls made + calls saved`. A run
+that parked (WAITING on a model call or a batch) replays its checkpoints when woken: that is not a saving, so a
+run with parks counts its replayed deliveries only.
 Wasted calls are ledger rows beyond one per step of an article: a call that returned but whose step never
 checkpointed (its worker was killed in between), so a later attempt had to call the model again.
 """
@@ -193,7 +195,9 @@ def summarize(
         lease_lost=delta["lease_lost"],
         parked=delta["waiting"],
         llm_calls=calls,
-        llm_calls_saved=steps_per_article * delta["replayed"] + checkpoints,
+        # A parked run's wake replays the checkpoints it made before parking: that is how it continues, not a
+        # call saved (a worker without the claim could not park at all). With parks, checkpoints are not counted.
+        llm_calls_saved=steps_per_article * delta["replayed"] + (0 if delta["waiting"] else checkpoints),
         wasted_calls=beyond(after.ledger) - beyond(before.ledger),
         calls_reattached=total(after.ledger, "reattached") - total(before.ledger, "reattached"),
         repeated_calls={reason: n for reason, n in sorted(repeated.items()) if n > 0},
@@ -236,7 +240,12 @@ def _rows(s: Summary) -> list[tuple[str, str, str]]:
     rows += [
         ("worker kills", f"{s.worker_kills}", f"{s.jobs_interrupted} jobs interrupted mid-pipeline"),
         ("LLM calls made (ledger rows)", f"{s.llm_calls}", ""),
-        ("LLM calls saved", f"{s.llm_calls_saved}", f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"),
+        (
+            "LLM calls saved",
+            f"{s.llm_calls_saved}",
+            f"of {s.llm_calls + s.llm_calls_saved} without Oncelery"
+            + ("; duplicates only: woken runs' checkpoint replays are not savings" if s.parked else ""),
+        ),
         ("wasted calls", f"{s.wasted_calls}", "ledger rows beyond one per step"),
         ("calls re-attached", f"{s.calls_reattached}", "answered to a later delivery (after a kill or a park)"),
         ("repeated calls", f"{s.repeated}", _reasons(s.repeated_calls)),
