@@ -28,7 +28,8 @@ from oncelery.errors import (
 )
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import output_text
-from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
+from oncelery.llm.adapters.batch import AnthropicBatches, GeminiBatches, OpenAIBatches
+from oncelery.llm.adapters.gemini_generate import GeminiGenerateContent
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.batches import BatchPolicy
@@ -146,6 +147,8 @@ __all__ = [
     "BudgetExceeded",
     "CallOutcomeUnknown",
     "FakeProvider",
+    "GeminiBatches",
+    "GeminiGenerateContent",
     "OpenAIBatches",
     "OpenAIChat",
     "OpenAIResponses",

@@ -1,4 +1,4 @@
-"""The chaos runner's reduced preset as a subprocess: 230 jobs under every fault kind, nothing lost or doubled.
+"""The chaos runner's reduced preset as a subprocess: 170 jobs under every fault kind, nothing lost or doubled.
 
 `python -m tests.chaos --preset ci` starts its own redis-server, a throwaway PostgreSQL cluster, three
 `celery worker`s (one behind a blackholing proxy) and an outbox relay, and stops all of them by PID however it
@@ -28,7 +28,7 @@ FAULTS = re.compile(r"^faults: (.*) \(missed: .*\)$", re.MULTILINE)
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_reduced_chaos_preset_loses_and_duplicates_nothing(tmp_path: Path) -> None:
-    """230 jobs, 20 % duplicates, every fault kind at its minimum: exit 0, lost=0 duplicated=0 unexpected=0."""
+    """170 jobs, 20 % duplicates, every fault kind at its minimum: exit 0, lost=0 duplicated=0 unexpected=0."""
     services.need(
         "PostgreSQL binaries",
         postgres_runnable(),

@@ -1,7 +1,7 @@
-"""The batch APIs of the fake provider, driven through the batch adapters: OpenAI's Files + Batch API and Anthropic's
-Message Batches go through their statuses as they are polled, answer each request exactly as its synchronous
-endpoint does, can be found again after their id is lost, and fail, expire, cancel and shuffle on the knobs; the
-counters record every custom_id submitted and every batch token billed.
+"""The batch APIs of the fake provider, driven through the batch adapters: OpenAI's Files + Batch API, Anthropic's
+Message Batches and Gemini's batch mode go through their statuses as they are polled, answer each request exactly
+as its synchronous endpoint does, can be found again after their id is lost, and fail, expire, cancel and shuffle
+on the knobs; the counters record every custom_id submitted and every batch token billed.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import httpx
 import pytest
 
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
-from oncelery.llm.adapters.batch import AnthropicBatches, BatchLine, BatchState, OpenAIBatches
+from oncelery.llm.adapters.base import output_text
+from oncelery.llm.adapters.batch import AnthropicBatches, BatchLine, BatchState, GeminiBatches, OpenAIBatches
+from oncelery.llm.adapters.gemini_generate import GeminiGenerateContent
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRejected, ResponseGone
 from oncelery.llm.fake import FakeProvider, Knobs, count_tokens, generate_text
 
 MODEL = "gpt-test"
 CLAUDE = "claude-test"
+GEMINI = "gemini-test"
 
 
 @pytest.fixture
@@ -63,7 +66,7 @@ def submit(
     return adapter.create(file_id, endpoint, tag)
 
 
-def poll(adapter: OpenAIBatches | AnthropicBatches, state: BatchState) -> tuple[BatchState, list[str]]:
+def poll(adapter: OpenAIBatches | AnthropicBatches | GeminiBatches, state: BatchState) -> tuple[BatchState, list[str]]:
     """Retrieve until the batch ends (each retrieve advances the fake's batch); return it and the statuses seen."""
     seen = [state.status]
     for _ in range(20):
@@ -316,3 +319,125 @@ def test_batch_knobs_are_set_over_http_and_a_reset_forgets_batches(fake: FakePro
     with pytest.raises(ResponseGone):
         adapter.retrieve(created.id)
     assert adapter.uploaded_files("") == [] and fake.stats()["items_by_custom_id"] == {}
+
+
+# -- Gemini batch mode ---------------------------------------------------------------------------------------------
+
+
+def gemini(fake: FakeProvider, opened: list[Any]) -> GeminiBatches:
+    adapter = GeminiBatches(fake.gemini_base_url, "g-key", timeout_s=5)
+    opened.append(adapter)
+    return adapter
+
+
+def contents(text: str) -> dict[str, Any]:
+    """A GenerateContentRequest of one user turn (the model is the batch's, in its path)."""
+    return {"contents": [{"role": "user", "parts": [{"text": text}]}], "generationConfig": {"maxOutputTokens": 200}}
+
+
+def gemini_lines(n: int, prefix: str = "k") -> list[tuple[str, dict[str, Any]]]:
+    return [(f"{prefix}{i}", {"model": GEMINI, **contents(f"Gemini note {i}.")}) for i in range(n)]
+
+
+def raw(fake: FakeProvider, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    with httpx.Client(base_url=fake.gemini_base_url, headers={"x-goog-api-key": "g-key"}, timeout=5) as client:
+        return client.request(method, path, **kwargs)
+
+
+def test_a_gemini_batch_answers_inline_in_input_order_without_echoing_metadata(
+    fake: FakeProvider, opened: list[Any]
+) -> None:
+    adapter = gemini(fake, opened)
+    lines = gemini_lines(4)
+    created = adapter.create(lines, GEMINI, "ob-tag-1")
+    assert created.id.startswith("batches/") and created.status == "BATCH_STATE_PENDING" and not created.ended
+    assert created.metadata == {"displayName": "ob-tag-1", "model": f"models/{GEMINI}"}
+    assert created.counts["requestCount"] == 4 and created.counts["pendingRequestCount"] == 4
+    ended, seen = poll(adapter, created)
+    assert seen == ["BATCH_STATE_PENDING", "BATCH_STATE_RUNNING", "BATCH_STATE_RUNNING", "BATCH_STATE_SUCCEEDED"]
+
+    operation = raw(fake, "GET", f"/{created.id}").json()  # an ended batch no longer moves
+    assert operation["done"] is True and operation["name"] == created.id and "error" not in operation
+    assert operation["metadata"]["@type"].endswith("v1main.GenerateContentBatch")
+    assert operation["metadata"]["batchStats"]["successfulRequestCount"] == "4"  # int64: a JSON string
+    output = operation["response"]
+    assert output["@type"].endswith("v1main.GenerateContentBatchOutput")
+    entries = output["inlinedResponses"]["inlinedResponses"]
+    assert len(entries) == 4 and all(set(e) == {"response"} for e in entries), "no metadata echoed back"
+    expected = [generate_text(GEMINI, body["contents"][0]["parts"][0]["text"]) for _, body in lines]
+    assert [output_text(e["response"]) for e in entries] == expected, "input order"
+
+    sync = GeminiGenerateContent(fake.gemini_base_url, "g-key", timeout_s=5)
+    opened.append(sync)
+    results = list(adapter.results(ended, [c for c, _ in lines]))
+    assert [line.custom_id for line in results] == ["k0", "k1", "k2", "k3"] and all(line.ok for line in results)
+    for line, (_, body) in zip(results, lines, strict=True):
+        same = sync.create(body, "no-tag", background=False).response
+        assert line.response is not None and line.response["usageMetadata"] == same["usageMetadata"]
+        assert (
+            output_text(line.response)
+            == output_text(same)
+            == generate_text(GEMINI, body["contents"][0]["parts"][0]["text"])
+        )
+    stats = fake.stats()
+    assert stats["batches_created"] == {"gemini": 1} and stats["items_by_custom_id"] == {c: 1 for c, _ in lines}
+    assert stats["creates"] == {"gemini": 4} and stats["creates_without_intent"] == 4, "generateContent: no tag"
+    assert stats["batch_billed_output_tokens"] == sum(count_tokens(t) for t in expected)
+    with pytest.raises(ProviderRejected, match="cannot be matched"):
+        list(adapter.results(ended, ["k0", "k1", "k2"]))  # a count that differs is never mapped
+
+
+def test_a_gemini_batch_is_found_by_display_name_listed_newest_first_and_cancelled(
+    fake: FakeProvider, opened: list[Any]
+) -> None:
+    adapter = gemini(fake, opened)
+    wanted = adapter.create(gemini_lines(2, "a"), GEMINI, "g-a")
+    for tag in ("g-b", "g-c"):
+        adapter.create(gemini_lines(1, tag), GEMINI, tag)
+    found = adapter.find("g-a")
+    assert found is not None and found.id == wanted.id and adapter.find("g-z") is None
+    assert adapter.retrieve(wanted.id).status == "BATCH_STATE_RUNNING", "a find does not advance the batch"
+    first = raw(fake, "GET", "/batches", params={"pageSize": 2}).json()
+    rest = raw(fake, "GET", "/batches", params={"pageSize": 2, "pageToken": first["nextPageToken"]}).json()
+    assert [o["metadata"]["displayName"] for o in first["operations"]] == ["g-c", "g-b"]
+    assert [o["name"] for o in rest["operations"]] == [wanted.id] and "nextPageToken" not in rest
+
+    assert raw(fake, "POST", f"/{wanted.id}:cancel").json() == {}
+    assert adapter.cancel(wanted.id) is None  # again: still fine
+    cancelled = adapter.retrieve(wanted.id)
+    assert cancelled.status == "BATCH_STATE_CANCELLED" and cancelled.ended and cancelled.inline is None
+    operation = raw(fake, "GET", f"/{wanted.id}").json()
+    assert operation["done"] and operation["error"]["code"] == 1 and "response" not in operation
+    assert list(adapter.results(cancelled, ["a0", "a1"])) == [], "no responses: its items are re-queued"
+    with pytest.raises(ResponseGone):
+        adapter.retrieve("batches/nope")
+
+
+def test_gemini_items_fail_in_place_and_an_expired_batch_returns_no_responses(
+    fake: FakeProvider, opened: list[Any]
+) -> None:
+    adapter = gemini(fake, opened)
+    fake.set_knobs(batch_fail_ids=["k1"], batch_shuffle=True)  # shuffle does not apply: the order is the mapping
+    lines = [*gemini_lines(3), ("k3", {"contents": [{"parts": [{"text": "x"}]}], "stream": True})]
+    ended, _ = poll(adapter, adapter.create(lines, GEMINI, "g-fail"))
+    results = list(adapter.results(ended, [c for c, _ in lines]))
+    assert [(line.custom_id, line.ok) for line in results] == [("k0", True), ("k1", False), ("k2", True), ("k3", False)]
+    assert results[1].error is not None and results[1].error.startswith("500:") and not results[1].expired
+    assert results[3].error is not None and results[3].error.startswith("400:") and "stream" in results[3].error
+    assert ended.counts["failedRequestCount"] == 2 and ended.counts["successfulRequestCount"] == 2
+
+    fake.set_knobs(batch_fail_ids=[], batch_expire=True)
+    before = fake.stats()["batch_billed_output_tokens"]
+    expired, seen = poll(adapter, adapter.create(gemini_lines(2, "e"), GEMINI, "g-late"))
+    assert seen[-1] == "BATCH_STATE_EXPIRED" and expired.inline is None
+    assert list(adapter.results(expired, ["e0", "e1"])) == [], "no responses: the batcher re-queues every item"
+    assert raw(fake, "GET", f"/{expired.id}").json()["error"]["code"] == 4
+    assert fake.stats()["batch_billed_output_tokens"] == before, "nothing of an expired batch ran"
+
+    refused = raw(fake, "POST", f"/models/{GEMINI}:batchGenerateContent", json={"batch": {"inputConfig": {}}})
+    assert refused.status_code == 400 and refused.json()["error"]["status"] == "INVALID_ARGUMENT"
+    sync = GeminiGenerateContent(fake.gemini_base_url, "", timeout_s=5)
+    opened.append(sync)
+    with pytest.raises(ProviderRejected, match="403"):
+        sync.create({"model": GEMINI, **contents("hi")}, "i", background=False)
+    assert fake.stats()["batches_created"] == {"gemini": 2}

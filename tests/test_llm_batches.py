@@ -18,7 +18,7 @@ from celery import Celery
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
-from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery import BatchPolicy, GeminiBatches, GeminiGenerateContent, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
@@ -324,3 +324,140 @@ def test_a_batch_the_provider_refuses_fails_its_items_steps_instead_of_retrying_
     with get_engine(db_url).connect() as conn:
         statuses = {r.status for r in conn.execute(select(RUNS).where(RUNS.c.task_name == task.name))}
     assert statuses <= {RunStatus.FAILED, RunStatus.DEAD}, statuses
+
+
+# -- Gemini: inline requests, tagged by displayName, answers matched by position ---------------------------------
+
+GEMINI = "gemini-test"
+
+
+def gemini_request(text: str) -> dict[str, Any]:
+    """A GenerateContentRequest of one user turn, its output limited to OUT tokens."""
+    return {"contents": [{"role": "user", "parts": [{"text": text}]}], "generationConfig": {"maxOutputTokens": OUT}}
+
+
+@pytest.fixture
+def gemini(fake: FakeProvider) -> Iterator[tuple[GeminiGenerateContent, GeminiBatches]]:
+    """Gemini's synchronous adapter (provider, usage) and its batch adapter, on the fake."""
+    with (
+        GeminiGenerateContent(fake.gemini_base_url, "g-key") as sync,
+        GeminiBatches(fake.gemini_base_url, "g-key") as batches,
+    ):
+        yield sync, batches
+
+
+def rater(app: Celery, adapters: tuple[GeminiGenerateContent, GeminiBatches], policy: BatchPolicy) -> Any:
+    sync, batches = adapters
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_batch_gemini",
+              idempotency_key="doc:{doc}", llm_batch_adapter=batches)  # fmt: skip
+    def rate(self: IdempotentTask, doc: str, text: str) -> str:
+        answer = self.llm("rate", adapter=sync, model=GEMINI, mode="batch", batch=policy, **gemini_request(text))
+        return output_text(answer)
+
+    return rate
+
+
+def gemini_answers(fake: FakeProvider, texts: list[str]) -> list[str]:
+    """What generateContent answers the same requests synchronously (its creates carry no intent)."""
+    with GeminiGenerateContent(fake.gemini_base_url, "g-key") as sync:
+        return [output_text(sync.create({"model": GEMINI, **gemini_request(t)}, "ref", background=False).response)
+                for t in texts]  # fmt: skip
+
+
+@ON_SQLITE
+def test_gemini_batch_steps_share_one_provider_batch_at_half_price_answered_by_position(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, gemini: Any
+) -> None:
+    """Four Gemini steps pooled into one batch of inline requests named by the batch's id: each custom_id sent once
+    (as its request's metadata key), each run given the answer at its request's position (the responses carry no
+    key), equal to generateContent's own, and the ledger at exactly half the synchronous price."""
+    app.conf.oncelery_prices = {GEMINI: {"input": 1000, "output": 1000}}
+    task = rater(app, gemini, BatchPolicy(max_items=4, max_wait_s=30))
+    texts = TEXTS[:4]
+    with worker_factory(app, concurrency=2), relay_running(app, db_url, batch_poll_s=0.05):
+        pending = [task.delay(f"g{n}", text) for n, text in enumerate(texts)]
+        answers = [p.get(timeout=JOB) for p in pending]
+    stats = fake.stats()
+    assert stats["creates"] == {} and stats["batches_created"] == {"gemini": 1}, stats
+    [batch] = rows(db_url, BATCHES)
+    items = rows(db_url, BATCH_ITEMS)
+    assert stats["items_by_custom_id"] == {i["custom_id"]: 1 for i in items}, "each custom_id sent once, as its key"
+    assert batch["provider_batch_id"].startswith("batches/") and batch["state"] is BatchState.ENDED
+    assert len(set(answers)) == 4 and answers == gemini_answers(fake, texts), "each answer from its own position"
+    sync_cost = sum((count_tokens(t) + OUT) * 1000 for t in texts)
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.sum(CALLS.c.cost_micros))).scalar_one() * 2 == sync_cost
+        assert {r.status for r in conn.execute(select(RUNS))} == {RunStatus.COMPLETED}
+    assert {i["state"] for i in items} == {ItemState.DONE}
+    assert task.outcome_counts()["executed"] == 4
+
+
+@pytest.mark.crash
+@ON_POSTGRESQL
+def test_a_gemini_batch_created_before_a_crash_is_found_by_its_display_name_not_created_again(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, gemini: Any, tmp_path: Path
+) -> None:
+    """The batcher SIGKILLed right after the create, before the batch's name is saved: the next batcher lists
+    Gemini's batches, finds the one whose displayName is the batch's id, and polls it: one batch, each item once."""
+    app.conf.oncelery_prices = {GEMINI: {"input": 1000, "output": 1000}}
+    task = rater(app, gemini, BatchPolicy(max_items=3, max_wait_s=30))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    texts = TEXTS[:3]
+    first = relay_process(app, db_url, fake, marks, "batch_created", provider="gemini")
+    second = None
+    try:
+        with worker_factory(app, concurrency=2):
+            pending = [task.delay(f"gk{n}", text) for n, text in enumerate(texts)]
+            assert first.wait(timeout=JOB) == -signal.SIGKILL, "the relay was not killed after the create"
+            second = relay_process(app, db_url, fake, marks, None, provider="gemini")
+            answers = [p.get(timeout=JOB) for p in pending]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    assert answers == gemini_answers(fake, texts)
+    stats = fake.stats()
+    assert stats["batches_created"] == {"gemini": 1}, stats["batches_created"]  # found again, not created twice
+    assert sorted(stats["items_by_custom_id"].values()) == [1, 1, 1]
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.count()).select_from(CALLS).where(CALLS.c.model == GEMINI)).scalar_one() == 3
+        statuses = {r.status for r in conn.execute(select(RUNS).where(RUNS.c.task_name == task.name))}
+    assert statuses == {RunStatus.COMPLETED}
+
+
+@pytest.mark.crash
+@ON_SQLITE
+def test_a_gemini_batch_read_again_after_a_crash_mid_apply_keeps_every_answer_at_its_position(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, gemini: Any, tmp_path: Path
+) -> None:
+    """Each item fails its first submission; the batcher is SIGKILLed while applying the lines. Re-read, the
+    responses must still meet their items at the same positions: no item left the batch before its end (a
+    re-queue would shift them), so every item is re-queued once, then answered with its own answer."""
+    app.conf.oncelery_prices = {GEMINI: {"input": 1000, "output": 1000}}
+    task = rater(app, gemini, BatchPolicy(max_items=3, max_wait_s=0.2))
+    fake.set_knobs(batch_fail_first=1)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    texts = TEXTS[3:6]
+    first = relay_process(app, db_url, fake, marks, "batch_applying", provider="gemini")
+    second = None
+    try:
+        with worker_factory(app, concurrency=2):
+            pending = [task.delay(f"ga{n}", text) for n, text in enumerate(texts)]
+            assert first.wait(timeout=JOB) == -signal.SIGKILL, "the relay was not killed while applying"
+            second = relay_process(app, db_url, fake, marks, None, provider="gemini")
+            answers = [p.get(timeout=JOB) for p in pending]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    assert answers == gemini_answers(fake, texts)
+    stats = fake.stats()
+    assert stats["batches_created"] == {"gemini": 2}, stats["batches_created"]  # the failed one, then the re-queue
+    assert sorted(stats["items_by_custom_id"].values()) == [2, 2, 2], "each failed once, then succeeded once"
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 3

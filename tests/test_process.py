@@ -131,8 +131,8 @@ def test_worker_sigkills_lose_nothing_and_double_nothing(tmp_path: Path) -> None
     # --lease 3: a job held by a killed worker is taken over (or swept back by the relay) after 3 s, not 60 s.
     # Copies a killed worker held are not waited for (the command's 11 s settle): this test reads the database.
     env = {**clean_env(), "ONCELERY_PROCESS_SETTLE_S": "1"}
-    # Two kills (after 15 and 30 articles) before the 45th is scored: each lands mid-stream, as with more articles.
-    articles, every = 45, 15
+    # Two kills (after 10 and 20 articles) before the 30th is scored: each lands mid-stream, as with more articles.
+    articles, every = 30, 10
     done = process(
         "--limit",
         str(articles),

@@ -9,13 +9,16 @@ It runs inside `oncelery relay` (`Relay.run_once`). A round:
    `custom_id`s: the same items always make the same id, and it is the tag the provider's batch carries.
 2. **Upload** (OpenAI): the input file is named after the batch (`oncelery-<id>.jsonl`); after a crash a file
    of that name is reused and its duplicates deleted, so no upload is left behind.
-3. **Create**, tagged with the batch's id (OpenAI `metadata`). Before creating, the provider's list is searched
-   for that tag: a batch created in the window before a crash is found again, never created twice.
+3. **Create**, tagged with the batch's id (OpenAI `metadata`, Gemini's `displayName`, whose requests go inline
+   with no upload). Before creating, the provider's list is searched for that tag: a batch created in the window
+   before a crash is found again, never created twice. Anthropic's batches carry no tag (`_submit_untagged`).
 4. **Poll** at the batch's pace; once it ended, **apply** each line once by `custom_id` (a conditional UPDATE of
    a `submitted` item): done with its response, or re-queued (an item error, up to its policy's attempts;
    expired or cancelled items are re-queued free), or failed. Each applied item wakes its run (its `not_before`
    becomes now; the relay's waker re-sends it, and the claim absorbs a duplicate wake). Reading the results
-   again after a crash applies nothing twice.
+   again after a crash applies nothing twice. Gemini's responses carry no custom_id: they are matched by
+   position to the batch's items in the order they were sent (by item id), so no item leaves a batch before
+   the batch has ended (its re-queues commit with the batch's end, in one transaction).
 
 Crash points (`oncelery.runs.faults`): batch_claimed, batch_uploaded, batch_created, batch_saved,
 batch_downloaded, batch_applying.
@@ -41,7 +44,7 @@ from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database, rowcount
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, LEASES, RUNS
 
-__all__ = ["BatchRound", "Batcher", "FileBatches"]
+__all__ = ["BatchRound", "Batcher", "FileBatches", "InlineBatches"]
 
 logger = logging.getLogger("oncelery.batcher")  # a stable name (users filter on it)
 
@@ -86,6 +89,19 @@ class FileBatches(Protocol):
     def uploaded_files(self, prefix: str) -> list[tuple[str, str]]: ...
     def delete_file(self, file_id: str) -> None: ...
     def results(self, state: Any) -> Iterator[Any]: ...
+
+
+class InlineBatches(Protocol):
+    """A provider's batch API with inline requests and tagged batches whose results come back in input order,
+    without their custom_ids (Gemini's batch mode: the tag is the batch's `displayName`)."""
+
+    provider: str
+    results_in_input_order: bool  # True: `results` is given the custom_ids in the order they were sent
+
+    def create(self, lines: list[tuple[str, dict[str, Any]]], model: str, tag: str) -> Any: ...
+    def retrieve(self, batch_id: str) -> Any: ...
+    def find(self, tag: str, created_after: float | None = None) -> Any: ...
+    def results(self, state: Any, custom_ids: list[str]) -> Iterator[Any]: ...
 
 
 @dataclass
@@ -302,7 +318,8 @@ class Batcher:
             done.errors.append(f"no batch adapter for provider {batch.provider!r} (batch {batch.id})")
             return
         if not hasattr(adapter, "submit_file"):
-            self._submit_untagged(adapter, batch, done)
+            inline = self._submit_inline if hasattr(adapter, "find") else self._submit_untagged
+            inline(adapter, batch, done)
             return
         url = batch_url(batch.endpoint)
         file_id = batch.file_id
@@ -319,6 +336,17 @@ class Batcher:
         tagged = adapter.find(batch.id)  # created in the window before a crash: found by its tag, not created again
         if tagged is None:
             tagged = adapter.create(str(file_id), url, batch.id)
+            fault_point("batch_created", batch=batch.id)
+        self._submitted(batch, tagged, done)
+        logger.info("batcher: batch %s submitted as %s (%d items)", batch.id, tagged.id, batch.items)
+
+    def _submit_inline(self, adapter: Any, batch: Any, done: BatchRound) -> None:
+        """A provider whose batches carry a tag and their requests inline (Gemini: `displayName`): nothing to upload.
+        As for OpenAI, the provider's list is searched for the tag first: a batch created in the window before a
+        crash is found again, never created twice. Its requests go in item order: its results are matched by it."""
+        tagged = adapter.find(batch.id)
+        if tagged is None:
+            tagged = adapter.create(self._lines(batch.id), batch.model, batch.id)
             fault_point("batch_created", batch=batch.id)
         self._submitted(batch, tagged, done)
         logger.info("batcher: batch %s submitted as %s (%d items)", batch.id, tagged.id, batch.items)
@@ -371,11 +399,13 @@ class Batcher:
         done.submitted += 1
 
     def _custom_ids(self, batch_id: str) -> list[str]:
+        """The batch's custom_ids in the order its requests were sent (`_lines`' order: by item id)."""
         i = BATCH_ITEMS.c
         with self.db.read() as conn:
-            return list(conn.execute(select(i.custom_id).where(i.batch_id == batch_id)).scalars())
+            return list(conn.execute(select(i.custom_id).where(i.batch_id == batch_id).order_by(i.id)).scalars())
 
     def _lines(self, batch_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """The batch's (custom_id, request) in the order they are sent: by item id, the order `_custom_ids` gives."""
         i = BATCH_ITEMS.c
         with self.db.read() as conn:
             rows = conn.execute(select(i.custom_id, i.request).where(i.batch_id == batch_id).order_by(i.id)).all()
@@ -419,51 +449,74 @@ class Batcher:
             )
         if not state.ended:
             return
-        lines = list(adapter.results(state))
+        ordered = bool(getattr(adapter, "results_in_input_order", False))
+        # Matched by position (Gemini): the custom_ids in send order, complete while the batch is not ended.
+        lines = list(adapter.results(state, self._custom_ids(batch.id)) if ordered else adapter.results(state))
         fault_point("batch_downloaded", batch=batch.id)
+        later: list[Any] = []
         for n, line in enumerate(lines):
             if n:
                 fault_point("batch_applying", batch=batch.id, line=n)
+            if ordered and not line.ok:
+                # Not now: a re-queued item leaves the batch, which would shift every position of a re-read
+                # after a crash. Failed and re-queued lines apply with the batch's end, in one transaction.
+                later.append(line)
+                continue
             self._apply(batch.id, line, done)
-        self._requeue_rest(batch.id, done)  # in no line (expired, cancelled, missing): queued again
-        self._save(batch.id, BatchState.SUBMITTED, state=BatchState.ENDED, ended_at=self.db.dialect.now())
+        self._end(batch.id, later, done)
         if batch.file_id:
             done.files_deleted += self._delete_files(adapter, [batch.file_id])
 
     def _apply(self, batch_id: str, line: Any, done: BatchRound) -> None:
         """Apply one result line once (a conditional UPDATE of its submitted item), and wake its run."""
+        with self.db.begin() as conn:
+            self._fence(conn)
+            self._apply_txn(conn, batch_id, line, done)
+
+    def _apply_txn(self, conn: Connection, batch_id: str, line: Any, done: BatchRound) -> None:
         i = BATCH_ITEMS.c
         mine = and_(i.custom_id == line.custom_id, i.batch_id == batch_id, i.state == ItemState.SUBMITTED)
-        with self.db.begin() as conn:
-            self._fence(conn)
-            row = conn.execute(select(i.run_id, i.attempts, i.group_key).where(mine)).first()
-            if row is None:
-                return  # applied before (a re-read after a crash), or not ours
-            if line.ok:
-                values: dict[str, Any] = {"state": ItemState.DONE, "response": dict(line.response or {}),
-                                          "done_at": self.db.dialect.now(), "request": None}  # fmt: skip
-                done.applied += 1
-            elif line.expired or int(row.attempts) + 1 < _attempts_of(str(row.group_key)):
-                values = {"state": ItemState.QUEUED, "batch_id": None, "error": line.error,
-                          "attempts": i.attempts + (0 if line.expired else 1)}  # fmt: skip
-                done.requeued += 1
-            else:
-                values = {"state": ItemState.FAILED, "error": line.error or "failed in its batch", "request": None}
-                done.failed += 1
-            conn.execute(update(BATCH_ITEMS).where(mine).values(**values))
-            if values["state"] is not ItemState.QUEUED:
-                wake_run(conn, self.db, int(row.run_id))
+        row = conn.execute(select(i.run_id, i.attempts, i.group_key).where(mine)).first()
+        if row is None:
+            return  # applied before (a re-read after a crash), or not ours
+        if line.ok:
+            values: dict[str, Any] = {"state": ItemState.DONE, "response": dict(line.response or {}),
+                                      "done_at": self.db.dialect.now(), "request": None}  # fmt: skip
+            done.applied += 1
+        elif line.expired or int(row.attempts) + 1 < _attempts_of(str(row.group_key)):
+            values = {"state": ItemState.QUEUED, "batch_id": None, "error": line.error,
+                      "attempts": i.attempts + (0 if line.expired else 1)}  # fmt: skip
+            done.requeued += 1
+        else:
+            values = {"state": ItemState.FAILED, "error": line.error or "failed in its batch", "request": None}
+            done.failed += 1
+        conn.execute(update(BATCH_ITEMS).where(mine).values(**values))
+        if values["state"] is not ItemState.QUEUED:
+            wake_run(conn, self.db, int(row.run_id))
 
-    def _requeue_rest(self, batch_id: str, done: BatchRound) -> None:
-        i = BATCH_ITEMS.c
+    def _end(self, batch_id: str, later: list[Any], done: BatchRound) -> None:
+        """In one fenced transaction: apply the lines left for the end, re-queue every item in no line (expired,
+        cancelled, missing), and end the batch. Until it commits, every item of the batch is still in it."""
         with self.db.begin() as conn:
             self._fence(conn)
-            left = conn.execute(
-                update(BATCH_ITEMS)
-                .where(i.batch_id == batch_id, i.state == ItemState.SUBMITTED)
-                .values(state=ItemState.QUEUED, batch_id=None, error="not in the batch's results")
+            for line in later:
+                self._apply_txn(conn, batch_id, line, done)
+            self._requeue_rest(conn, batch_id, done)
+            conn.execute(
+                update(BATCHES)
+                .where(BATCHES.c.id == batch_id, BATCHES.c.state == BatchState.SUBMITTED)
+                .values(state=BatchState.ENDED, ended_at=self.db.dialect.now())
             )
-            done.requeued += rowcount(left)
+
+    @staticmethod
+    def _requeue_rest(conn: Connection, batch_id: str, done: BatchRound) -> None:
+        i = BATCH_ITEMS.c
+        left = conn.execute(
+            update(BATCH_ITEMS)
+            .where(i.batch_id == batch_id, i.state == ItemState.SUBMITTED)
+            .values(state=ItemState.QUEUED, batch_id=None, error="not in the batch's results")
+        )
+        done.requeued += rowcount(left)
 
 
 def wake_run(conn: Connection, db: Database, run_id: int) -> None:

@@ -56,8 +56,14 @@ __all__ = [
 # What a batch call costs against a synchronous one: OpenAI's Batch API, Anthropic's Message Batches and Gemini's
 # batch mode all bill about 50 %. The ledger and the budgets price batch items at this share of oncelery_prices.
 BATCH_PRICE = Decimal("0.5")
-# The endpoint a synchronous adapter's calls go to in a batch file (OpenAI's `url` of each line).
-_BATCH_URLS = {"responses": "/v1/responses", "chat.completions": "/v1/chat/completions", "messages": "/v1/messages"}
+# Where a synchronous adapter's calls go in a batch: OpenAI's `url` of each line of its input file; Anthropic's and
+# Gemini's requests go inline (Gemini's batch method is named after the model: `models/{model}:...`).
+_BATCH_URLS = {
+    "responses": "/v1/responses",
+    "chat.completions": "/v1/chat/completions",
+    "messages": "/v1/messages",
+    "generateContent": "/v1beta/models/{model}:batchGenerateContent",
+}
 
 
 @dataclass(frozen=True)

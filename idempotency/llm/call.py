@@ -308,7 +308,8 @@ def _admissions(
     if tokens[1] == 0 and any(a.rule.kind in ("tpm", "otpm") for a in chosen):
         raise ConfigurationError(
             f"{claim.task_name}: a token limit applies to {adapter.provider}:{model}, so its calls need an output "
-            "limit: pass max_output_tokens= (or max_tokens=) to self.llm()"
+            "limit: pass max_output_tokens= (or max_tokens=, or Gemini's generationConfig={'maxOutputTokens': n}) to "
+            "self.llm()"
         )
     return tuple(chosen)
 

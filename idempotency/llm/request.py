@@ -1,10 +1,11 @@
 """A model request's identity: which fields make two requests the same call, and the digest an intent stores.
 
-The digest covers what shapes the answer: the model, the input (input, messages, instructions, system), the tools
-and their choice, the sampling parameters and the output limits and format. It leaves out how the call travels:
-timeouts, metadata, `background`, `stream`, `store`, `user`/`safety_identifier`, service tier and cache keys.
-So a replay that changes only a timeout or the transport still replays; one that changes a prompt raises
-`StepMismatch` (a changed step, as a changed `args_digest` does).
+The digest covers what shapes the answer: the model, the input (input, messages, instructions, system; Gemini's
+contents, systemInstruction and cachedContent), the tools and their choice, the sampling parameters and the output
+limits and format (Gemini's generationConfig and safetySettings). It leaves out how the call travels: timeouts,
+metadata, `background`, `stream`, `store`, `user`/`safety_identifier`, service tier and cache keys. So a replay
+that changes only a timeout or the transport still replays; one that changes a prompt raises `StepMismatch` (a
+changed step, as a changed `args_digest` does).
 
 Prompt text is never stored: only this digest.
 """
@@ -29,6 +30,10 @@ DIGEST_FIELDS = frozenset(
         "frequency_penalty", "max_output_tokens", "max_tokens", "max_completion_tokens",
         # the shape of the answer
         "text", "response_format", "logprobs", "top_logprobs", "include", "truncation",
+        # Gemini's generateContent (each also in the snake_case Google's JSON takes): what is asked, the tools'
+        # settings, the safety thresholds, and the sampling, output limit and format (generationConfig)
+        "contents", "systemInstruction", "system_instruction", "cachedContent", "cached_content", "toolConfig",
+        "tool_config", "safetySettings", "safety_settings", "generationConfig", "generation_config",
     }
 )  # fmt: skip
 

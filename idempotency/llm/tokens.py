@@ -15,8 +15,12 @@ from typing import Any
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 BYTES_PER_TOKEN_FLOOR = 3
-#: The request fields whose text is billed as input.
-INPUT_FIELDS = ("instructions", "system", "input", "messages")
+#: The request fields whose text is billed as input (Gemini's `systemInstruction` and `contents` too; Google's
+#: JSON also takes each field's snake_case name).
+INPUT_FIELDS = ("instructions", "system", "systemInstruction", "system_instruction", "input", "messages", "contents")
+#: Where a request sets its output limit: OpenAI's and Anthropic's top-level fields, then Gemini's generationConfig.
+OUTPUT_LIMIT_FIELDS = ("max_output_tokens", "max_tokens", "max_completion_tokens")
+GEMINI_LIMIT_FIELDS = (("generationConfig", "maxOutputTokens"), ("generation_config", "max_output_tokens"))
 
 
 def count_tokens(text: str) -> int:
@@ -41,8 +45,9 @@ def request_text(value: Any) -> str:
     if isinstance(value, list):
         return "\n".join(request_text(item) for item in value)
     if isinstance(value, dict):
-        # Messages ({"role", "content"}) and content parts ({"type": "input_text", "text"}) alike.
-        for key in ("content", "text"):
+        # Messages ({"role", "content"}), content parts ({"type": "input_text", "text"}) and Gemini's Content
+        # ({"role", "parts": [{"text"}]}) alike.
+        for key in ("content", "text", "parts"):
             if key in value:
                 return request_text(value[key])
     return ""
@@ -59,8 +64,12 @@ def estimate_tokens(text: str) -> int:
 
 
 def output_limit(request: Mapping[str, Any]) -> int:
-    """Return the request's output token limit (0: none given)."""
-    for name in ("max_output_tokens", "max_tokens", "max_completion_tokens"):
+    """Return the request's output token limit (0: none given), Gemini's `generationConfig.maxOutputTokens` too."""
+    for name in OUTPUT_LIMIT_FIELDS:
         if request.get(name):
             return int(request[name])
+    for config, name in GEMINI_LIMIT_FIELDS:
+        settings = request.get(config)
+        if isinstance(settings, Mapping) and settings.get(name):
+            return int(settings[name])
     return 0

@@ -7,7 +7,8 @@
     ONCELERY_FAKE_PROVIDER_URL the fake provider (its batch API)
     ONCELERY_KILL_AT           a batch fault point (oncelery.runs.faults) where this process SIGKILLs itself, once
     ONCELERY_CRASH_MARKS       a folder: the kill leaves a mark there, so a restarted relay passes the point
-    ONCELERY_BATCH_PROVIDER    "openai" (default: Files and Batches, tagged) or "anthropic" (Message Batches, untagged)
+    ONCELERY_BATCH_PROVIDER    "openai" (default: Files and Batches, tagged), "anthropic" (Message Batches, untagged)
+                               or "gemini" (batch mode: inline requests, tagged by displayName)
 
 It serves rounds until SIGTERM (or the kill).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from oncelery import Relay
-from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
+from oncelery.llm.adapters.batch import AnthropicBatches, GeminiBatches, OpenAIBatches
 from oncelery.runs.faults import fault_injected
 from tests.apps.outbox_app import ENV_DATABASE_URL, create_app
 
@@ -46,9 +47,10 @@ def main() -> None:
     app = create_app(os.environ)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    base = os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1"
+    url = os.environ["ONCELERY_FAKE_PROVIDER_URL"]
     provider = os.environ.get("ONCELERY_BATCH_PROVIDER") or "openai"
-    adapter = AnthropicBatches(base, "sk-batch") if provider == "anthropic" else OpenAIBatches(base, "sk-batch")
+    adapters = {"anthropic": AnthropicBatches, "gemini": GeminiBatches, "openai": OpenAIBatches}
+    adapter = adapters[provider](url + ("/v1beta" if provider == "gemini" else "/v1"), "sk-batch")
     relay = Relay(app, os.environ[ENV_DATABASE_URL], sweep_interval=None, batch_adapters={provider: adapter},
                   batch_poll_s=0.05, batch_lease_s=1.0)  # fmt: skip
     point = os.environ.get("ONCELERY_KILL_AT")

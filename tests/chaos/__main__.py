@@ -25,7 +25,7 @@ from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
     "ci": {
-        "jobs": 230,
+        "jobs": 170,
         "duplicates": 20.0,
         "kills": 6,
         "flushes": 1,
@@ -36,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "timeout": 230.0,
         "workers": 2,
         "seed": 1,
-        "window": 26.0,  # 230 jobs at ~9/s on 2 workers: the suite pays for the window, not for the faults
+        "window": 19.0,  # 170 jobs at ~9/s on 2 workers: the suite pays for the window, not for the faults
         "lease": 3.0,
         "visibility_timeout": 4.0,
         "long_share": 2.0,

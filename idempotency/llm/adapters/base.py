@@ -60,8 +60,8 @@ class Observed:
 class Adapter(Protocol):
     """One provider protocol. Creates are never retried inside: a retry is a new intent, so every create counts."""
 
-    provider: str  # "openai", "anthropic", or the name a user gives a compatible server
-    endpoint: str  # "responses", "chat.completions", "messages"
+    provider: str  # "openai", "anthropic", "gemini", or the name a user gives a compatible server
+    endpoint: str  # "responses", "chat.completions", "messages", "generateContent"
 
     def capabilities(self, request: Mapping[str, Any]) -> Capabilities:
         """Return what this adapter can do for `request` (retention may depend on its `store`)."""
@@ -85,7 +85,8 @@ class Adapter(Protocol):
 
 
 def output_text(response: Mapping[str, Any]) -> str:
-    """Return the answer's text from an OpenAI Response, a Chat Completion or an Anthropic Message."""
+    """Return the answer's text from an OpenAI Response, a Chat Completion, an Anthropic Message or a Gemini
+    GenerateContentResponse (its first candidate's text parts, thought summaries left out)."""
     if "output" in response:  # Responses API
         return "".join(
             part.get("text", "")
@@ -96,4 +97,8 @@ def output_text(response: Mapping[str, Any]) -> str:
         )
     if "choices" in response:  # chat completions
         return str((response["choices"][0].get("message") or {}).get("content") or "")
+    if "candidates" in response or "usageMetadata" in response:  # Gemini (no candidate: the prompt was blocked)
+        candidates = response.get("candidates") or [{}]
+        parts = (candidates[0].get("content") or {}).get("parts") or []
+        return "".join(str(part.get("text") or "") for part in parts if not part.get("thought"))
     return "".join(b.get("text", "") for b in response.get("content") or [] if b.get("type") == "text")

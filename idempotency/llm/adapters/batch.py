@@ -1,6 +1,7 @@
-"""Batch APIs: OpenAI's Files + Batch API and Anthropic's Message Batches, over httpx with no retries.
+"""Batch APIs: OpenAI's Files + Batch API, Anthropic's Message Batches and Gemini's batch mode, over httpx with no
+retries.
 
-What the framework needs of a provider batch, the same for both: create it, find it again after a crash in the
+What the framework needs of a provider batch, the same for all three: create it, find it again after a crash in the
 create window, poll it to its end, read its results line by line (`BatchLine`, keyed by `custom_id`), cancel it.
 
 - OpenAI (openai-python `resources/batches.py`, `resources/files.py`): the requests go up as a JSONL file
@@ -12,10 +13,16 @@ create window, poll it to its end, read its results line by line (`BatchLine`, k
 - Anthropic (anthropic-sdk-python `resources/messages/batches.py`): the requests go inline; a batch has no
   metadata, so a lost batch can only be found by listing batches created since a time (`list_since`) and matching
   the custom_ids in their results. Results are one JSONL document, available once the batch has ended.
+- Gemini (REST v1beta `models.batchGenerateContent`, `batches.get/list/cancel`; a batch is a long-running
+  Operation whose `metadata` is the GenerateContentBatch): the requests go inline, each `{request, metadata:
+  {key: custom_id}}`, and the batch's required `displayName` is the tag, so a lost batch is found again by listing
+  `GET /batches` (`find`). Inline responses come back in input order and without the request's metadata, so
+  `results` maps them to custom_ids **by position**: the batcher passes the custom_ids in the order it sent them.
+  An expired, cancelled or failed batch returns no responses (its requests are re-queued).
 
 Each request's answer in a result is the JSON its synchronous endpoint returns (a Responses or Chat Completions
-body, an Anthropic Message), so the synchronous adapters' `usage` reads it. Every failure is a typed error
-(`oncelery.llm.errors`), as in `http`.
+body, an Anthropic Message, a GenerateContentResponse), so the synchronous adapters' `usage` reads it. Every
+failure is a typed error (`oncelery.llm.errors`), as in `http`.
 """
 
 from __future__ import annotations
@@ -24,14 +31,16 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
+from oncelery.llm.adapters.gemini_generate import API_KEY_HEADER, BASE_URL, api_key_of, model_name, request_body
 from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, OpenAIAuthAdapter, Transport
-from oncelery.llm.errors import ProviderUnavailable
+from oncelery.llm.errors import ProviderRejected, ProviderUnavailable
 
 #: The metadata key that carries the framework's tag of an OpenAI batch.
 BATCH_METADATA_KEY = "oncelery_batch"
@@ -40,6 +49,10 @@ OPENAI_ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 #: OpenAI error codes of requests that never ran (the batch expired or was cancelled first): safe to re-queue.
 NOT_RUN_CODES = frozenset({"batch_expired", "batch_cancelled"})
 PAGE = 100  # the most batches OpenAI lists per page
+GEMINI_ENDED = frozenset(
+    {"BATCH_STATE_SUCCEEDED", "BATCH_STATE_FAILED", "BATCH_STATE_CANCELLED", "BATCH_STATE_EXPIRED"}
+)
+GEMINI_PAGE = 100  # batches asked per page of Gemini's list
 
 
 @dataclass(frozen=True)
@@ -48,13 +61,15 @@ class BatchState:
 
     id: str
     status: str  # the provider's own status string
-    ended: bool  # completed/failed/expired/cancelled (OpenAI) or ended (Anthropic)
-    output_ref: str | None  # OpenAI output_file_id; Anthropic: the batch id when results exist
+    ended: bool  # completed/failed/expired/cancelled (OpenAI), ended (Anthropic), or an ended Gemini state
+    output_ref: str | None  # OpenAI output_file_id; Anthropic and Gemini: the batch id when results exist
     error_ref: str | None  # OpenAI error_file_id
     metadata: dict[str, str]
     created_at: float  # epoch seconds (OpenAI reports whole seconds)
     counts: dict[str, int]
     poll_after_s: float | None = None
+    # Gemini: the inline responses an ended batch carries, in input order (None: none, or another provider).
+    inline: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -202,6 +217,80 @@ class AnthropicBatches(HTTPAdapter):
         return _anthropic_state(self.http.json("POST", f"/messages/batches/{batch_id}/cancel", {}))
 
 
+class GeminiBatches(HTTPAdapter):
+    """Gemini's batch mode (`models/{model}:batchGenerateContent`, `batches/*`) over httpx: inline requests, the
+    tag as the batch's `displayName`, results matched to custom_ids by position (see the module)."""
+
+    #: The batcher passes `results` the custom_ids in the order it sent them: responses carry no key.
+    results_in_input_order = True
+
+    def __init__(
+        self,
+        base_url: str = BASE_URL,
+        api_key: str | None = None,
+        *,
+        provider: str = "gemini",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.provider = provider
+        self.http = Transport(provider, base_url, {API_KEY_HEADER: api_key_of(api_key)}, timeout_s)
+
+    def create(self, lines: list[tuple[str, dict[str, Any]]], model: str, tag: str) -> BatchState:
+        """Create the batch of GenerateContentRequests (custom_id, request) inline, each with `metadata.key =
+        custom_id`, named `displayName = tag` (what `find` looks for); the requests keep their order."""
+        name = model_name(model)
+        requests = [{"request": request_body(body), "metadata": {"key": custom_id}} for custom_id, body in lines]
+        batch = {"model": name, "displayName": tag, "inputConfig": {"requests": {"requests": requests}}}
+        return _gemini_state(self.http.json("POST", f"/{name}:batchGenerateContent", {"batch": batch}, model))
+
+    def retrieve(self, batch_id: str) -> BatchState:
+        """Return the batch (`batches/<id>`) as it is now; `ResponseGone` if Gemini has no such batch."""
+        return _gemini_state(self.http.json("GET", f"/{_batch_name(batch_id)}"))
+
+    def find(self, tag: str, created_after: float | None = None) -> BatchState | None:
+        """Return the newest batch whose `displayName` is `tag` (created at or after `created_after`, if given),
+        or None. Every page of the list is read: Gemini documents no order of it."""
+        found: list[BatchState] = []
+        token: str | None = None
+        while True:
+            query = f"/batches?pageSize={GEMINI_PAGE}" + (f"&pageToken={quote(token, safe='')}" if token else "")
+            page = self.http.json("GET", query)
+            for operation in page.get("operations") or []:
+                if (operation.get("metadata") or {}).get("displayName") == tag:
+                    state = _gemini_state(operation)
+                    if created_after is None or state.created_at >= created_after:
+                        found.append(state)
+            token = page.get("nextPageToken") or None
+            if not token:
+                return max(found, key=lambda state: state.created_at) if found else None
+
+    def results(self, state: BatchState, custom_ids: list[str]) -> Iterator[BatchLine]:
+        """Yield each inline response of an ended batch as the line of the custom_id at its position (`custom_ids`
+        in the order they were sent); none when the batch returned none (expired, cancelled, failed). A count that
+        differs, or a key echoed at the wrong position, raises `ProviderRejected`: the answers could not be matched
+        to their requests, and applying one to the wrong step would be worse than failing them."""
+        responses = state.inline or []
+        if not responses:
+            return
+        if len(responses) != len(custom_ids):
+            raise ProviderRejected.of(
+                self.provider, 502,
+                f"batch {state.id} answered {len(responses)} responses for {len(custom_ids)} requests: "
+                "they cannot be matched to their requests by position",
+            )  # fmt: skip
+        for position, (custom_id, entry) in enumerate(zip(custom_ids, responses, strict=True)):
+            echoed = (entry.get("metadata") or {}).get("key")
+            if echoed is not None and echoed != custom_id:
+                raise ProviderRejected.of(
+                    self.provider, 502, f"batch {state.id}: response {position} is keyed {echoed!r}, not {custom_id!r}"
+                )
+            yield _gemini_line(custom_id, entry)
+
+    def cancel(self, batch_id: str) -> None:
+        """Ask Gemini to cancel the batch (best effort; it answers `{}`: `retrieve` shows BATCH_STATE_CANCELLED)."""
+        self.http.json("POST", f"/{_batch_name(batch_id)}:cancel", {})
+
+
 # -- reading the providers' objects ---------------------------------------------------------------------------------
 def _openai_state(batch: Mapping[str, Any]) -> BatchState:
     status = str(batch.get("status"))
@@ -233,8 +322,45 @@ def _anthropic_state(batch: Mapping[str, Any]) -> BatchState:
     )
 
 
+def _batch_name(batch_id: str) -> str:
+    return batch_id if batch_id.startswith("batches/") else f"batches/{batch_id}"
+
+
+def _gemini_state(operation: Mapping[str, Any]) -> BatchState:
+    """A Gemini batch Operation (`metadata`: the GenerateContentBatch; `response` once it succeeded)."""
+    batch = operation.get("metadata") or {}
+    status = str(batch.get("state") or "BATCH_STATE_UNSPECIFIED")
+    ended = bool(operation.get("done")) or status in GEMINI_ENDED
+    output = (operation.get("response") or {}).get("inlinedResponses") or {}
+    inline = output.get("inlinedResponses") if ended else None
+    name = str(operation.get("name") or batch.get("name"))
+    stats = batch.get("batchStats") or {}
+    return BatchState(
+        id=name,
+        status=status,
+        ended=ended,
+        output_ref=name if inline else None,
+        error_ref=None,
+        metadata={k: str(batch[k]) for k in ("displayName", "model") if batch.get(k)},
+        created_at=_epoch(batch.get("createTime")),
+        counts={str(k): int(v or 0) for k, v in stats.items()},  # int64 counts arrive as JSON strings
+        inline=list(inline) if isinstance(inline, list) else None,
+    )
+
+
+def _gemini_line(custom_id: str, entry: Mapping[str, Any]) -> BatchLine:
+    response = entry.get("response")
+    if isinstance(response, dict) and response.get("candidates"):
+        return BatchLine(custom_id, True, response, None)
+    if isinstance(response, dict):  # answered, with no candidate: the prompt was blocked
+        reason = (response.get("promptFeedback") or {}).get("blockReason") or "no candidate"
+        return BatchLine(custom_id, False, None, f"blocked: {reason}")
+    error = entry.get("error") or {}
+    return BatchLine(custom_id, False, None, f"{error.get('code')}: {error.get('message')}")
+
+
 def _epoch(value: Any) -> float:
-    """RFC 3339 (Anthropic's timestamps) to epoch seconds."""
+    """RFC 3339 (Anthropic's and Gemini's timestamps) to epoch seconds."""
     try:
         return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
     except ValueError:

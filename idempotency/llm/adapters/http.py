@@ -146,7 +146,7 @@ class Transport:
             return
         detail = _detail(response)
         if response.status_code == 429:
-            wait = self.last_hint.retry_after_s or self.last_hint.reset_s or 1.0
+            wait = self.last_hint.retry_after_s or self.last_hint.reset_s or retry_delay_s(response) or 1.0
             raise ProviderRateLimited.of(self.provider, model or "?", wait, detail)
         if response.status_code == 404 and method == "GET":
             raise ResponseGone.of(self.provider, path.split("?")[0].rsplit("/", 1)[-1])
@@ -193,6 +193,21 @@ class OpenAIAuthAdapter(HTTPAdapter):
         self.provider = provider
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
         self.http = Transport(provider, base_url, {"Authorization": f"Bearer {key}"}, timeout_s)
+
+
+def retry_delay_s(response: httpx.Response) -> float | None:
+    """Read Google's wait of a 429: the error's `google.rpc.RetryInfo` detail (`retryDelay`, "37s"), which Gemini
+    sends instead of a `retry-after` header; None if absent or unreadable."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    details = error.get("details") if isinstance(error, dict) else None
+    for detail in details if isinstance(details, list) else []:
+        if isinstance(detail, dict) and str(detail.get("@type", "")).endswith("google.rpc.RetryInfo"):
+            return duration_s(str(detail.get("retryDelay") or ""))
+    return None
 
 
 def _detail(response: httpx.Response) -> str:

@@ -1,9 +1,10 @@
-"""A fake model provider: a real HTTP server on 127.0.0.1 that speaks OpenAI's and Anthropic's protocols.
+"""A fake model provider: a real HTTP server on 127.0.0.1 that speaks OpenAI's, Anthropic's and Gemini's protocols.
 
 It answers `POST /v1/responses` (foreground, background, streamed with sequence numbers; retrieve, stream
-resume with `starting_after`, cancel, the `openai-poll-after-ms` header), `POST /v1/chat/completions` and
-Anthropic's `POST /v1/messages`, with deterministic text and exact token counts of its own, and both providers'
-batch APIs (OpenAI Files and Batch, Anthropic Message Batches), time compressed: a batch advances as it is polled.
+resume with `starting_after`, cancel, the `openai-poll-after-ms` header), `POST /v1/chat/completions`,
+Anthropic's `POST /v1/messages` and Gemini's `POST /v1beta/models/{model}:generateContent`, with deterministic
+text and exact token counts of its own, and the three providers' batch APIs (OpenAI Files and Batch, Anthropic
+Message Batches, Gemini batch mode), time compressed: a batch advances as it is polled.
 Its counters (creates per intent, 429s served, polls, cancels, batch items per custom_id) are the oracle of every
 test of a model call: they are what a provider would have billed. Knobs make it slow, forgetful, stuck, failing,
 or hold a create's answer so that a test can kill a worker inside the create window every time.

@@ -1,4 +1,5 @@
-"""The batch APIs, time compressed: OpenAI's Files and Batch APIs and Anthropic's Message Batches.
+"""The batch APIs, time compressed: OpenAI's Files and Batch APIs, Anthropic's Message Batches and Gemini's batch
+mode.
 
 Wire shapes, as the providers' references give them (checked with the search tool, 2026-12):
 
@@ -30,19 +31,35 @@ Wire shapes, as the providers' references give them (checked with the search too
   `{data, has_more, first_id, last_id}`. Results: JSONL `{custom_id, result}` with `result` `{type: "succeeded",
   message}`, `{type: "errored", error: <the error envelope>}`, `{type: "canceled"}` or `{type: "expired"}`, in any
   order. A request's params are validated while the batch runs: a bad one ends `errored`.
+- Gemini batch mode (ai.google.dev/api/batch-api, REST v1beta): `POST /v1beta/models/{model}:batchGenerateContent`
+  with `{batch: {displayName (required), model, inputConfig: {requests: {requests: [{request, metadata}]}}}}`
+  answers an Operation `{name: "batches/<id>", metadata: <GenerateContentBatch>, done}`; the GenerateContentBatch
+  has `@type`, `name`, `model`, `displayName`, `createTime`, `updateTime`, `endTime`, `batchStats`
+  (`requestCount`, `successfulRequestCount`, `failedRequestCount`, `pendingRequestCount`: int64 as JSON strings)
+  and `state` BATCH_STATE_PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED or EXPIRED. `GET /v1beta/batches/<id>`
+  (the Operation), `GET /v1beta/batches?pageSize=&pageToken=` (`{operations, nextPageToken}`),
+  `POST /v1beta/batches/<id>:cancel` (answers `{}`). Once done, a succeeded batch's Operation has `response:
+  {@type: GenerateContentBatchOutput, inlinedResponses: {inlinedResponses: [{response} | {error}]}}` in input
+  order, without the requests' metadata (not echoed back, as ../shared/PROVIDERS.md notes); a cancelled or
+  expired one has an `error` (google.rpc.Status) and no response. Auth: the `x-goog-api-key` header.
 
 Time is compressed: a batch moves only when it is retrieved. After its create (OpenAI `validating`, Anthropic
 `in_progress`), each retrieve advances it: `in_progress` for `Knobs.batch_polls` retrieves (its requests done in
 input order, a share per retrieve), then OpenAI's `finalizing` for one retrieve, then it ends (`completed`, or
 `expired` with `batch_expire`; Anthropic `ended`). A cancel makes it `cancelling`/`canceling`; the next retrieve
-ends it `cancelled`/`ended`, the requests not yet done canceled. Knobs are read when a batch is created.
+ends it `cancelled`/`ended`, the requests not yet done canceled. Knobs are read when a batch is created. A Gemini
+batch goes PENDING, then RUNNING for `batch_polls` retrieves, then SUCCEEDED (or EXPIRED with `batch_expire`:
+none of its requests runs, and it returns no response); a cancel ends it CANCELLED at the next retrieve.
+`batch_shuffle` does not apply to Gemini: its output order is how responses are matched to requests.
 
 Each request's answer is the one the synchronous endpoint gives (the same generator, token counts and response
 JSON, ids aside), billed to `batch_billed_*_tokens` when it succeeds, not to the synchronous bill.
 
 Simplifications: a malformed input line (or a duplicate custom_id) is refused with 400 at the create, where OpenAI
 accepts the batch and ends it `failed`; the fake serves only the `/v1/responses` and `/v1/chat/completions`
-endpoints; cancelling an ended batch answers the batch as it is; nothing is archived or expires on the clock.
+endpoints; cancelling an ended batch answers the batch as it is; nothing is archived or expires on the clock;
+Gemini batches take inline requests only (no `fileName`), and a Gemini request without a `metadata.key` counts
+under the key "" in `items_by_custom_id`.
 """
 
 from __future__ import annotations
@@ -70,7 +87,15 @@ OPENAI_ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat"
 BATCH_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"})
 FILE_PURPOSES = frozenset({"assistants", "batch", "fine-tune", "vision", "user_data", "evals"})
 OPENAI_ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+GEMINI_ENDED = frozenset(
+    {"BATCH_STATE_SUCCEEDED", "BATCH_STATE_FAILED", "BATCH_STATE_CANCELLED", "BATCH_STATE_EXPIRED"}
+)
+GEMINI_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1main."
+GEMINI_BATCH_FIELDS = frozenset(
+    {"model", "name", "displayName", "display_name", "inputConfig", "input_config", "priority"}
+)
 MAX_ANTHROPIC_REQUESTS = 100_000
+MAX_GEMINI_REQUESTS = 100_000
 _CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _T = TypeVar("_T")
@@ -131,11 +156,11 @@ class Item:
 
 @dataclass
 class Batch:
-    """A batch of either provider: its requests, where it is, and its knobs as they were at its create."""
+    """A batch of any provider: its requests, where it is, and its knobs as they were at its create."""
 
     id: str
-    provider: str  # "openai" | "anthropic"
-    kind: str  # the synchronous kind of its requests: responses, chat or messages
+    provider: str  # "openai" | "anthropic" | "gemini"
+    kind: str  # the synchronous kind of its requests: responses, chat, messages or gemini
     items: list[Item]
     created_at: float  # epoch seconds
     seq: int  # creation order (newest first in lists)
@@ -145,6 +170,8 @@ class Batch:
     endpoint: str = ""
     input_file_id: str = ""
     metadata: dict[str, str] | None = None
+    model: str = ""  # Gemini: the model its requests run on (the batch's path names it)
+    display_name: str = ""  # Gemini: the batch's displayName
     status: str = "validating"
     retrieves: int = 0
     times: dict[str, float] = field(default_factory=dict)  # status (or event) -> epoch seconds it was reached
@@ -155,7 +182,7 @@ class Batch:
     @property
     def ended(self) -> bool:
         """Whether the batch has ended (nothing in it moves any more)."""
-        return self.status in OPENAI_ENDED or self.status == "ended"
+        return self.status in OPENAI_ENDED or self.status == "ended" or self.status in GEMINI_ENDED
 
 
 @dataclass
@@ -168,10 +195,12 @@ class _Plan:
     endpoint: str = ""
     input_file_id: str = ""
     metadata: dict[str, str] | None = None
+    model: str = ""
+    display_name: str = ""
 
 
 class FakeBatches:
-    """Files and batches of both providers over the fake's `ProviderState`; the server turns `BatchError` into 4xx.
+    """Files and batches of every provider over the fake's `ProviderState`; the server turns `BatchError` into 4xx.
 
     Locks: a batch's own lock, then the state's lock (never the other way round), so that a retrieve generating
     answers does not hold up the rest of the fake.
@@ -309,6 +338,39 @@ class FakeBatches:
         _unique([c for c, _ in lines])
         return _Plan("anthropic", "messages", lines)
 
+    def check_gemini(self, model: str, body: dict[str, Any]) -> _Plan:
+        """Validate a Gemini batchGenerateContent of inline requests (each request is checked as it runs)."""
+        batch = body.get("batch")
+        if set(body) != {"batch"} or not isinstance(batch, dict):
+            raise BatchError(400, "Invalid JSON payload received: expected exactly {'batch': {...}}.")
+        unknown = sorted(set(batch) - GEMINI_BATCH_FIELDS)
+        if unknown:
+            raise BatchError(400, f"Invalid JSON payload received. Unknown name \"{unknown[0]}\" at 'batch'.")
+        display = batch.get("displayName", batch.get("display_name"))
+        if not isinstance(display, str) or not display:
+            raise BatchError(400, "* GenerateContentBatch.display_name: display_name is required")
+        if batch.get("model") not in (None, f"models/{model}"):
+            raise BatchError(400, f"batch.model {batch.get('model')!r} does not match the path's models/{model}")
+        source = batch.get("inputConfig", batch.get("input_config"))
+        if not isinstance(source, dict) or not source:
+            raise BatchError(400, "* GenerateContentBatch.input_config: input_config is required")
+        if "fileName" in source or "file_name" in source:
+            raise BatchError(400, "The fake serves inline requests only (inputConfig.requests), not fileName.")
+        requests = (source.get("requests") or {}).get("requests") if isinstance(source.get("requests"), dict) else None
+        if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_GEMINI_REQUESTS:
+            raise BatchError(400, f"inputConfig.requests.requests: expected 1 to {MAX_GEMINI_REQUESTS} requests")
+        lines: list[tuple[str, dict[str, Any]]] = []
+        for n, inlined in enumerate(requests):
+            if not isinstance(inlined, dict) or not isinstance(inlined.get("request"), dict):
+                raise BatchError(400, f"requests[{n}]: expected an object with 'request' (a GenerateContentRequest)")
+            if set(inlined) - {"request", "metadata"}:
+                raise BatchError(400, f"requests[{n}]: only 'request' and 'metadata' are allowed")
+            metadata = inlined.get("metadata") or {}
+            if not isinstance(metadata, dict):
+                raise BatchError(400, f"requests[{n}].metadata: expected an object")
+            lines.append((str(metadata.get("key") or ""), inlined["request"]))
+        return _Plan("gemini", "gemini", lines, model=model, display_name=display)
+
     def create(self, plan: _Plan) -> Batch:
         """Accept a validated create: count it (per custom_id too), decide its injected failures, and keep it."""
         with self.state.lock:
@@ -320,9 +382,9 @@ class FakeBatches:
                     custom_id in knobs.batch_fail_ids or stats.items_by_custom_id[custom_id] <= knobs.batch_fail_first
                 )
                 items.append(Item(position, custom_id, body, fail))
-            openai = plan.provider == "openai"
+            ids = {"openai": "batch_" + uuid.uuid4().hex, "gemini": uuid.uuid4().hex[:24]}
             batch = Batch(
-                id=("batch_" + uuid.uuid4().hex) if openai else ("msgbatch_01" + uuid.uuid4().hex[:24]),
+                id=ids.get(plan.provider) or ("msgbatch_01" + uuid.uuid4().hex[:24]),
                 provider=plan.provider,
                 kind=plan.kind,
                 items=items,
@@ -334,7 +396,9 @@ class FakeBatches:
                 endpoint=plan.endpoint,
                 input_file_id=plan.input_file_id,
                 metadata=plan.metadata,
-                status="validating" if openai else "in_progress",
+                model=plan.model,
+                display_name=plan.display_name,
+                status={"openai": "validating", "gemini": "BATCH_STATE_PENDING"}.get(plan.provider, "in_progress"),
             )
             self.state.batches[batch.id] = batch
             stats.batches_created[plan.provider] += 1
@@ -360,13 +424,15 @@ class FakeBatches:
             return self.as_json(batch, base_url)
 
     def cancel(self, provider: str, batch_id: str, base_url: str) -> dict[str, Any]:
-        """Start cancelling the batch (the next retrieve ends it); an ended batch is answered as it is."""
+        """Start cancelling the batch (the next retrieve ends it); an ended batch is answered as it is. Gemini has
+        no cancelling state: its batch keeps its state until then, and the cancel answers `{}`."""
         batch = self.batch(provider, batch_id)
         with batch.lock:
-            if not batch.ended and batch.status not in ("cancelling", "canceling"):
+            if not batch.ended and "cancelling" not in batch.times:
                 batch.times["cancelling"] = time.time()
-                batch.status = "cancelling" if provider == "openai" else "canceling"
-            return self.as_json(batch, base_url)
+                if provider != "gemini":
+                    batch.status = "cancelling" if provider == "openai" else "canceling"
+            return {} if provider == "gemini" else self.as_json(batch, base_url)
 
     def delete(self, batch_id: str) -> dict[str, Any]:
         """Delete an ended Anthropic batch (400 while it runs)."""
@@ -379,7 +445,10 @@ class FakeBatches:
         return {"id": batch_id, "type": "message_batch_deleted"}
 
     def list_batches(self, provider: str, query: dict[str, list[str]], base_url: str) -> dict[str, Any]:
-        """Return a page of the provider's batches, newest first (`after`/`after_id`, `before_id`, `limit`)."""
+        """Return a page of the provider's batches, newest first (`after`/`after_id`, `before_id`, `limit`; Gemini:
+        `pageSize`, and `pageToken`, the opaque `nextPageToken` of the page before)."""
+        if provider == "gemini":
+            return self._list_gemini(query, base_url)
         openai = provider == "openai"
         limit = _limit(query, "limit", 20, 100 if openai else 1000)
         with self.state.lock:
@@ -392,6 +461,21 @@ class FakeBatches:
             with batch.lock:
                 data.append(self.as_json(batch, base_url))
         return _list(data, more, openai)
+
+    def _list_gemini(self, query: dict[str, list[str]], base_url: str) -> dict[str, Any]:
+        limit = _limit(query, "pageSize", 50, 1000)
+        with self.state.lock:
+            rows = sorted((b for b in self.state.batches.values() if b.provider == "gemini"), key=lambda b: -b.seq)
+        token = _arg(query, "pageToken")
+        if token is not None and token not in {b.id for b in rows}:
+            raise BatchError(400, "Invalid page token.")
+        page, more = _page(rows, lambda b: b.id, token, None, limit)
+        operations = []
+        for batch in page:
+            with batch.lock:
+                operations.append(self.as_json(batch, base_url))
+        # The token is the last batch of the page (opaque to the client, as Google's are).
+        return {"operations": operations, **({"nextPageToken": page[-1].id} if more and page else {})}
 
     def results(self, batch_id: str) -> bytes:
         """Return an ended Anthropic batch's results as JSONL (400 before it ends)."""
@@ -406,12 +490,14 @@ class FakeBatches:
         if batch.ended:
             return
         batch.retrieves += 1
-        if batch.status in ("cancelling", "canceling"):
+        if "cancelling" in batch.times:
             self._end(batch, "canceled")
             return
-        order = [i for i in batch.items if not batch.expire or i.position % 2 == 0]
+        gemini = batch.provider == "gemini"
+        # An expiring batch runs its even positions (Gemini's none: an expired Gemini batch returns no response).
+        order = [i for i in batch.items if not batch.expire or (i.position % 2 == 0 and not gemini)]
         if batch.retrieves <= batch.polls:
-            self._reach(batch, "in_progress")
+            self._reach(batch, "BATCH_STATE_RUNNING" if gemini else "in_progress")
             self._run_all(batch, order[: len(order) * batch.retrieves // (batch.polls + 1)])
         elif batch.expire:
             self._end(batch, "expired")
@@ -426,12 +512,19 @@ class FakeBatches:
         batch.times.setdefault(status, time.time())
 
     def _end(self, batch: Batch, how: str) -> None:
-        """End the batch: `completed` runs what is left; `expired` runs the even positions; `canceled` runs none."""
-        if how != "canceled":
+        """End the batch: `completed` runs what is left; `expired` runs the even positions (Gemini's: none);
+        `canceled` runs none."""
+        gemini = batch.provider == "gemini"
+        if how == "completed" or (how == "expired" and not gemini):
             self._run_all(batch, [i for i in batch.items if how == "completed" or i.position % 2 == 0])
         for item in batch.items:
             if item.outcome is None:
                 item.outcome = "expired" if how == "expired" else "canceled"
+        if gemini:
+            states = {"completed": "SUCCEEDED", "expired": "EXPIRED", "canceled": "CANCELLED"}
+            self._reach(batch, f"BATCH_STATE_{states[how]}")
+            batch.times.setdefault("ended", time.time())
+            return
         openai = batch.provider == "openai"
         self._reach(batch, {"completed": "completed", "expired": "expired", "canceled": "cancelled"}[how])
         if not openai:
@@ -458,9 +551,15 @@ class FakeBatches:
 
     def _run(self, batch: Batch, item: Item) -> None:
         """Answer one request as its synchronous endpoint would (or fail it, when injected or invalid)."""
-        error = wire.openai_error if batch.provider == "openai" else wire.anthropic_error
+        errors: dict[str, Callable[[int, str], dict[str, Any]]] = {
+            "openai": wire.openai_error,
+            "gemini": wire.gemini_error,
+        }
+        error = errors.get(batch.provider, wire.anthropic_error)
+        # A Gemini request names no model: the batch's path does, and the answer is the synchronous one's.
+        body = {**item.body, "model": batch.model} if batch.provider == "gemini" else item.body
         try:
-            _, prompt = wire.check_request(batch.kind, item.body)
+            _, prompt = wire.check_request(batch.kind, body)
             if item.body.get("stream") or item.body.get("background"):
                 raise wire.BadRequest("stream and background are not supported in a batch request")
         except wire.BadRequest as exc:
@@ -470,12 +569,14 @@ class FakeBatches:
             message = "The server had an error while processing your request (injected)."
             item.outcome, item.status_code, item.response = "errored", 500, error(500, message)
             return
-        answer = self.generator(item.body)
-        call = new_call(batch.kind, str(item.body["model"]), item.body, prompt, answer, time.monotonic(), _no_wait)
+        answer = self.generator(body)
+        call = new_call(batch.kind, str(body["model"]), body, prompt, answer, time.monotonic(), _no_wait)
         if batch.kind == "responses":
             response = wire.response_object(call, "incomplete" if call.truncated else "completed")
         elif batch.kind == "chat":
             response = wire.chat_completion(call)
+        elif batch.kind == "gemini":
+            response = wire.gemini_response(call)
         else:
             response = wire.anthropic_message(call)
         item.outcome, item.status_code, item.response = "succeeded", 200, response
@@ -498,8 +599,11 @@ class FakeBatches:
 
     # -- wire shapes -----------------------------------------------------------------------------------------------
     def as_json(self, batch: Batch, base_url: str) -> dict[str, Any]:
-        """Return the provider's batch object (OpenAI Batch or Anthropic MessageBatch) as it is now."""
+        """Return the provider's batch object (OpenAI Batch, Anthropic MessageBatch or Gemini's batch Operation) as
+        it is now."""
         outcomes = [i.outcome for i in batch.items]
+        if batch.provider == "gemini":
+            return self._gemini_operation(batch, outcomes)
         if batch.provider == "anthropic":
             at = {name: _rfc3339(t) for name, t in batch.times.items()}
             return {
@@ -550,6 +654,49 @@ class FakeBatches:
             },
             "metadata": batch.metadata,
         }
+
+    def _gemini_operation(self, batch: Batch, outcomes: list[str | None]) -> dict[str, Any]:
+        """The batch as a long-running Operation: its GenerateContentBatch as `metadata`; once done, `response`
+        (inline responses in input order, no metadata echoed) or, cancelled or expired, `error`."""
+        name = f"batches/{batch.id}"
+        succeeded = outcomes.count("succeeded")
+        failed = outcomes.count("errored")
+        at = {state: _rfc3339(t) for state, t in batch.times.items()}
+        metadata: dict[str, Any] = {
+            "@type": GEMINI_TYPE + "GenerateContentBatch",
+            "model": f"models/{batch.model}",
+            "name": name,
+            "displayName": batch.display_name,
+            "createTime": _rfc3339(batch.created_at),
+            "updateTime": _rfc3339(max([batch.created_at, *batch.times.values()])),
+            "batchStats": {
+                "requestCount": str(len(outcomes)),
+                "successfulRequestCount": str(succeeded),
+                "failedRequestCount": str(failed),
+                "pendingRequestCount": str(outcomes.count(None)),
+            },
+            "state": batch.status,
+        }
+        if "ended" in at:
+            metadata["endTime"] = at["ended"]
+        operation: dict[str, Any] = {"name": name, "metadata": metadata, "done": batch.ended}
+        if batch.status == "BATCH_STATE_SUCCEEDED":
+            entries = [self._gemini_entry(item) for item in batch.items]  # input order: the order is the mapping
+            operation["response"] = {
+                "@type": GEMINI_TYPE + "GenerateContentBatchOutput",
+                "inlinedResponses": {"inlinedResponses": entries},
+            }
+        elif batch.status == "BATCH_STATE_CANCELLED":
+            operation["error"] = {"code": 1, "message": "The batch was cancelled."}
+        elif batch.status == "BATCH_STATE_EXPIRED":
+            operation["error"] = {"code": 4, "message": "The batch expired before its requests ran."}
+        return operation
+
+    @staticmethod
+    def _gemini_entry(item: Item) -> dict[str, Any]:
+        if item.outcome == "succeeded":
+            return {"response": item.response}
+        return {"error": (item.response or {}).get("error") or {"code": 13, "message": str(item.outcome)}}
 
     def _openai_line(self, item: Item) -> dict[str, Any]:
         line: dict[str, Any] = {"id": item.line_id, "custom_id": item.custom_id, "response": None, "error": None}

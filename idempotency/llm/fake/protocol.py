@@ -1,7 +1,8 @@
 """The wire shapes: request validation and the JSON (and server-sent events) each provider answers with.
 
 Shapes follow the providers' API references: OpenAI's Response object and its streaming events (each with a
-`sequence_number`), the Chat Completion object, Anthropic's Message object, and each one's error envelope.
+`sequence_number`), the Chat Completion object, Anthropic's Message object, Gemini's GenerateContentResponse (REST
+v1beta), and each one's error envelope.
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ MESSAGES_FIELDS = frozenset(
         "stop_sequences", "stream", "tools", "tool_choice", "thinking", "service_tier",
     }
 )  # fmt: skip
+# Gemini's GenerateContentRequest (Google's JSON takes each field's snake_case name as well); `model` is in the path.
+GEMINI_FIELDS = frozenset(
+    {
+        "model", "contents", "tools", "toolConfig", "tool_config", "safetySettings", "safety_settings",
+        "systemInstruction", "system_instruction", "generationConfig", "generation_config", "cachedContent",
+        "cached_content",
+    }
+)  # fmt: skip
+#: google.rpc.Code names of the HTTP statuses the fake answers Gemini calls with.
+GOOGLE_STATUS = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}  # fmt: skip
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
 
 
@@ -51,10 +65,14 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str], required: tuple[
 
 
 def check_request(kind: str, body: dict[str, Any]) -> tuple[str | None, str]:
-    """Validate a create of `kind` (responses, chat, messages); return its metadata's intent and its billed prompt.
+    """Validate a create of `kind` (responses, chat, messages, gemini); return its metadata's intent and its billed
+    prompt.
 
-    Chat's intent comes from metadata only here: the server also reads the `x-client-request-id` header.
+    Chat's intent comes from metadata only here: the server also reads the `x-client-request-id` header. A Gemini
+    request carries no intent: generateContent has no metadata.
     """
+    if kind == "gemini":
+        return None, _check_gemini(body)
     if kind == "responses":
         check_fields(body, RESPONSES_FIELDS, ("model", "input"))
         return openai_intent(body), "\n".join(
@@ -71,6 +89,23 @@ def check_request(kind: str, body: dict[str, Any]) -> tuple[str | None, str]:
     return anthropic_intent(body), "\n".join(
         filter(None, [request_text(body.get("system")), request_text(body["messages"])])
     )
+
+
+def _check_gemini(body: dict[str, Any]) -> str:
+    """Validate a GenerateContentRequest as Gemini does (unknown fields refused, `contents` required) and return
+    its billed prompt: the system instruction's text, then the contents' text."""
+    unknown = sorted(set(body) - GEMINI_FIELDS)
+    if unknown:
+        raise BadRequest(f'Invalid JSON payload received. Unknown name "{unknown[0]}": Cannot find field.')
+    contents = body.get("contents")
+    if not isinstance(contents, list) or not contents:
+        raise BadRequest("* GenerateContentRequest.contents: contents is not specified")
+    config = body.get("generationConfig", body.get("generation_config")) or {}
+    limit = config.get("maxOutputTokens", config.get("max_output_tokens")) if isinstance(config, dict) else None
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise BadRequest("* GenerationConfig.max_output_tokens: must be a positive integer")
+    system = body.get("systemInstruction", body.get("system_instruction"))
+    return "\n".join(filter(None, [request_text(system), request_text(contents)]))
 
 
 def openai_intent(body: dict[str, Any]) -> str | None:
@@ -116,6 +151,36 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
         529: "overloaded_error",
     }
     return {"type": "error", "error": {"type": kinds.get(status, "api_error"), "message": message}}
+
+
+def gemini_error(status: int, message: str, retry_after_s: float | None = None) -> dict[str, Any]:
+    """Return Google's error envelope (a google.rpc.Status); a 429 carries its wait as a RetryInfo detail, which
+    Gemini sends instead of a `retry-after` header."""
+    error: dict[str, Any] = {"code": status, "message": message, "status": GOOGLE_STATUS.get(status, "UNKNOWN")}
+    if status == 429 and retry_after_s is not None:
+        delay = f"{max(0.0, retry_after_s):.3f}s"
+        error["details"] = [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}]
+    return {"error": error}
+
+
+def gemini_response(call: Call) -> dict[str, Any]:
+    """Return Gemini's GenerateContentResponse for a finished `call` (one candidate, its usage, its id)."""
+    return {
+        "candidates": [
+            {
+                "content": {"parts": [{"text": call.text}], "role": "model"},
+                "finishReason": "MAX_TOKENS" if call.truncated else "STOP",
+                "index": 0,
+            }
+        ],
+        "usageMetadata": {
+            "promptTokenCount": call.input_tokens,
+            "candidatesTokenCount": call.output_tokens,
+            "totalTokenCount": call.input_tokens + call.output_tokens,
+        },
+        "modelVersion": call.model,
+        "responseId": call.id,
+    }
 
 
 def response_object(call: Call, status: str) -> dict[str, Any]:

@@ -2,7 +2,12 @@
 
 Batch APIs (`batches`): OpenAI's `/v1/files` (multipart upload, list, retrieve, content, delete) and
 `/v1/batches` (create, retrieve, list, cancel); Anthropic's `/v1/messages/batches` (create, retrieve, list,
-cancel, results, delete). A batch create takes `fail_next`, `hold_creates` and `hang_next` like any create.
+cancel, results, delete); Gemini's `/v1beta/models/{model}:batchGenerateContent` and `/v1beta/batches` (get, list,
+`:cancel`). A batch create takes `fail_next`, `hold_creates` and `hang_next` like any create.
+
+Gemini (REST v1beta, the `x-goog-api-key` header): `POST /v1beta/models/{model}:generateContent` answers a
+GenerateContentResponse; its errors are Google's envelope, and a 429 says its wait in a RetryInfo detail, not a
+`retry-after` header (Gemini sends no rate-limit headers).
 
 Control endpoints (JSON): `GET /_fake/stats`, `POST /_fake/knobs` (a partial `Knobs`), `POST /_fake/release`
 (held answers), `POST /_fake/forget` (one call, or all: past retention now), `POST /_fake/reset`,
@@ -27,8 +32,14 @@ from oncelery.llm.fake import protocol as wire
 from oncelery.llm.fake.batches import BatchError, FakeBatches
 from oncelery.llm.fake.generate import Generator, default_generator
 from oncelery.llm.fake.state import KnobError, Knobs, ProviderState, retry_after_header
-from oncelery.llm.tokens import count_tokens
+from oncelery.llm.tokens import count_tokens, output_limit
 
+# Each provider's error envelope: (HTTP status, message) -> the JSON body.
+_ERRORS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "openai": wire.openai_error,
+    "anthropic": wire.anthropic_error,
+    "gemini": wire.gemini_error,
+}
 STREAM_TICK_S = 0.02  # how often a streaming answer looks for its next available event
 SHUTDOWN_POLL_S = 0.02  # how often the threaded server looks for a shutdown request
 
@@ -54,7 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, self.server.state.stats.as_json())
         elif path == "/_fake/health":
             self._json(200, {"ok": True})
-        elif self._batches("GET", path, query, None):
+        elif self._gemini("GET", path, query, None) or self._batches("GET", path, query, None):
             pass
         elif path.startswith("/v1/responses/") and path.count("/") == 3:
             self._retrieve(path.rsplit("/", 1)[1], query)
@@ -71,7 +82,7 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return
         state = self.server.state
-        if self._batches("POST", path, query, body):
+        if self._gemini("POST", path, query, body) or self._batches("POST", path, query, body):
             pass
         elif path == "/_fake/knobs":
             try:
@@ -106,6 +117,37 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._batches("DELETE", path, query, None):
             self._json(404, wire.openai_error(404, f"Invalid URL (DELETE {path})"))
 
+    # -- Gemini ------------------------------------------------------------------------------------------------
+    def _gemini(self, method: str, path: str, query: dict[str, list[str]], body: dict[str, Any] | None) -> bool:
+        """Serve a Gemini request (generateContent, batchGenerateContent, batches); False when `path` is not one."""
+        if not path.startswith("/v1beta/"):
+            return False
+        if not self._authorised("gemini", query):
+            return True
+        rest = path.removeprefix("/v1beta/")
+        fake = self.server.batches
+        base = f"http://{self.headers.get('host') or '127.0.0.1'}"
+        try:
+            if method == "POST" and rest.startswith("models/") and ":" in rest:
+                model, verb = rest.removeprefix("models/").rsplit(":", 1)
+                if verb == "generateContent":
+                    self._create("gemini", {**(body or {}), "model": model})
+                elif verb == "batchGenerateContent":
+                    self._create_batch(lambda: fake.check_gemini(model, body or {}), base, "gemini")
+                else:
+                    raise BatchError(404, f"Method not found: models.{verb}")
+            elif method == "GET" and rest == "batches":
+                self._json(200, fake.list_batches("gemini", query, base))
+            elif method == "GET" and rest.startswith("batches/") and rest.count("/") == 1 and ":" not in rest:
+                self._json(200, fake.retrieve("gemini", rest.removeprefix("batches/"), base))
+            elif method == "POST" and rest.startswith("batches/") and rest.endswith(":cancel"):
+                self._json(200, fake.cancel("gemini", rest.removeprefix("batches/").removesuffix(":cancel"), base))
+            else:
+                raise BatchError(404, f"The requested URL {path} was not found on this server ({method}).")
+        except BatchError as exc:
+            self._json(exc.status, wire.gemini_error(exc.status, str(exc)))
+        return True
+
     # -- batches -----------------------------------------------------------------------------------------------
     def _batches(self, method: str, path: str, query: dict[str, list[str]], body: dict[str, Any] | None) -> bool:
         """Serve a Files or batch API request; return False when `path` is not one of theirs."""
@@ -118,7 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         anthropic = provider == "anthropic"
         error = wire.anthropic_error if anthropic else wire.openai_error
-        if not self._authorised(anthropic):
+        if not self._authorised(provider):
             return True
         base = f"http://{self.headers.get('host') or '127.0.0.1'}"
         try:
@@ -147,7 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 raise BatchError(404, f"Invalid URL ({method} /v1/{'/'.join(rest)})")
         elif method == "POST" and ident is None:
-            self._create_batch(lambda: fake.check_openai(body or {}), base, anthropic=False)
+            self._create_batch(lambda: fake.check_openai(body or {}), base, "openai")
         elif method == "GET" and ident is None:
             self._json(200, fake.list_batches("openai", query, base))
         elif method == "GET" and ident and not tail:
@@ -163,7 +205,7 @@ class _Handler(BaseHTTPRequestHandler):
         fake = self.server.batches
         ident, tail = rest[0] if rest else None, rest[1:]
         if method == "POST" and ident is None:
-            self._create_batch(lambda: fake.check_anthropic(body or {}), base, anthropic=True)
+            self._create_batch(lambda: fake.check_anthropic(body or {}), base, "anthropic")
         elif method == "GET" and ident is None:
             self._json(200, fake.list_batches("anthropic", query, base))
         elif method == "GET" and ident and not tail:
@@ -177,15 +219,13 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             raise BatchError(404, f"Invalid URL ({method} /v1/messages/batches/{'/'.join(rest)})")
 
-    def _create_batch(self, check: Callable[[], Any], base: str, anthropic: bool) -> None:
+    def _create_batch(self, check: Callable[[], Any], base: str, provider: str) -> None:
         """Validate, then take an injected failure if armed, then accept; hold or hang the answer if armed."""
         plan = check()
         state = self.server.state
         failure = state.injected_failure()
         if failure is not None:
-            status, retry_after = failure
-            error = wire.anthropic_error if anthropic else wire.openai_error
-            self._json(status, error(status, f"injected {status}"), {"retry-after": retry_after_header(retry_after)})
+            self._refuse(provider, *failure, f"injected {failure[0]}")
             return
         batch = self.server.batches.create(plan)
         state.hold()
@@ -199,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _upload(self) -> None:
         length = int(self.headers.get("content-length") or 0)
         raw = self.rfile.read(length) if length else b""
-        if not self._authorised(False):
+        if not self._authorised("openai"):
             return
         try:
             self._json(200, self.server.batches.upload(self.headers.get("content-type") or "", raw))
@@ -208,29 +248,31 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- creates ---------------------------------------------------------------------------------------------
     def _create(self, kind: str, body: dict[str, Any]) -> None:
+        """A model create of `kind` (responses, chat, messages, gemini: its `model` put in from the path)."""
         anthropic = kind == "messages"
-        error = wire.anthropic_error if anthropic else wire.openai_error
-        if not self._authorised(anthropic):
+        provider = {"messages": "anthropic", "gemini": "gemini"}.get(kind, "openai")
+        if kind != "gemini" and not self._authorised(provider):  # Gemini's key was checked by its router
             return
         try:
             intent, prompt = self._check(kind, body)
         except wire.BadRequest as exc:
-            self._json(400, error(400, str(exc)))
+            self._json(400, _ERRORS[provider](400, str(exc)))
             return
         model = str(body["model"])
         state = self.server.state
         failure = state.injected_failure()
         if failure is not None:
-            status, retry_after = failure
-            self._json(status, error(status, f"injected {status}"), {"retry-after": retry_after_header(retry_after)})
+            self._refuse(provider, *failure, f"injected {failure[0]}")
             return
-        limit = int(body.get("max_output_tokens") or body.get("max_tokens") or 0)
+        limit = (
+            output_limit(body)
+            if kind == "gemini"
+            else int(body.get("max_output_tokens") or body.get("max_tokens") or 0)
+        )
         wait = state.admit(model, count_tokens(prompt) + limit)
         if wait is not None:
             message = f"Rate limit reached for {model}. Please try again in {wait:.3f}s."
-            self._json(
-                429, error(429, message), {"retry-after": retry_after_header(wait), **self._limits(model, anthropic)}
-            )
+            self._refuse(provider, 429, wait, message, self._limits(model, anthropic) if kind != "gemini" else {})
             return
         started = state.window_of(model)  # the window this request was counted in
         answer = self.server.generator(body)
@@ -252,7 +294,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, wire.response_object(call, call.status(state.now())), headers)
             return
         self._wait_until(call.ends)  # a foreground call answers when its generation ends
-        if kind == "responses":
+        if kind == "gemini":
+            self._json(200, wire.gemini_response(call))  # Gemini sends no rate-limit headers
+        elif kind == "responses":
             if body.get("stream"):
                 self._stream(call, -1, headers)
             else:
@@ -269,8 +313,26 @@ class _Handler(BaseHTTPRequestHandler):
             intent = intent or self.headers.get("x-client-request-id")
         return intent, prompt
 
-    def _authorised(self, anthropic: bool) -> bool:
-        if anthropic:
+    def _refuse(
+        self, provider: str, status: int, retry_after: float, message: str, headers: dict[str, str] | None = None
+    ) -> None:
+        """Answer an injected failure or a rate limit in the provider's envelope; its wait is a `retry-after`
+        header, or for Gemini a RetryInfo detail in the body (Google sends no header)."""
+        if provider == "gemini":
+            self._json(status, wire.gemini_error(status, message, retry_after), headers)
+            return
+        wait = {"retry-after": retry_after_header(retry_after)}
+        self._json(status, _ERRORS[provider](status, message), {**wait, **(headers or {})})
+
+    def _authorised(self, provider: str, query: dict[str, list[str]] | None = None) -> bool:
+        if provider == "gemini":
+            # Google takes the key in the header or as `?key=`; without one it refuses with 403.
+            if self.headers.get("x-goog-api-key") or (query or {}).get("key"):
+                return True
+            message = "Method doesn't allow unregistered callers (callers without established identity)."
+            self._json(403, wire.gemini_error(403, message + " Please use API Key or other form of API consumer."))
+            return False
+        if provider == "anthropic":
             if not self.headers.get("x-api-key"):
                 self._json(401, wire.anthropic_error(401, "x-api-key header is required"))
                 return False
@@ -308,7 +370,7 @@ class _Handler(BaseHTTPRequestHandler):
     # -- retrieve, resume, cancel ------------------------------------------------------------------------------
     def _response(self, call_id: str) -> Any:
         """The response `call_id` names, for an authorised caller; else answer 401/404 and return None."""
-        if not self._authorised(False):
+        if not self._authorised("openai"):
             return None
         call = self.server.state.find(call_id)
         if call is None or call.kind != "responses":
@@ -501,6 +563,11 @@ class FakeProvider(FakeProviderControl):
     def openai_base_url(self) -> str:
         """Return the base URL an OpenAI client takes (`.../v1`)."""
         return self.url + "/v1"
+
+    @property
+    def gemini_base_url(self) -> str:
+        """Return the base URL a Gemini client takes (`.../v1beta`)."""
+        return self.url + "/v1beta"
 
     def start(self) -> FakeProvider:
         """Start serving; return self."""

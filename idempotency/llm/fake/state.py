@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from oncelery.llm.tokens import count_tokens, truncate_tokens
+from oncelery.llm.tokens import count_tokens, output_limit, truncate_tokens
 
 if TYPE_CHECKING:
     from oncelery.llm.fake.batches import Batch, StoredFile
@@ -57,8 +57,8 @@ class Knobs:
     batch_polls: int = 2  # retrieves a batch stays in progress; the next one finalizes (OpenAI) or ends it
     batch_fail_ids: list[str] = field(default_factory=list)  # custom_ids that fail (a 500 item) in every batch
     batch_fail_first: int = 0  # the first N submissions of each custom_id fail, later ones succeed (re-queues)
-    batch_expire: bool = False  # batches expire: items at even positions done, the others expired
-    batch_shuffle: bool = False  # result lines come out of input order
+    batch_expire: bool = False  # batches expire: items at even positions done, the others expired (Gemini: none)
+    batch_shuffle: bool = False  # result lines come out of input order (not Gemini's: its order is the mapping)
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply `changes`, all or none, refusing unknown names and values of the wrong type."""
@@ -142,13 +142,13 @@ class Stats:
     held: int = 0  # answers held right now
     billed_input_tokens: int = 0
     billed_output_tokens: int = 0
-    batches_submitted: int = 0  # batches created, both providers
-    batches_created: Counter[str] = field(default_factory=Counter)  # per provider: "openai", "anthropic"
+    batches_submitted: int = 0  # batches created, every provider
+    batches_created: Counter[str] = field(default_factory=Counter)  # per provider: "openai", "anthropic", "gemini"
     # How many times each custom_id was submitted in a created batch: the "processed exactly once" oracle.
     items_by_custom_id: Counter[str] = field(default_factory=Counter)
     files_uploaded: int = 0
     files_deleted: int = 0
-    batch_retrieves: int = 0  # retrieves of a batch (each one advances it), both providers
+    batch_retrieves: int = 0  # retrieves of a batch (each one advances it), every provider
     # Billed for batch items that succeeded, apart from the synchronous bill above.
     batch_billed_input_tokens: int = 0
     batch_billed_output_tokens: int = 0
@@ -361,12 +361,17 @@ def new_call(
     generation_s: Callable[[str], float],
 ) -> Call:
     """Build a call of `kind` (not yet kept or counted): its answer cut at the request's output limit, its tokens."""
-    limit = int(request.get("max_output_tokens") or request.get("max_tokens") or 0)
+    # Gemini's limit is generationConfig.maxOutputTokens; the other kinds keep the fields they always read.
+    limit = (
+        output_limit(request)
+        if kind == "gemini"
+        else int(request.get("max_output_tokens") or request.get("max_tokens") or 0)
+    )
     output = count_tokens(answer)
     truncated = 0 < limit < output
     if truncated:
         answer, output = truncate_tokens(answer, limit), limit
-    prefix = {"responses": "resp_", "chat": "chatcmpl-", "messages": "msg_01"}[kind]
+    prefix = {"responses": "resp_", "chat": "chatcmpl-", "messages": "msg_01", "gemini": ""}[kind]
     return Call(
         id=prefix + uuid.uuid4().hex,
         kind=kind,
