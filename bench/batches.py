@@ -29,7 +29,7 @@ Printed:
 5. wall time (first submit to last result) and items/s, for both runs.
 
     python bench/batches.py [--jobs 1000] [--steps 10] [--store postgresql|sqlite] [--quick] [--json FILE]
-                            [--pool prefork|threads] [--slots 4] [--max-wait 2] [--no-sync]
+                            [--pool prefork|threads] [--slots 4] [--max-wait 300] [--no-sync]
 """
 
 from __future__ import annotations
@@ -240,7 +240,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--pool", choices=("prefork", "threads"), default="prefork",
                         help="prefork: one `celery worker` subprocess; threads: an in-process worker")  # fmt: skip
     parser.add_argument("--slots", type=int, default=4, help="the worker's concurrency (default 4)")
-    parser.add_argument("--max-wait", type=float, default=2.0, help="BatchPolicy.max_wait_s (default 2)")
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=300.0,
+        help="BatchPolicy.max_wait_s (default 300: covers a step round's queueing spread)",
+    )
     parser.add_argument("--batch-poll", type=float, default=0.1, help="the batcher's poll interval, s (default 0.1)")
     parser.add_argument("--batch-polls", type=int, default=2, help="retrieves a fake batch stays in progress")
     parser.add_argument("--no-sync", action="store_true", help="skip the synchronous comparison run")
