@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,15 @@ from oncelery.cli import oncelery as oncelery_cli
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.batcher import DUPLICATE_BATCH, Batcher, Suspects
+from oncelery.llm.batches import batch_micros, group_key
 from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import BatchState, ItemState
-from oncelery.store.database import get_engine
-from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, RUNS
+from oncelery.runs.faults import fault_injected
+from oncelery.store.database import Database, get_engine
+from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, LABEL_TOTALS, RUNS
+from oncelery.task.ledger_rows import add_call
 from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 
@@ -169,9 +175,17 @@ POINTS = ["batch_claimed", "batch_uploaded", "batch_created", "batch_saved", "ba
 
 
 def relay_process(
-    app: Celery, db_url: str, fake: FakeProvider, marks: Path, kill_at: str | None, provider: str = "openai"
+    app: Celery,
+    db_url: str,
+    fake: FakeProvider,
+    marks: Path,
+    kill_at: str | None,
+    provider: str = "openai",
+    untagged_search_s: float | None = None,
 ) -> Any:
+    bound = {} if untagged_search_s is None else {"ONCELERY_BATCH_UNTAGGED_SEARCH_S": str(untagged_search_s)}
     env = {
+        **bound,
         **os.environ,
         "ONCELERY_DATABASE_URL": db_url,
         "ONCELERY_BROKER_URL": str(app.conf.broker_url),
@@ -181,6 +195,7 @@ def relay_process(
         "ONCELERY_CRASH_MARKS": str(marks),
         "ONCELERY_KILL_AT": kill_at or "",
         "ONCELERY_BATCH_PROVIDER": provider,
+        "ONCELERY_TEST_PRICES": json.dumps(app.conf.get("oncelery_prices")),
     }
     with (marks / f"relay-{kill_at or 'after'}.log").open("ab") as log:  # the child keeps its own copy
         return subprocess.Popen(
@@ -301,6 +316,254 @@ def test_an_untagged_anthropic_batch_created_before_a_crash_is_found_by_its_item
     assert sorted(stats["items_by_custom_id"].values()) == [1, 1, 1]
     with get_engine(db_url).connect() as conn:
         assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 3
+
+
+CLAUDE = "claude-test"
+CLAUDE_PRICE = {CLAUDE: {"input": 1000, "output": 1000}}  # 1,000 micro-USD per token, synchronous
+
+
+def claude_request(text: str) -> dict[str, Any]:
+    """A Messages request of one user turn, its output limited to OUT tokens."""
+    return {"model": CLAUDE, "messages": [{"role": "user", "content": text}], "max_tokens": OUT}
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = JOB) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.crash
+@ON_POSTGRESQL
+def test_an_anthropic_batch_created_again_past_the_search_bound_applies_the_first_result_and_labels_the_duplicate(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed in the create window while its batch runs on (held by the fake past the search bound): the next
+    batcher creates it again, once, keeping the running one as a suspect. The new batch ends first and is applied
+    (each run completes once, with its answer); the first ends later with the same custom_ids: the duplicate, one
+    ledger row per call labelled `duplicate_batch` at the batch price, nothing applied twice."""
+    app.conf.oncelery_prices = CLAUDE_PRICE
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    bound = 2.0
+    fake.set_knobs(batch_hold=1)  # the batch whose id the crash loses runs until released
+    texts = TEXTS[:3]
+    with AnthropicMessages(fake.openai_base_url, "sk-ant") as sync, AnthropicBatches(fake.openai_base_url, "sk") as b:
+
+        @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_batch_claude_dup",
+                  idempotency_key="doc:{doc}", llm_batch_adapter=b)  # fmt: skip
+        def judge(self: IdempotentTask, doc: str, text: str) -> str:
+            answer = self.llm("judge", adapter=sync, mode="batch", batch=BatchPolicy(max_items=3, max_wait_s=30),
+                              **claude_request(text))  # fmt: skip
+            return str(answer["content"][0]["text"])
+
+        first = relay_process(app, db_url, fake, marks, "batch_created", provider="anthropic")
+        second = None
+        try:
+            with worker_factory(app, concurrency=2):
+                pending = [judge.delay(f"dup{n}", text) for n, text in enumerate(texts)]
+                assert first.wait(timeout=JOB) == -signal.SIGKILL, "the relay was not killed after the create"
+                second = relay_process(app, db_url, fake, marks, None, provider="anthropic", untagged_search_s=bound)
+                answers = [p.get(timeout=JOB) for p in pending]
+                # Applied from the new batch while the first still runs: the batch row watches it.
+                [batch] = rows(db_url, BATCHES)
+                watch = Suspects.read(batch["suspects"])
+                assert batch["state"] is BatchState.SUBMITTED and watch is not None, batch
+                assert watch.applied and len(watch.watched) == 1 and watch.watched[0] != batch["provider_batch_id"]
+                assert fake.stats()["batches_created"] == {"anthropic": 2}
+                fake.release()
+                wait_for("the duplicate's end", lambda: rows(db_url, BATCHES)[0]["state"] is BatchState.ENDED)
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+        expected = [
+            sync.create(claude_request(t), "ref", background=False).response["content"][0]["text"] for t in texts
+        ]
+        listed = {state.id: state for state in b.list_since(0)}
+    assert answers == expected
+    stats = fake.stats()
+    assert stats["batches_created"] == {"anthropic": 2}, "at most one duplicate batch"
+    assert sorted(stats["items_by_custom_id"].values()) == [2, 2, 2], "each request ran in both batches"
+    [batch] = rows(db_url, BATCHES)
+    watch = Suspects.read(batch["suspects"])
+    assert watch is not None and watch.watched == () and watch.others == ()
+    [duplicate] = watch.duplicates
+    applied = batch["provider_batch_id"]
+    assert batch["state"] is BatchState.ENDED and applied != duplicate and set(listed) == {applied, duplicate}
+    assert listed[applied].created_at - listed[duplicate].created_at >= bound - 0.5, "created again past the bound"
+    items = {i["custom_id"]: i for i in rows(db_url, BATCH_ITEMS)}
+    assert {i["state"] for i in items.values()} == {ItemState.DONE} and len(items) == 3
+    with get_engine(db_url).connect() as conn:
+        calls = [dict(r._mapping) for r in conn.execute(select(CALLS).order_by(CALLS.c.id))]
+        intents = conn.execute(select(INTENTS.c.state)).scalars().all()
+        statuses = conn.execute(select(RUNS.c.status)).scalars().all()
+        labels = dict(conn.execute(select(LABEL_TOTALS.c.label, LABEL_TOTALS.c.calls)).all())
+    assert sorted(intents, key=str) == [IntentState.DONE] * 3 and statuses == [RunStatus.COMPLETED] * 3
+    assert judge.outcome_counts()["executed"] == 3, "each run completed once"
+    made = [c for c in calls if c["reason"] is None]
+    dups = [c for c in calls if c["reason"] == DUPLICATE_BATCH]
+    assert len(made) == 3 and len(dups) == 3 and len(calls) == 6, calls
+    assert labels == {DUPLICATE_BATCH: 3}, labels
+    by_run = {c["run_id"]: c for c in made}
+    for dup in dups:
+        item = items[dup["meta"]["custom_id"]]
+        assert dup["meta"]["provider_batch"] == duplicate and dup["ok"] and dup["fencing_token"] is None
+        assert (dup["run_id"], dup["step"], dup["task_name"], dup["tenant"]) == (
+            item["run_id"],
+            "judge",
+            judge.name,
+            "",
+        )
+        assert dup["idempotency_key"] == by_run[item["run_id"]]["idempotency_key"]
+        sync_cost = (dup["input_tokens"] + dup["output_tokens"]) * 1000
+        assert dup["cost_micros"] == batch_micros(sync_cost) == by_run[item["run_id"]]["cost_micros"], dup
+        assert dup["batch_saved_micros"] is None, "a duplicate saved nothing"
+    said = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs"]).output
+    assert "repeated calls: 3 duplicate_batch;" in said, said
+
+
+# -- the suspects, at the batcher's level (in process: the fake and the database are the oracle) -----------------
+
+
+class Crash(Exception):
+    """Raised at a fault point: the batcher's round stops there, as a kill would stop it."""
+
+
+def crash_once(point: str) -> Any:
+    fired: list[str] = []
+
+    def hook(_name: str, _context: dict[str, Any]) -> None:
+        if not fired:
+            fired.append(point)
+            raise Crash(point)
+
+    return fault_injected(point, hook)
+
+
+def park(db: Database, texts: list[str]) -> list[str]:
+    """Queue one Anthropic batch item per text (runs 1.., none of which exists), as parked steps would."""
+    policy = BatchPolicy(max_items=len(texts), max_wait_s=3600)
+    custom_ids = [uuid.uuid4().hex for _ in texts]
+    with db.begin() as conn:
+        for n, (custom_id, text) in enumerate(zip(custom_ids, texts, strict=True), start=1):
+            conn.execute(
+                BATCH_ITEMS.insert().values(
+                    custom_id=custom_id, run_id=n, position=0, provider="anthropic", model=CLAUDE,
+                    endpoint="messages", group_key=group_key("anthropic", CLAUDE, "messages", policy),
+                    max_items=policy.max_items, max_wait_s=policy.max_wait_s, state=ItemState.QUEUED,
+                    request=claude_request(text),
+                    queued_at=time.time(),
+                )
+            )  # fmt: skip
+    return custom_ids
+
+
+def batcher_on(db: Database, adapter: AnthropicBatches, bound: float) -> Batcher:
+    """A batcher as the relay builds it: priced from CLAUDE_PRICE, its duplicates written by `add_call`."""
+    return Batcher(
+        db, {"anthropic": adapter}, poll_s=0.0, untagged_search_s=bound,
+        price=lambda model, i, o: (i + o) * 1000 if model == CLAUDE else None,
+        ledger=lambda conn, row: add_call(conn, db.dialect, row),
+    )  # fmt: skip
+
+
+def rounds(batcher: Batcher, until: Callable[[], bool], most: int = 500) -> None:
+    for _ in range(most):
+        batcher.run_once()
+        if until():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the batcher never got there")
+
+
+def the_batch(db: Database) -> Any:
+    with db.read() as conn:
+        return conn.execute(select(BATCHES)).one()
+
+
+def items_done(db: Database) -> bool:
+    with db.read() as conn:
+        return set(conn.execute(select(BATCH_ITEMS.c.state)).scalars()) == {ItemState.DONE}
+
+
+@ON_SQLITE
+def test_a_suspect_with_other_custom_ids_is_forgotten_not_labelled(db_url: str, fake: FakeProvider) -> None:
+    """The create is refused (a 500: it never ran) after the batch was marked maybe sent, while another's batch
+    runs: past the bound the batch is created (once), that batch kept as a suspect; it ends with its own
+    custom_ids: forgotten, no ledger row, and the batch ends."""
+    db = Database(db_url)
+    with AnthropicBatches(fake.openai_base_url, "sk") as adapter:
+        fake.set_knobs(batch_hold=1)
+        other = adapter.create([("someone-else", claude_request("not ours"))])
+        park(db, TEXTS[:2])
+        batcher = batcher_on(db, adapter, bound=1.5)
+        fake.set_knobs(fail_next=1, fail_status=500)
+        batcher.run_once()  # claimed, marked maybe sent; the create fails
+        assert the_batch(db).state is BatchState.UPLOADED and fake.stats()["batches_created"] == {"anthropic": 1}
+        started = time.monotonic()
+        rounds(batcher, lambda: the_batch(db).state is BatchState.SUBMITTED)
+        # Up to the bound since the claim (SQLite keeps the claim's time to the second: up to 1 s less here).
+        assert time.monotonic() - started >= 0.5, "it waited for the running batch up to the bound"
+        rounds(batcher, lambda: items_done(db))
+        watch = Suspects.read(the_batch(db).suspects)
+        assert watch is not None and watch.applied and watch.watched == (other.id,), watch
+        fake.release()
+        rounds(batcher, lambda: the_batch(db).state is BatchState.ENDED)
+    watch = Suspects.read(the_batch(db).suspects)
+    assert watch is not None and watch.others == (other.id,) and watch.duplicates == () and watch.watched == ()
+    assert fake.stats()["batches_created"] == {"anthropic": 2}
+    with db.read() as conn:
+        assert conn.execute(select(func.count()).select_from(CALLS)).scalar_one() == 0, "nothing labelled"
+
+
+@pytest.mark.parametrize("crash_again", [False, True], ids=["suspect-ends-first", "crash-after-create-again"])
+@ON_SQLITE
+def test_a_suspect_of_ours_that_ends_first_is_applied_and_the_batch_created_again_is_labelled(
+    db_url: str, fake: FakeProvider, crash_again: bool
+) -> None:
+    """The first create's batch (held) ends first after the create was repeated: its results are applied, and
+    the repeated batch, ending later with the same custom_ids, is the labelled duplicate. With a crash right after
+    the repeated create (its id not saved), the next round never creates a third batch: it waits, adopts the first
+    to end and watches the other."""
+    db = Database(db_url)
+    with AnthropicBatches(fake.openai_base_url, "sk") as adapter:
+        custom_ids = park(db, TEXTS[:3])
+        batcher = batcher_on(db, adapter, bound=0.3)
+        fake.set_knobs(batch_hold=1)
+        with crash_once("batch_created"), pytest.raises(Crash):
+            rounds(batcher, lambda: False)
+        [first] = [state.id for state in adapter.list_since(0)]
+        fake.set_knobs(batch_polls=40)  # the batch created again runs longer than the first, once released
+        if crash_again:
+            with crash_once("batch_created_again"), pytest.raises(Crash):
+                rounds(batcher, lambda: False)
+            for _ in range(5):  # both run: the batcher waits for them, never a third create
+                batcher.run_once()
+            assert fake.stats()["batches_created"] == {"anthropic": 2}
+            assert the_batch(db).state is BatchState.UPLOADED
+        else:
+            rounds(batcher, lambda: the_batch(db).state is BatchState.SUBMITTED)
+            watch = Suspects.read(the_batch(db).suspects)
+            assert watch is not None and watch.watched == (first,), watch
+        fake.release()
+        rounds(batcher, lambda: items_done(db))
+        assert the_batch(db).provider_batch_id == first, "the first to end is the one applied"
+        rounds(batcher, lambda: the_batch(db).state is BatchState.ENDED)
+        [again] = [state.id for state in adapter.list_since(0) if state.id != first]
+        batcher.run_once()  # nothing left to do: no row written twice
+    watch = Suspects.read(the_batch(db).suspects)
+    assert watch is not None and watch.duplicates == (again,) and watch.watched == () and watch.applied
+    assert fake.stats()["batches_created"] == {"anthropic": 2}, "at most one duplicate batch"
+    with db.read() as conn:
+        calls = conn.execute(select(CALLS)).all()
+        labels = dict(conn.execute(select(LABEL_TOTALS.c.label, LABEL_TOTALS.c.calls)).all())
+    assert sorted(c.meta["custom_id"] for c in calls) == sorted(custom_ids) and labels == {DUPLICATE_BATCH: 3}
+    assert {(c.reason, c.meta["provider_batch"], c.ok) for c in calls} == {(DUPLICATE_BATCH, again, True)}
+    assert sorted(c.run_id for c in calls) == [1, 2, 3]
+    assert all(c.cost_micros == batch_micros((c.input_tokens + c.output_tokens) * 1000) > 0 for c in calls)
 
 
 @ON_POSTGRESQL

@@ -61,6 +61,8 @@ def _batch(row: Any) -> dict[str, Any]:
         "polls": int(row.polls),
         "created_at": row.created_at,
         "ended_at": row.ended_at,
+        # Anthropic, after a create repeated past the search bound: the batches watched, and how each was resolved.
+        "suspects": row.suspects,
     }
 
 

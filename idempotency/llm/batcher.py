@@ -19,9 +19,16 @@ It runs inside `oncelery relay` (`Relay.run_once`). A round:
    again after a crash applies nothing twice. Gemini's responses carry no custom_id: they are matched by
    position to the batch's items in the order they were sent (by item id), so no item leaves a batch before
    the batch has ended (its re-queues commit with the batch's end, in one transaction).
+5. **Suspects** (Anthropic only): a batch whose create may have been sent before a crash, and which is created
+   again past the search bound (`untagged_search_s`) because a batch was still running, keeps the batches running
+   then as its suspects (`llm_batches.suspects`). The poller polls them with its own batch: the first of them to
+   end with exactly this batch's custom_ids (or its own batch) is applied; each other one that ends with them is
+   the duplicate, and each of its lines is written to the ledger once, labelled `duplicate_batch`, at the batch
+   price, without touching the items. A suspect with other custom_ids, or gone, is forgotten. The batch ends once
+   every suspect is resolved.
 
-Crash points (`oncelery.runs.faults`): batch_claimed, batch_uploaded, batch_created, batch_saved,
-batch_downloaded, batch_applying.
+Crash points (`oncelery.runs.faults`): batch_claimed, batch_uploaded, batch_created, batch_created_again,
+batch_saved, batch_downloaded, batch_applying.
 """
 
 from __future__ import annotations
@@ -29,22 +36,32 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, and_, func, select, update
 
-from oncelery.llm.batches import batch_url
-from oncelery.llm.errors import ProviderError, ProviderRejected
+from oncelery.llm.adapters.base import Usage
+from oncelery.llm.batches import batch_micros, batch_url
+from oncelery.llm.errors import ProviderError, ProviderRejected, ResponseGone
 from oncelery.models import RunStatus
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database, rowcount
-from oncelery.store.tables import BATCH_ITEMS, BATCHES, LEASES, RUNS
+from oncelery.store.tables import BATCH_ITEMS, BATCHES, INTENTS, LEASES, RUNS
 
-__all__ = ["BatchRound", "Batcher", "FileBatches", "InlineBatches"]
+__all__ = [
+    "DUPLICATE_BATCH",
+    "BatchRound",
+    "Batcher",
+    "FileBatches",
+    "InlineBatches",
+    "LedgerWriter",
+    "Suspects",
+    "SyncPrice",
+]
 
 logger = logging.getLogger("oncelery.batcher")  # a stable name (users filter on it)
 
@@ -57,6 +74,14 @@ CLAIM_LIMIT = 50  # batches formed per round at most (each is one transaction)
 # requests can only be matched once it has ended; Anthropic ends every batch within 24 h).
 UNTAGGED_SLACK_S = 60.0
 UNTAGGED_SEARCH_S = 24 * 3600.0
+#: The ledger label (`model_calls.reason`) of each call of a duplicate batch: the same requests run a second time.
+DUPLICATE_BATCH = "duplicate_batch"
+_LOOKUP_CHUNK = 500  # custom_ids per IN (...) when a duplicate's items are looked up
+
+#: A call's cost at the synchronous price in micro-USD (model, input tokens, output tokens); None: no price.
+SyncPrice = Callable[[str, int, int], int | None]
+#: Adds one ledger row (`model_calls`) in the caller's transaction, once per `call_id`; returns whether it was new.
+LedgerWriter = Callable[[Connection, Mapping[str, Any]], bool]
 
 
 class Line(Protocol):
@@ -115,11 +140,51 @@ class BatchRound:
     requeued: int = 0
     failed: int = 0
     files_deleted: int = 0
+    duplicates: int = 0  # calls of a duplicate batch labelled in the ledger
     errors: list[str] = field(default_factory=list)
 
     def busy(self) -> bool:
         """Whether the round moved anything."""
         return bool(self.claimed or self.submitted or self.applied or self.requeued or self.failed)
+
+
+@dataclass(frozen=True)
+class Suspects:
+    """The provider batches that may run a batch's requests a second time (its create was repeated past the search
+    bound while they ran), as `llm_batches.suspects` keeps them until each is resolved."""
+
+    watched: tuple[str, ...]  # provider batch ids not yet resolved
+    items: str  # the digest of the batch's custom_ids when the create was repeated (`items_digest`)
+    applied: bool = False  # the results of the batch's `provider_batch_id` are applied: only `watched` is left
+    duplicates: tuple[str, ...] = ()  # ended with these custom_ids: each line labelled `duplicate_batch`
+    others: tuple[str, ...] = ()  # ended with other custom_ids, or gone: forgotten
+
+    @classmethod
+    def read(cls, value: Any) -> Suspects | None:
+        """The column's value as Suspects (None: the batch's create was never repeated)."""
+        if not isinstance(value, Mapping):
+            return None
+        return cls(
+            tuple(value.get("watched") or ()), str(value.get("items") or ""), bool(value.get("applied")),
+            tuple(value.get("duplicates") or ()), tuple(value.get("others") or ()),
+        )  # fmt: skip
+
+    def as_json(self) -> dict[str, Any]:
+        """The column's value."""
+        return {"watched": list(self.watched), "items": self.items, "applied": self.applied,
+                "duplicates": list(self.duplicates), "others": list(self.others)}  # fmt: skip
+
+    def resolved(self, batch_id: str, duplicate: bool) -> Suspects:
+        """These suspects with `batch_id` resolved: a duplicate (labelled), or another's batch (forgotten)."""
+        watched = tuple(b for b in self.watched if b != batch_id)
+        if duplicate:
+            return replace(self, watched=watched, duplicates=(*self.duplicates, batch_id))
+        return replace(self, watched=watched, others=(*self.others, batch_id))
+
+    def swapped(self, winner: str, own: str) -> Suspects:
+        """These suspects once `winner` ended first: it is the batch applied, and `own` (the batch created again)
+        is watched in its place."""
+        return replace(self, watched=(own, *(b for b in self.watched if b != winner)))
 
 
 class _Changed(Exception):
@@ -134,12 +199,27 @@ class Batcher:
     """Pools queued batch items into provider batches and applies their results (see the module)."""
 
     def __init__(
-        self, db: Database, adapters: Mapping[str, Any], *, poll_s: float = POLL_S, lease_s: float = LEASE_S
+        self,
+        db: Database,
+        adapters: Mapping[str, Any],
+        *,
+        poll_s: float = POLL_S,
+        lease_s: float = LEASE_S,
+        untagged_search_s: float = UNTAGGED_SEARCH_S,
+        price: SyncPrice | None = None,
+        ledger: LedgerWriter | None = None,
     ) -> None:
         self.db = db
         self.adapters = dict(adapters)
         self.poll_s = poll_s
         self.lease_s = lease_s  # a batcher that dies holds the lease this long: the next one waits it out
+        # How long a batch whose create may have been sent (untagged) waits for a running batch before it is
+        # created again: Anthropic ends every batch within 24 h, so past that a running one was not ours.
+        self.untagged_search_s = untagged_search_s
+        # A duplicate batch's calls go to the ledger: priced (the task room's price table, given by the relay)
+        # and written by its writer (`add_call`), since this room does not import the task room.
+        self.price = price
+        self.ledger = ledger
         self.owner = uuid.uuid4().hex
         self.token = 0
 
@@ -354,41 +434,75 @@ class Batcher:
     def _submit_untagged(self, adapter: Any, batch: Any, done: BatchRound) -> None:
         """A provider whose batches carry no tag (Anthropic): mark the create as maybe sent, then create. After a
         crash in that window, the batches created since are listed; once each has ended, one whose results are
-        exactly this batch's custom_ids is adopted. Only past UNTAGGED_SEARCH_S with none found is it created
-        again (a batch still running when that bound passes may then run it twice: the ledger would label it)."""
+        exactly this batch's custom_ids is adopted. Only past `untagged_search_s` with none found is it created
+        again, once: the batches still running then are kept as its suspects (one of them may be ours), so the
+        first to end is applied and the other labelled `duplicate_batch` in the ledger (`_poll`)."""
         if batch.state is BatchState.CLAIMED:
             self._save(batch.id, BatchState.CLAIMED, state=BatchState.UPLOADED)  # from here a create may be sent
             created = adapter.create(self._lines(batch.id))
             fault_point("batch_created", batch=batch.id)
             self._submitted(batch, created, done)
             return
-        mine = set(self._custom_ids(batch.id))
+        items = items_digest(self._custom_ids(batch.id))
+        again = Suspects.read(batch.suspects)  # set: the create was repeated once already (it may have been sent)
         since = _epoch(batch.created_at) - UNTAGGED_SLACK_S
-        running = False
+        running: list[str] = []
+        found: list[Any] = []
         for listed in adapter.list_since(since):
             candidate = listed if listed.ended else adapter.retrieve(listed.id)
             if not candidate.ended:
-                running = True  # its requests cannot be read before it ends: wait for it
+                running.append(candidate.id)  # its requests cannot be read before it ends: wait for it
                 continue
-            if {line.custom_id for line in adapter.results(candidate)} == mine:
-                self._submitted(batch, candidate, done)
-                logger.warning("batcher: batch %s found again as %s (created before a crash)", batch.id, candidate.id)
+            if items_digest(line.custom_id for line in adapter.results(candidate)) == items:
+                found.append(candidate)
+                if again is None:
+                    break  # created once at most: this is the one
+        if found:
+            # After a repeated create, every other batch that may be ours is watched (a duplicate is labelled).
+            watch = None
+            if again is not None:
+                watched = (*running, *(f.id for f in found[1:]))
+                gone = tuple(b for b in again.watched if b not in watched and b != found[0].id)
+                watch = Suspects(watched, items, others=(*again.others, *gone))
+            self._submitted(batch, found[0], done, watch)
+            logger.warning("batcher: batch %s found again as %s (created before a crash)", batch.id, found[0].id)
+            return
+        if again is not None:
+            if running:  # the repeated create may be among them: never a third create, wait for them to end
                 return
+            # Nothing runs, and nothing ended with these requests since the claim: neither create reached the
+            # provider. The suspects (each ended with other requests) are forgotten; the saved mark stays until
+            # this create is saved, so a crash after it waits for it instead of creating a third.
+            created = adapter.create(self._lines(batch.id))
+            fault_point("batch_created_again", batch=batch.id)
+            self._submitted(batch, created, done, Suspects((), items, others=(*again.others, *again.watched)))
+            return
         with self.db.read() as conn:
             waited = float(conn.execute(select(self.db.dialect.epoch())).scalar_one()) - _epoch(batch.created_at)
-        if running and waited < UNTAGGED_SEARCH_S:
+        if running and waited < self.untagged_search_s:
             return
-        self._submitted(batch, adapter.create(self._lines(batch.id)), done)
+        watch = Suspects(tuple(running), items) if running else None
+        if watch is not None:  # saved before the create: a crash after it never leads to a third create
+            self._save(batch.id, BatchState.UPLOADED, suspects=watch.as_json())
+        created = adapter.create(self._lines(batch.id))
+        fault_point("batch_created_again", batch=batch.id)
+        self._submitted(batch, created, done, watch)
+        if watch is not None:
+            logger.warning(
+                "batcher: batch %s created again as %s after %.0f s; %d batches still running are watched: the first "
+                "to end is applied, a duplicate is labelled in the ledger", batch.id, created.id, waited, len(running)
+            )  # fmt: skip
 
-    def _submitted(self, batch: Any, created: Any, done: BatchRound) -> None:
-        """Save the provider's batch id (fenced), and its items as submitted."""
+    def _submitted(self, batch: Any, created: Any, done: BatchRound, watch: Suspects | None = None) -> None:
+        """Save the provider's batch id (fenced), and its items as submitted; its suspects too, if any."""
+        values: dict[str, Any] = {} if watch is None else {"suspects": watch.as_json()}
         with self.db.begin() as conn:
             self._fence(conn)
             conn.execute(
                 update(BATCHES)
                 .where(BATCHES.c.id == batch.id, BATCHES.c.state.in_((BatchState.CLAIMED, BatchState.UPLOADED)))
                 .values(state=BatchState.SUBMITTED, provider_batch_id=created.id, provider_status=created.status,
-                        submitted_at=self.db.dialect.now())
+                        submitted_at=self.db.dialect.now(), **values)
             )  # fmt: skip
             conn.execute(
                 update(BATCH_ITEMS)
@@ -436,22 +550,26 @@ class Batcher:
         adapter = self.adapters.get(batch.provider)
         if adapter is None:
             return
+        watch = Suspects.read(batch.suspects)
+        if watch is not None and watch.applied:  # the items have their answers: only the suspects are left
+            self._polled(batch.id, None, self.poll_s)
+            self._watch(adapter, batch, watch, done)
+            return
         state = adapter.retrieve(batch.provider_batch_id)
         done.polled += 1
-        hint = getattr(state, "poll_after_s", None) or self.poll_s
-        with self.db.begin() as conn:
-            self._fence(conn)
-            now = float(conn.execute(select(self.db.dialect.epoch())).scalar_one())
-            conn.execute(
-                update(BATCHES)
-                .where(BATCHES.c.id == batch.id)
-                .values(provider_status=state.status, polls=BATCHES.c.polls + 1, next_poll_at=now + hint)
-            )
+        self._polled(batch.id, state.status, getattr(state, "poll_after_s", None) or self.poll_s)
+        lines: list[Any] | None = None
+        if not state.ended and watch is not None:
+            first = self._first_suspect(adapter, batch, watch, done)
+            if first is None:
+                return
+            state, lines, watch = first
         if not state.ended:
             return
         ordered = bool(getattr(adapter, "results_in_input_order", False))
-        # Matched by position (Gemini): the custom_ids in send order, complete while the batch is not ended.
-        lines = list(adapter.results(state, self._custom_ids(batch.id)) if ordered else adapter.results(state))
+        if lines is None:
+            # Matched by position (Gemini): the custom_ids in send order, complete while the batch is not ended.
+            lines = list(adapter.results(state, self._custom_ids(batch.id)) if ordered else adapter.results(state))
         fault_point("batch_downloaded", batch=batch.id)
         later: list[Any] = []
         for n, line in enumerate(lines):
@@ -463,9 +581,141 @@ class Batcher:
                 later.append(line)
                 continue
             self._apply(batch.id, line, done)
-        self._end(batch.id, later, done)
+        self._end(batch.id, later, done, watch)
         if batch.file_id:
             done.files_deleted += self._delete_files(adapter, [batch.file_id])
+
+    def _polled(self, batch_id: str, status: str | None, after_s: float) -> None:
+        """Count the poll and set the next one (fenced); keep the provider's status when given."""
+        with self.db.begin() as conn:
+            self._fence(conn)
+            now = float(conn.execute(select(self.db.dialect.epoch())).scalar_one())
+            values: dict[str, Any] = {"polls": BATCHES.c.polls + 1, "next_poll_at": now + after_s}
+            if status is not None:
+                values["provider_status"] = status
+            conn.execute(update(BATCHES).where(BATCHES.c.id == batch_id).values(**values))
+
+    # -- 5. suspects -----------------------------------------------------------------------------------------
+    def _look(self, adapter: Any, batch_id: str, suspect: str, done: BatchRound) -> tuple[Any, list[Any]] | None:
+        """A suspect as it is now, and its result lines once it has ended (none before); None: the provider no
+        longer has it, or refuses to show it (nothing to apply or label: it is forgotten)."""
+        try:
+            state = adapter.retrieve(suspect)
+            done.polled += 1
+            return state, list(adapter.results(state)) if state.ended else []
+        except (ResponseGone, ProviderRejected) as exc:
+            logger.warning("batcher: batch %s: suspect %s cannot be read (%s): forgotten", batch_id, suspect, exc)
+            return None
+
+    def _first_suspect(
+        self, adapter: Any, batch: Any, watch: Suspects, done: BatchRound
+    ) -> tuple[Any, list[Any], Suspects] | None:
+        """A suspect that ended before the batch's own provider batch: with exactly its custom_ids, it is the one
+        applied (saved first, fenced, so a re-read after a crash applies the same one) and the batch's own is
+        watched in its place; with others (or gone) it is forgotten. Returns the winner's state and lines."""
+        for suspect in watch.watched:
+            looked = self._look(adapter, batch.id, suspect, done)
+            if looked is not None and not looked[0].ended:
+                continue
+            if looked is not None and items_digest(line.custom_id for line in looked[1]) == watch.items:
+                won = watch.swapped(suspect, str(batch.provider_batch_id))
+                with self.db.begin() as conn:
+                    self._fence(conn)
+                    swapped = conn.execute(
+                        update(BATCHES)
+                        .where(BATCHES.c.id == batch.id, BATCHES.c.state == BatchState.SUBMITTED,
+                               BATCHES.c.provider_batch_id == batch.provider_batch_id)
+                        .values(provider_batch_id=suspect, provider_status=looked[0].status, suspects=won.as_json())
+                    )  # fmt: skip
+                if rowcount(swapped) != 1:
+                    return None  # changed meanwhile: the next poll reads the row again
+                logger.warning(
+                    "batcher: batch %s: %s (created before a crash) ended before %s, created again: it is applied, "
+                    "the other will be labelled", batch.id, suspect, batch.provider_batch_id,
+                )  # fmt: skip
+                return looked[0], looked[1], won
+            watch = watch.resolved(suspect, duplicate=False)
+            self._resolve(batch, watch, suspect, [], done)
+        return None
+
+    def _watch(self, adapter: Any, batch: Any, watch: Suspects, done: BatchRound) -> None:
+        """Resolve each suspect that has ended since: with the batch's custom_ids, the duplicate, labelled in the
+        ledger; with others (or gone), forgotten. The batch ends with the last."""
+        for suspect in watch.watched:
+            looked = self._look(adapter, batch.id, suspect, done)
+            if looked is not None and not looked[0].ended:
+                continue
+            lines = [] if looked is None else looked[1]
+            duplicate = looked is not None and items_digest(line.custom_id for line in lines) == watch.items
+            watch = watch.resolved(suspect, duplicate)
+            self._resolve(batch, watch, suspect, lines if duplicate else [], done)
+
+    def _resolve(self, batch: Any, watch: Suspects, suspect: str, duplicate: list[Any], done: BatchRound) -> None:
+        """In one fenced transaction: a duplicate's ledger rows (none for a forgotten suspect), the suspects as
+        resolved now, and the batch's end once its results are applied and no suspect is left. A re-read after a
+        crash finds the suspect resolved, or writes the same rows again (each once: by its call_id)."""
+        values: dict[str, Any] = {"suspects": watch.as_json()}
+        if watch.applied and not watch.watched:
+            values.update(state=BatchState.ENDED, ended_at=self.db.dialect.now())
+        with self.db.begin() as conn:
+            self._fence(conn)
+            labelled = self._label(conn, batch, suspect, duplicate) if duplicate else 0
+            conn.execute(
+                update(BATCHES)
+                .where(BATCHES.c.id == batch.id, BATCHES.c.state == BatchState.SUBMITTED)
+                .values(**values)
+            )
+        done.duplicates += labelled
+        if duplicate:
+            logger.warning(
+                "batcher: batch %s ran twice: %s is the duplicate; %d calls labelled %s in the ledger",
+                batch.id, suspect, labelled, DUPLICATE_BATCH,
+            )  # fmt: skip
+
+    def _label(self, conn: Connection, batch: Any, suspect: str, lines: list[Any]) -> int:
+        """Write one ledger row per line of the duplicate that ran (expired or cancelled lines never ran): its
+        usage, its cost at the batch price, labelled `duplicate_batch`, with its item's run, task, tenant, key
+        and step where they are still known. Nothing is applied to the items. Returns the rows new now."""
+        if self.ledger is None:
+            logger.error("batcher: batch %s: duplicate %s not labelled (no ledger writer)", batch.id, suspect)
+            return 0
+        ran = [line for line in lines if not line.expired]
+        known = _origins(conn, [line.custom_id for line in ran])
+        usage_of = getattr(self.adapters.get(batch.provider), "usage", None)
+        written = 0
+        for line in ran:
+            usage = usage_of(line.response) if line.ok and usage_of is not None and line.response else Usage()
+            sync = None if self.price is None else self.price(batch.model, usage.input_tokens, usage.output_tokens)
+            origin = known.get(line.custom_id, {})
+            row = {
+                "call_id": duplicate_call_id(line.custom_id, suspect),
+                "task_name": origin.get("task_name"),
+                "tenant": origin.get("tenant") or "",
+                "idempotency_key": origin.get("idempotency_key"),
+                "step": origin.get("step"),
+                "run_id": origin.get("run_id"),
+                "fencing_token": None,  # written by the batcher, not by a holder of the run
+                "model": batch.model,
+                "prompt": None,
+                "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens,
+                "latency_ms": 0.0,
+                "ok": bool(line.ok),
+                "error": None if line.ok else (line.error or "failed in its batch")[:2000],
+                "cost_micros": None if sync is None else batch_micros(sync),
+                # It saved nothing: the same requests were paid for in the batch that was applied.
+                "batch_saved_micros": None,
+                "meta": {
+                    "mode": "batch",
+                    "custom_id": line.custom_id,
+                    "provider_batch": suspect,
+                    "duplicate_of": batch.id,
+                },
+                "reason": DUPLICATE_BATCH,
+                "reattached": False,
+            }
+            written += int(self.ledger(conn, row))
+        return written
 
     def _apply(self, batch_id: str, line: Any, done: BatchRound) -> None:
         """Apply one result line once (a conditional UPDATE of its submitted item), and wake its run."""
@@ -494,9 +744,13 @@ class Batcher:
         if values["state"] is not ItemState.QUEUED:
             wake_run(conn, self.db, int(row.run_id))
 
-    def _end(self, batch_id: str, later: list[Any], done: BatchRound) -> None:
+    def _end(self, batch_id: str, later: list[Any], done: BatchRound, watch: Suspects | None = None) -> None:
         """In one fenced transaction: apply the lines left for the end, re-queue every item in no line (expired,
-        cancelled, missing), and end the batch. Until it commits, every item of the batch is still in it."""
+        cancelled, missing), and end the batch. Until it commits, every item of the batch is still in it. With
+        suspects still watched, the batch stays submitted, its results marked applied, until they are resolved."""
+        values: dict[str, Any] = {"state": BatchState.ENDED, "ended_at": self.db.dialect.now()}
+        if watch is not None:
+            values = {"suspects": replace(watch, applied=True).as_json(), **({} if watch.watched else values)}
         with self.db.begin() as conn:
             self._fence(conn)
             for line in later:
@@ -505,7 +759,7 @@ class Batcher:
             conn.execute(
                 update(BATCHES)
                 .where(BATCHES.c.id == batch_id, BATCHES.c.state == BatchState.SUBMITTED)
-                .values(state=BatchState.ENDED, ended_at=self.db.dialect.now())
+                .values(**values)
             )
 
     @staticmethod
@@ -536,6 +790,33 @@ def batch_id_of(group: str, custom_ids: list[str]) -> str:
     sent, saved with the claim, and carried by the provider's batch as its tag."""
     digest = hashlib.sha256("\n".join([group, *custom_ids]).encode()).hexdigest()
     return f"ob-{digest[:32]}"
+
+
+def items_digest(custom_ids: Iterable[str]) -> str:
+    """A digest of a set of custom_ids (order and repeats aside): how a batch's results are matched to its items."""
+    return hashlib.sha256("\n".join(sorted(set(custom_ids))).encode()).hexdigest()
+
+
+def duplicate_call_id(custom_id: str, provider_batch_id: str) -> str:
+    """The ledger `call_id` of a custom_id's call in a duplicate batch: the same for every re-read (so its row
+    is written once), 64 characters (the column's size; the parts are in the row's `meta`)."""
+    return "dup-" + hashlib.sha256(f"{custom_id}\n{provider_batch_id}".encode()).hexdigest()[:60]
+
+
+def _origins(conn: Connection, custom_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Where each custom_id's call was made, as far as the database still knows: its item's run, the run's task,
+    tenant and key, and its intent's step."""
+    i, n, r = BATCH_ITEMS.c, INTENTS.c, RUNS.c
+    found: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(custom_ids), _LOOKUP_CHUNK):
+        chunk = custom_ids[start : start + _LOOKUP_CHUNK]
+        rows = conn.execute(
+            select(i.custom_id, i.run_id, n.step_name.label("step"), r.task_name, r.tenant, r.idempotency_key)
+            .select_from(BATCH_ITEMS.outerjoin(INTENTS, n.public_id == i.custom_id).outerjoin(RUNS, r.id == i.run_id))
+            .where(i.custom_id.in_(chunk))
+        )
+        found.update({row.custom_id: dict(row._mapping) for row in rows})
+    return found
 
 
 def _epoch(value: Any) -> float:

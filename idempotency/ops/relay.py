@@ -17,7 +17,7 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
-from oncelery.llm.batcher import LEASE_S, POLL_S, Batcher, BatchRound
+from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
@@ -29,6 +29,8 @@ from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 from oncelery.task.heartbeat import heartbeat_file
+from oncelery.task.ledger_rows import add_call
+from oncelery.task.metering import price_of
 
 __all__ = [
     "DEFAULT_MAX_PUBLISHES",
@@ -94,6 +96,7 @@ class Relay:
         batch_adapters: Mapping[str, Any] | None = None,
         batch_poll_s: float = POLL_S,
         batch_lease_s: float = LEASE_S,
+        batch_untagged_search_s: float = UNTAGGED_SEARCH_S,
     ) -> None:
         self.app = app
         self.db = Database(url)
@@ -111,14 +114,33 @@ class Relay:
         self.release_after = float(release_after or configured or DEFAULT_RELEASE_S)
         # Batch steps: the provider batch APIs, by provider (given, else the app's tasks' llm_batch_adapter).
         adapters = batch_adapters if batch_adapters is not None else batch_adapters_of(app)
-        self.batcher = Batcher(self.db, adapters, poll_s=batch_poll_s, lease_s=batch_lease_s) if adapters else None
+        # Anthropic: how long a batch whose create may have been sent waits for a running one before it is created
+        # again (its calls then labelled `duplicate_batch` if both ran).
+        self.batch_untagged_search_s = batch_untagged_search_s
+        self.batcher: Batcher | None = None
+        self.use_batch_adapters(adapters, batch_poll_s, batch_lease_s)
         self.last_batch_round: BatchRound | None = None  # what the batcher did in the latest round
         dia = self.db.dialect
         self._now = dia.now()
 
     def use_batch_adapters(self, adapters: Mapping[str, Any], poll_s: float = POLL_S, lease_s: float = LEASE_S) -> None:
         """Run the batcher on these provider batch APIs (by provider name), e.g. once a provider has started."""
-        self.batcher = Batcher(self.db, adapters, poll_s=poll_s, lease_s=lease_s) if adapters else None
+        if not adapters:
+            self.batcher = None
+            return
+        self.batcher = Batcher(
+            self.db, adapters, poll_s=poll_s, lease_s=lease_s, untagged_search_s=self.batch_untagged_search_s,
+            price=self._sync_price, ledger=self._ledger_row,
+        )  # fmt: skip
+
+    def _sync_price(self, model: str, input_tokens: int, output_tokens: int) -> int | None:
+        """A call's cost at the synchronous price (micro-USD) in the app's `oncelery_prices` of now; None: no price."""
+        price = price_of(model, self.app.conf)
+        return None if price is None else price.cost_micros(input_tokens, output_tokens)
+
+    def _ledger_row(self, conn: Connection, row: Mapping[str, Any]) -> bool:
+        """Add a ledger row the batcher wrote (a duplicate batch's call) in its transaction: once per call_id."""
+        return add_call(conn, self.db.dialect, row)
 
     def _forget(self) -> Callable[[list[tuple[str, str, str]]], object] | None:
         return purge_forgetter(self.app.conf, self.db.url)

@@ -49,6 +49,7 @@ POINTS = (
     "batch_claimed",  # its items are claimed under the batch row; nothing uploaded
     "batch_uploaded",  # its input file is at the provider; the file id is not saved
     "batch_created",  # the provider's batch exists (the create window); its id is not saved
+    "batch_created_again",  # an untagged batch created again past the search bound; its id is not saved
     "batch_saved",  # the provider's batch id is saved
     "batch_downloaded",  # its results are read, none applied yet
     "batch_applying",  # between two result lines applied (mid fan-out)

@@ -9,12 +9,16 @@
     ONCELERY_CRASH_MARKS       a folder: the kill leaves a mark there, so a restarted relay passes the point
     ONCELERY_BATCH_PROVIDER    "openai" (default: Files and Batches, tagged), "anthropic" (Message Batches, untagged)
                                or "gemini" (batch mode: inline requests, tagged by displayName)
+    ONCELERY_BATCH_UNTAGGED_SEARCH_S  seconds an untagged batch waits for a running one before it is created
+                               again (default: the batcher's 24 h)
+    ONCELERY_TEST_PRICES       the app's `oncelery_prices` as JSON (the batcher prices a duplicate batch's calls)
 
 It serves rounds until SIGTERM (or the kill).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -45,14 +49,17 @@ def main() -> None:
     """Serve relay rounds (the batcher polling every 50 ms) until SIGTERM; die at $ONCELERY_KILL_AT once."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(os.environ)
+    app.conf.oncelery_prices = json.loads(os.environ.get("ONCELERY_TEST_PRICES") or "null")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     url = os.environ["ONCELERY_FAKE_PROVIDER_URL"]
     provider = os.environ.get("ONCELERY_BATCH_PROVIDER") or "openai"
     adapters = {"anthropic": AnthropicBatches, "gemini": GeminiBatches, "openai": OpenAIBatches}
     adapter = adapters[provider](url + ("/v1beta" if provider == "gemini" else "/v1"), "sk-batch")
+    search = os.environ.get("ONCELERY_BATCH_UNTAGGED_SEARCH_S")
+    bound = {"batch_untagged_search_s": float(search)} if search else {}
     relay = Relay(app, os.environ[ENV_DATABASE_URL], sweep_interval=None, batch_adapters={provider: adapter},
-                  batch_poll_s=0.05, batch_lease_s=1.0)  # fmt: skip
+                  batch_poll_s=0.05, batch_lease_s=1.0, **bound)  # fmt: skip
     point = os.environ.get("ONCELERY_KILL_AT")
     if point:
         with fault_injected(point, _kill_once(point)):

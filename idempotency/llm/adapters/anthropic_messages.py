@@ -61,6 +61,11 @@ class AnthropicMessages(HTTPAdapter):
 
     def usage(self, response: Mapping[str, Any]) -> Usage:
         """Return input tokens (cache reads and writes included: they are billed) and output tokens."""
-        usage = response.get("usage") or {}
-        cached = int(usage.get("cache_creation_input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
-        return Usage(int(usage.get("input_tokens") or 0) + cached, int(usage.get("output_tokens") or 0))
+        return message_usage(response)
+
+
+def message_usage(response: Mapping[str, Any]) -> Usage:
+    """An Anthropic Message's billable tokens: input (cache reads and writes included) and output."""
+    usage = response.get("usage") or {}
+    cached = int(usage.get("cache_creation_input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
+    return Usage(int(usage.get("input_tokens") or 0) + cached, int(usage.get("output_tokens") or 0))

@@ -38,6 +38,8 @@ from urllib.parse import quote
 
 import httpx
 
+from oncelery.llm.adapters.anthropic_messages import message_usage
+from oncelery.llm.adapters.base import Usage
 from oncelery.llm.adapters.gemini_generate import API_KEY_HEADER, BASE_URL, api_key_of, model_name, request_body
 from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, OpenAIAuthAdapter, Transport
 from oncelery.llm.errors import ProviderRejected, ProviderUnavailable
@@ -211,6 +213,10 @@ class AnthropicBatches(HTTPAdapter):
         path = f"/messages/batches/{state.output_ref}/results"
         for line in _jsonl_lines(self.http, path, f"/messages/batches/{state.output_ref}"):
             yield _anthropic_line(line)
+
+    def usage(self, response: Mapping[str, Any]) -> Usage:
+        """The billable tokens of a result's Message (the synchronous adapter's reading: cache tokens included)."""
+        return message_usage(response)
 
     def cancel(self, batch_id: str) -> BatchState:
         """Ask Anthropic to cancel the batch (`canceling`, then `ended`; requests done by then keep their results)."""

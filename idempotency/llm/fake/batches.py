@@ -47,7 +47,9 @@ Time is compressed: a batch moves only when it is retrieved. After its create (O
 `in_progress`), each retrieve advances it: `in_progress` for `Knobs.batch_polls` retrieves (its requests done in
 input order, a share per retrieve), then OpenAI's `finalizing` for one retrieve, then it ends (`completed`, or
 `expired` with `batch_expire`; Anthropic `ended`). A cancel makes it `cancelling`/`canceling`; the next retrieve
-ends it `cancelled`/`ended`, the requests not yet done canceled. Knobs are read when a batch is created. A Gemini
+ends it `cancelled`/`ended`, the requests not yet done canceled. A batch created while `batch_hold` is armed
+stays in progress (none of its requests runs, its retrieves not counted) until the next `release`, then moves as
+any other. Knobs are read when a batch is created. A Gemini
 batch goes PENDING, then RUNNING for `batch_polls` retrieves, then SUCCEEDED (or EXPIRED with `batch_expire`:
 none of its requests runs, and it returns no response); a cancel ends it CANCELLED at the next retrieve.
 `batch_shuffle` does not apply to Gemini: its output order is how responses are matched to requests.
@@ -177,6 +179,7 @@ class Batch:
     times: dict[str, float] = field(default_factory=dict)  # status (or event) -> epoch seconds it was reached
     output_file_id: str | None = None
     error_file_id: str | None = None
+    hold: int | None = None  # held (`batch_hold`): in progress until the state's release count passes this
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -382,6 +385,10 @@ class FakeBatches:
                     custom_id in knobs.batch_fail_ids or stats.items_by_custom_id[custom_id] <= knobs.batch_fail_first
                 )
                 items.append(Item(position, custom_id, body, fail))
+            hold = None
+            if knobs.batch_hold > 0:  # held until the next `release` (of held creates and batches alike)
+                knobs.batch_hold -= 1
+                hold = self.state.released
             ids = {"openai": "batch_" + uuid.uuid4().hex, "gemini": uuid.uuid4().hex[:24]}
             batch = Batch(
                 id=ids.get(plan.provider) or ("msgbatch_01" + uuid.uuid4().hex[:24]),
@@ -399,6 +406,7 @@ class FakeBatches:
                 model=plan.model,
                 display_name=plan.display_name,
                 status={"openai": "validating", "gemini": "BATCH_STATE_PENDING"}.get(plan.provider, "in_progress"),
+                hold=hold,
             )
             self.state.batches[batch.id] = batch
             stats.batches_created[plan.provider] += 1
@@ -489,11 +497,18 @@ class FakeBatches:
     def _advance(self, batch: Batch) -> None:
         if batch.ended:
             return
+        gemini = batch.provider == "gemini"
+        if batch.hold is not None and "cancelling" not in batch.times:
+            with self.state.lock:
+                held = self.state.released == batch.hold
+            if held:  # running, and not moving: a retrieve while held does not count towards `batch_polls`
+                self._reach(batch, "BATCH_STATE_RUNNING" if gemini else "in_progress")
+                return
+            batch.hold = None
         batch.retrieves += 1
         if "cancelling" in batch.times:
             self._end(batch, "canceled")
             return
-        gemini = batch.provider == "gemini"
         # An expiring batch runs its even positions (Gemini's none: an expired Gemini batch returns no response).
         order = [i for i in batch.items if not batch.expire or (i.position % 2 == 0 and not gemini)]
         if batch.retrieves <= batch.polls:

@@ -10,8 +10,8 @@ GenerateContentResponse; its errors are Google's envelope, and a 429 says its wa
 `retry-after` header (Gemini sends no rate-limit headers).
 
 Control endpoints (JSON): `GET /_fake/stats`, `POST /_fake/knobs` (a partial `Knobs`), `POST /_fake/release`
-(held answers), `POST /_fake/forget` (one call, or all: past retention now), `POST /_fake/reset`,
-`GET /_fake/health`. They drive a fake run as a thread or as a process alike.
+(held answers, and batches held by `batch_hold`), `POST /_fake/forget` (one call, or all: past retention now),
+`POST /_fake/reset`, `GET /_fake/health`. They drive a fake run as a thread or as a process alike.
 """
 
 from __future__ import annotations
@@ -523,7 +523,7 @@ class FakeProviderControl:
         return dict(self._call("POST", "/_fake/knobs", knobs))
 
     def release(self) -> int:
-        """Release every held create answer; return how many were held."""
+        """Release every held create answer and every batch held by `batch_hold`; return how many answers were held."""
         return int(self._call("POST", "/_fake/release", {})["released"])
 
     def forget(self, call_id: str | None = None) -> int:

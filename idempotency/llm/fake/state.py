@@ -59,6 +59,7 @@ class Knobs:
     batch_fail_first: int = 0  # the first N submissions of each custom_id fail, later ones succeed (re-queues)
     batch_expire: bool = False  # batches expire: items at even positions done, the others expired (Gemini: none)
     batch_shuffle: bool = False  # result lines come out of input order (not Gemini's: its order is the mapping)
+    batch_hold: int = 0  # the next N batches created stay in progress, none of their requests run, until `release`
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply `changes`, all or none, refusing unknown names and values of the wrong type."""
@@ -302,7 +303,7 @@ class ProviderState:
             return True
 
     def release(self) -> int:
-        """Release every held answer; return how many were held."""
+        """Release every held answer (and every batch held by `batch_hold`); return how many answers were held."""
         with self.lock:
             held = self.stats.held
             self.released += 1
