@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from oncelery import IdempotentTask, output_text
 from oncelery.errors import StoreUnavailable
@@ -110,13 +110,47 @@ def test_a_duplicate_of_a_waiting_run_waits_and_replays_the_one_result(
         first = task.delay("d", TEXT)
         wait_until(lambda: waiting(db_url) == 1, timeout=JOB, what="the run parked")
         duplicate = task.delay("d", TEXT)
-        assert first.get(timeout=JOB) == duplicate.get(timeout=JOB) == generate_text("gpt-test", TEXT)
+        try:
+            assert first.get(timeout=JOB) == duplicate.get(timeout=JOB) == generate_text("gpt-test", TEXT)
+        except BaseException:  # what the database says, for the failure's report
+            print("runs:", runs(db_url), "\nintents:", table(db_url, INTENTS), "\noutcomes:", task.outcome_counts())
+            print("first:", first.id, first.state, "duplicate:", duplicate.id, duplicate.state)
+            raise
     assert sum(fake.stats()["creates_by_intent"].values()) == 1
     counts = task.outcome_counts()
     # One execution, one replay to the duplicate; the duplicate was answered "in progress" at least once while
     # the run waited (more often when its re-check came before the provider finished: timing, not a defect).
     assert (counts["executed"], counts["replayed"]) == (1, 1) and counts["in_progress"] >= 1, counts
     assert set(counts) <= {"executed", "in_progress", "replayed", "waiting"}, counts
+
+
+@ON_SQLITE
+def test_a_duplicate_after_the_wake_time_waits_for_the_wake_so_the_first_caller_gets_the_result(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    """The race a duplicate may win: it arrives after the parked run's wake time, before the waker sent the wake.
+    Had it taken the run over, it would complete it under its own task id, the waker would see no WAITING run, and
+    the first caller (whose message was acked at the park) would never get its result. It waits instead."""
+    task = summarizer(app, responses)
+    with worker_factory(app, concurrency=2):
+        first = task.delay("r", TEXT)
+        wait_until(lambda: waiting(db_url) == 1, timeout=JOB, what="the run parked")
+        db = Database(db_url)
+
+        def wake_due() -> bool:  # on the database clock, as the claim reads it
+            due = RUNS.c.not_before <= db.dialect.now()
+            with db.read() as conn:
+                return bool(conn.execute(select(func.count()).select_from(RUNS).where(due)).scalar_one() == 1)
+
+        wait_until(wake_due, timeout=JOB, what="the parked run's wake time")  # no relay: nobody woke it yet
+        duplicate = task.delay("r", TEXT)
+        wait_until(lambda: task.outcome_counts().get("in_progress", 0) >= 1, timeout=JOB, what="the duplicate waits")
+        assert waiting(db_url) == 1, runs(db_url)  # still parked: the duplicate did not take it over
+        with relay_running(app, db_url):  # the wake: the run's own message
+            assert first.get(timeout=JOB) == duplicate.get(timeout=JOB) == generate_text("gpt-test", TEXT)
+    assert sum(fake.stats()["creates_by_intent"].values()) == 1
+    counts = task.outcome_counts()
+    assert (counts["executed"], counts["replayed"]) == (1, 1), counts
 
 
 @ON_SQLITE

@@ -218,11 +218,15 @@ class RunStore:
             if self._kill_lost(run, max_deliveries, request.letter):
                 return ClaimResult(Decision.DEAD, run=run, killed=True)
             return None  # taken over (or killed) by someone else between our statements: look again
-        if run.status is RunStatus.WAITING and run.retry_wait:
-            # Parked until its wake (the waker re-sends its message then): a duplicate waits for the run as for a
-            # holder; a copy of its own message (a wake sent twice, a redelivery) is dropped, not circulated.
+        if run.status is RunStatus.WAITING:
             own = run.celery_task_id == request.celery_task_id
-            return ClaimResult(Decision.IN_PROGRESS, run=run, parked_copy=own)
+            if run.retry_wait or not own:
+                # Parked until its wake (the waker re-sends its message then): a duplicate waits for the run as for
+                # a holder, before the wake and after it. Only the run's own message (its task id) takes it over:
+                # a duplicate that did would complete it under its own id, and the first caller's AsyncResult,
+                # whose message was acked when the run parked, would never get the result. A copy of the run's own
+                # message before the wake (a wake sent twice, a redelivery) is dropped, not circulated.
+                return ClaimResult(Decision.IN_PROGRESS, run=run, parked_copy=own)
         if run.status is RunStatus.FAILED and run.retry_wait and run.celery_task_id != request.celery_task_id:
             # Celery will retry it after a countdown: a duplicate waits for that, as for a holder.
             # (The retry itself carries the run's task id: it may go, even a moment early.)

@@ -165,8 +165,9 @@ class Statements:
                 or_(
                     # Celery's own retry (the same task id) is due when it arrives; duplicates wait it out.
                     and_(c.status == RunStatus.FAILED, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))),
-                    # A parked run whose wake time came (any copy may wake it; before it, see RunStore._decide_on).
-                    and_(c.status == RunStatus.WAITING, retry_due(now)),
+                    # A parked run whose wake time came, by its own message only (the wake: its task id), so the
+                    # first caller's AsyncResult gets the result; duplicates wait (oncelery.runs.claims._decide_on).
+                    and_(c.status == RunStatus.WAITING, retry_due(now), c.celery_task_id == bindparam("p_task_id")),
                     # A lapsed holder, or this message's own earlier delivery that gave up on a store fault.
                     and_(c.status == RunStatus.RUNNING, or_(lease_expired(now), c.owner == bindparam("p_abandoned"))),
                 ),
