@@ -364,13 +364,13 @@ def test_zombie_holder_cannot_commit(tmp_path: Path, db_url: str, redis_url: str
     with cluster(tmp_path, db_url, redis_url, lease=2) as c:
         a, b = c.start("a", pool="solo"), c.start("b", pool="solo")
         c.wait_ready(a, b)
-        first = c.send(EFFECT_TASK, key, 4.0)
+        first = c.send(EFFECT_TASK, key, 3.0)  # longer than the lease (2 s): frozen, it outlives its claim
         zombie_pid = c.wait_executing(key)
         zombie = next(w for w in c.workers if w.pid == zombie_pid)  # solo: the body runs in the worker
         freeze_between_transactions(zombie.pid, db_url)
         try:
             # The same job again: the other worker waits out the frozen holder's lease, then takes over.
-            second = c.send(EFFECT_TASK, key, 4.0)
+            second = c.send(EFFECT_TASK, key, 3.0)
             taker_value = second.get(timeout=JOB_TIMEOUT)
             assert taker_value["pid"] != zombie.pid
             run = c.store.get(EFFECT_TASK, run_key(key))
