@@ -203,6 +203,29 @@ def relay_process(
         )
 
 
+def answers_through_a_killed_relay(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, tmp_path: Path, task: Any,
+    jobs: list[tuple[str, str]], point: str, provider: str = "openai",
+) -> list[Any]:  # fmt: skip
+    """Send `jobs` ((key, text) each) with a relay subprocess that SIGKILLs itself at crash point `point`, then a
+    second relay that finishes the work; return the jobs' answers. Both relays are stopped by PID."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    first = relay_process(app, db_url, fake, marks, point, provider=provider)
+    second = None
+    try:
+        with worker_factory(app, concurrency=2):
+            pending = [task.delay(key, text) for key, text in jobs]
+            assert first.wait(timeout=JOB) == -signal.SIGKILL, f"the relay was not killed at {point}"
+            second = relay_process(app, db_url, fake, marks, None, provider=provider)
+            return [p.get(timeout=JOB) for p in pending]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
 @pytest.mark.crash
 @pytest.mark.parametrize(
     ("point", "db_url"), [(p, ("sqlite", "postgresql")[n % 2]) for n, p in enumerate(POINTS)], indirect=["db_url"]
@@ -212,22 +235,9 @@ def test_the_batcher_sigkilled_at_each_crash_point_submits_and_applies_each_item
 ) -> None:
     app.conf.oncelery_prices = PRICE
     task = scorer(app, adapters, BatchPolicy(max_items=4, max_wait_s=30))
-    marks = tmp_path / "marks"
-    marks.mkdir()
     texts = TEXTS[:4]
-    first = relay_process(app, db_url, fake, marks, point)
-    second = None
-    try:
-        with worker_factory(app, concurrency=2):
-            pending = [task.delay(f"k{n}", text) for n, text in enumerate(texts)]
-            assert first.wait(timeout=JOB) == -signal.SIGKILL, f"the relay was not killed at {point}"
-            second = relay_process(app, db_url, fake, marks, None)
-            answers = [p.get(timeout=JOB) for p in pending]
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+    jobs = [(f"k{n}", text) for n, text in enumerate(texts)]
+    answers = answers_through_a_killed_relay(app, worker_factory, db_url, fake, tmp_path, task, jobs, point)
     assert answers == sync_answers(fake, texts)
     stats = fake.stats()
     assert stats["batches_created"] == {"openai": 1}, f"{point}: {stats['batches_created']}"  # 0 duplicates
@@ -665,22 +675,11 @@ def test_a_gemini_batch_created_before_a_crash_is_found_by_its_display_name_not_
     Gemini's batches, finds the one whose displayName is the batch's id, and polls it: one batch, each item once."""
     app.conf.oncelery_prices = {GEMINI: {"input": 1000, "output": 1000}}
     task = rater(app, gemini, BatchPolicy(max_items=3, max_wait_s=30))
-    marks = tmp_path / "marks"
-    marks.mkdir()
     texts = TEXTS[:3]
-    first = relay_process(app, db_url, fake, marks, "batch_created", provider="gemini")
-    second = None
-    try:
-        with worker_factory(app, concurrency=2):
-            pending = [task.delay(f"gk{n}", text) for n, text in enumerate(texts)]
-            assert first.wait(timeout=JOB) == -signal.SIGKILL, "the relay was not killed after the create"
-            second = relay_process(app, db_url, fake, marks, None, provider="gemini")
-            answers = [p.get(timeout=JOB) for p in pending]
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+    jobs = [(f"gk{n}", text) for n, text in enumerate(texts)]
+    answers = answers_through_a_killed_relay(
+        app, worker_factory, db_url, fake, tmp_path, task, jobs, "batch_created", provider="gemini"
+    )
     assert answers == gemini_answers(fake, texts)
     stats = fake.stats()
     assert stats["batches_created"] == {"gemini": 1}, stats["batches_created"]  # found again, not created twice
@@ -702,22 +701,11 @@ def test_a_gemini_batch_read_again_after_a_crash_mid_apply_keeps_every_answer_at
     app.conf.oncelery_prices = {GEMINI: {"input": 1000, "output": 1000}}
     task = rater(app, gemini, BatchPolicy(max_items=3, max_wait_s=0.2))
     fake.set_knobs(batch_fail_first=1)
-    marks = tmp_path / "marks"
-    marks.mkdir()
     texts = TEXTS[3:6]
-    first = relay_process(app, db_url, fake, marks, "batch_applying", provider="gemini")
-    second = None
-    try:
-        with worker_factory(app, concurrency=2):
-            pending = [task.delay(f"ga{n}", text) for n, text in enumerate(texts)]
-            assert first.wait(timeout=JOB) == -signal.SIGKILL, "the relay was not killed while applying"
-            second = relay_process(app, db_url, fake, marks, None, provider="gemini")
-            answers = [p.get(timeout=JOB) for p in pending]
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+    jobs = [(f"ga{n}", text) for n, text in enumerate(texts)]
+    answers = answers_through_a_killed_relay(
+        app, worker_factory, db_url, fake, tmp_path, task, jobs, "batch_applying", provider="gemini"
+    )
     assert answers == gemini_answers(fake, texts)
     stats = fake.stats()
     assert stats["batches_created"] == {"gemini": 2}, stats["batches_created"]  # the failed one, then the re-queue

@@ -289,11 +289,11 @@ def settle_txn(conn: Connection, dialect: Dialect, admitted: Mapping[str, int], 
         if name == OUTPUT_KEY:
             continue
         unused = max(0, int(cost) - int(used.get(name, cost)))
-        changes = c.factor < 1.0 if unused == 0 else c.name == name
+        stmt = update(LIMITERS).where(c.name == name)
+        if unused == 0:  # only capacity to give back: no write (no lock) on a row at full capacity
+            stmt = stmt.where(c.factor < 1.0)
         conn.execute(
-            update(LIMITERS)
-            .where(c.name == name, changes)
-            .values(
+            stmt.values(
                 tat=c.tat - literal(float(unused), Float) * func.coalesce(c.capped_spu, c.seconds_per_unit) / c.factor,
                 factor=case((c.factor + RECOVERY < 1.0, c.factor + RECOVERY), else_=1.0),
             )

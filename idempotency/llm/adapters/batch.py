@@ -40,7 +40,7 @@ import httpx
 
 from oncelery.llm.adapters.anthropic_messages import message_usage
 from oncelery.llm.adapters.base import Usage
-from oncelery.llm.adapters.gemini_generate import API_KEY_HEADER, BASE_URL, api_key_of, model_name, request_body
+from oncelery.llm.adapters.gemini_generate import GeminiAuthAdapter, model_name, request_body
 from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, OpenAIAuthAdapter, Transport
 from oncelery.llm.errors import ProviderRejected, ProviderUnavailable
 
@@ -223,23 +223,12 @@ class AnthropicBatches(HTTPAdapter):
         return _anthropic_state(self.http.json("POST", f"/messages/batches/{batch_id}/cancel", {}))
 
 
-class GeminiBatches(HTTPAdapter):
+class GeminiBatches(GeminiAuthAdapter):
     """Gemini's batch mode (`models/{model}:batchGenerateContent`, `batches/*`) over httpx: inline requests, the
     tag as the batch's `displayName`, results matched to custom_ids by position (see the module)."""
 
     #: The batcher passes `results` the custom_ids in the order it sent them: responses carry no key.
     results_in_input_order = True
-
-    def __init__(
-        self,
-        base_url: str = BASE_URL,
-        api_key: str | None = None,
-        *,
-        provider: str = "gemini",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
-        self.provider = provider
-        self.http = Transport(provider, base_url, {API_KEY_HEADER: api_key_of(api_key)}, timeout_s)
 
     def create(self, lines: list[tuple[str, dict[str, Any]]], model: str, tag: str) -> BatchState:
         """Create the batch of GenerateContentRequests (custom_id, request) inline, each with `metadata.key =

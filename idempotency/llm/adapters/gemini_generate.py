@@ -51,10 +51,8 @@ def gemini_usage(response: Mapping[str, Any]) -> Usage:
     return Usage(prompt, output)
 
 
-class GeminiGenerateContent(HTTPAdapter):
-    """`POST {base}/models/{model}:generateContent` over httpx, never streamed, carrying no tag (see the module)."""
-
-    endpoint = "generateContent"
+class GeminiAuthAdapter(HTTPAdapter):
+    """An adapter of Gemini's REST API: its base URL, and the key in `x-goog-api-key` ($GEMINI_API_KEY if none)."""
 
     def __init__(
         self,
@@ -66,6 +64,12 @@ class GeminiGenerateContent(HTTPAdapter):
     ) -> None:
         self.provider = provider
         self.http = Transport(provider, base_url, {API_KEY_HEADER: api_key_of(api_key)}, timeout_s)
+
+
+class GeminiGenerateContent(GeminiAuthAdapter):
+    """`POST {base}/models/{model}:generateContent` over httpx, never streamed, carrying no tag (see the module)."""
+
+    endpoint = "generateContent"
 
     def capabilities(self, request: Mapping[str, Any]) -> Capabilities:
         """Synchronous: no background, no resume, no lookup (no tag to look for), nothing retrievable."""
