@@ -36,6 +36,7 @@ from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS,
 from oncelery.task.ledger_rows import add_call
 from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
+from tests.services import stop_sessions
 
 JOB = 60.0
 OUT = 8
@@ -220,10 +221,8 @@ def answers_through_a_killed_relay(
             second = relay_process(app, db_url, fake, marks, None, provider=provider)
             return [p.get(timeout=JOB) for p in pending]
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+        # By PID, SIGKILL after 10 s: a relay stuck in a round never outlives the test.
+        stop_sessions([proc for proc in (first, second) if proc is not None], grace=10)
 
 
 @pytest.mark.crash
@@ -311,10 +310,8 @@ def test_an_untagged_anthropic_batch_created_before_a_crash_is_found_by_its_item
                 second = relay_process(app, db_url, fake, marks, None, provider="anthropic")
                 answers = [p.get(timeout=JOB) for p in pending]
         finally:
-            for proc in (first, second):
-                if proc is not None and proc.poll() is None:
-                    proc.terminate()
-                    proc.wait(timeout=30)
+            # By PID, SIGKILL after 10 s: a relay stuck in a round never outlives the test.
+            stop_sessions([proc for proc in (first, second) if proc is not None], grace=10)
         expected = [
             sync.create({"model": "claude-test", "messages": [{"role": "user", "content": t}], "max_tokens": OUT},
                         "ref", background=False).response["content"][0]["text"]
@@ -385,10 +382,8 @@ def test_an_anthropic_batch_created_again_past_the_search_bound_applies_the_firs
                 fake.release()
                 wait_for("the duplicate's end", lambda: rows(db_url, BATCHES)[0]["state"] is BatchState.ENDED)
         finally:
-            for proc in (first, second):
-                if proc is not None and proc.poll() is None:
-                    proc.terminate()
-                    proc.wait(timeout=30)
+            # By PID, SIGKILL after 10 s: a relay stuck in a round never outlives the test.
+            stop_sessions([proc for proc in (first, second) if proc is not None], grace=10)
         expected = [
             sync.create(claude_request(t), "ref", background=False).response["content"][0]["text"] for t in texts
         ]
