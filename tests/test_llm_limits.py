@@ -19,7 +19,9 @@ from oncelery import IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
+from oncelery.llm.adapters.gemini_generate import GeminiGenerateContent
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.errors import ProviderRateLimited
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.llm.limits import (
     OUTPUT_KEY,
@@ -430,3 +432,35 @@ def test_a_token_limiter_holds_what_each_provider_counts_after_a_call(
         assert call.output_tokens < 400  # the answer is shorter than its limit: the difference is what is at stake
         backlog = limiter(db_url, f"{provider}:{model}/tpm")["tat"] - now
         assert expected - 5 < backlog <= expected, (model, backlog, expected, dict(call._mapping))
+
+
+@ON_SQLITE
+def test_a_gemini_429_says_its_wait_in_retry_info_and_the_step_is_retried_through_the_limiter(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider
+) -> None:
+    """Gemini sends no retry-after header: its 429's wait is a RetryInfo detail (`retryDelay`) in the body. The
+    adapter reads it, the limiter is held that long, and the step's next attempt is a new intent: one create."""
+    fake.set_knobs(fail_next=1, fail_status=429, retry_after_s=0.3)
+    with GeminiGenerateContent(fake.gemini_base_url, "g-key") as probe:
+        body = {"model": "gemini-test", "contents": [{"role": "user", "parts": [{"text": TEXT}]}]}
+        with pytest.raises(ProviderRateLimited) as limited:
+            probe.create(body, "no-tag", background=False)
+    assert 0.25 <= limited.value.retry_after_s <= 0.35, limited.value.retry_after_s
+    fake.set_knobs(fail_next=1, fail_status=429, retry_after_s=0.3)
+    app.conf.oncelery_limits = {"gemini:gemini-test": {"rpm": 600}}
+    with GeminiGenerateContent(fake.gemini_base_url, "g-key") as gemini:
+
+        @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_gemini_429", idempotency_key="g:{d}")
+        def rate(self: IdempotentTask, d: str) -> str:
+            request = {"contents": [{"role": "user", "parts": [{"text": TEXT}]}],
+                       "generationConfig": {"maxOutputTokens": 40}}  # fmt: skip
+            return output_text(self.llm("rate", adapter=gemini, model="gemini-test", **request))
+
+        with worker_factory(app):
+            assert rate.delay("a").get(timeout=JOB) == generate_text("gemini-test", TEXT)
+    with get_engine(db_url).connect() as conn:
+        states = [r.state for r in conn.execute(select(INTENTS).order_by(INTENTS.c.attempt))]
+    assert states == [IntentState.FAILED, IntentState.DONE]  # the 429 its own intent, never an immediate re-call
+    row = limiter(db_url, "gemini:gemini-test/rpm")
+    assert row["throttled_provider"] == 1 and row["factor"] < 1.0, row
+    assert fake.stats()["errors_served"]["429"] == 2  # the probe's and the step's first attempt
