@@ -30,6 +30,7 @@ from oncelery.llm.batches import batch_micros, group_key
 from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import BatchState, ItemState
+from oncelery.ops.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, LABEL_TOTALS, RUNS
@@ -130,6 +131,10 @@ def test_batch_steps_share_one_provider_batch_at_half_price_and_each_run_wakes_o
     assert round(total["batch_saved"] * 1_000_000) == sync_cost // 2 == round(total["batched"]["cost"] * 1_000_000)
     said = CliRunner().invoke(oncelery_cli, ["--database-url", db_url, "costs"]).output
     assert f"saved by batching: {sync_cost // 2 / 1_000_000:.6f} USD" in said, said
+    # Retention: purging the finished runs takes their intents and batch items with them.
+    report = purge(Database(db_url), older_than=0.0)
+    assert (report.runs, report.intents, report.batch_items) == (5, 5, 5), report
+    assert rows(db_url, BATCH_ITEMS) == [] and rows(db_url, INTENTS) == []
 
 
 @ON_POSTGRESQL

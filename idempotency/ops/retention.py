@@ -24,7 +24,7 @@ from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database
-from oncelery.store.tables import INTENTS, LETTERS, OUTBOX, RUNS, STEPS
+from oncelery.store.tables import BATCH_ITEMS, INTENTS, LETTERS, OUTBOX, RUNS, STEPS
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -67,6 +67,7 @@ class PurgeReport:
     dead_letters: int = 0
     ledger: int = 0
     intents: int = 0
+    batch_items: int = 0
     outbox: int = 0
     kept_referenced: int = 0
     batches: int = 0
@@ -168,6 +169,8 @@ def _delete(conn: Connection, ids: list[int], ledgers: list[str], report: PurgeR
     counts["dead_letters"] = conn.execute(delete(LETTERS).where(LETTERS.c.run_id.in_(ids))).rowcount or 0
     # A finished run's call intents (digests and references only) go with it: nothing is left to re-attach.
     counts["intents"] = conn.execute(delete(INTENTS).where(INTENTS.c.run_id.in_(ids))).rowcount or 0
+    # Their batch items too (done or failed, request and answer already cleared): no row outlives its run.
+    counts["batch_items"] = conn.execute(delete(BATCH_ITEMS).where(BATCH_ITEMS.c.run_id.in_(ids))).rowcount or 0
     counts["ledger"] = 0
     for name in ledgers:
         ledger: Any = table(name, column("run_id"))
