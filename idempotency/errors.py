@@ -180,6 +180,8 @@ class ClaimError(OnceleryError):
 class IdempotencyConflict(ClaimError):
     """Raised when a key is reused with a different payload; names the key and the fields that differ."""
 
+    fields: list[str]  # the differing fields' names (empty where the digests cannot tell), set by the constructor
+
 
 class InProgress(ClaimError):
     """Raised (with on_in_progress="raise") when another live holder is running the same key or entity."""

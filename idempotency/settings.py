@@ -25,6 +25,8 @@ __all__ = [
     "CONF_MAX_PAYLOAD_BYTES",
     "CONF_ON_IN_PROGRESS",
     "CONF_PRICES",
+    "CONF_PRODUCER_DEDUPE",
+    "CONF_PRODUCER_TIMEOUT",
     "CONF_REPLAY_CACHE",
     "CONF_REPLAY_CACHE_TTL",
     "CONF_STARTUP_WAIT",
@@ -38,6 +40,7 @@ __all__ = [
     "DEFAULT_LEDGER_SPOOL",
     "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_METRICS_MAX_TENANTS",
+    "DEFAULT_PRODUCER_TIMEOUT",
     "DEFAULT_STARTUP_WAIT_SECONDS",
     "DEFAULT_WARN_PAYLOAD_BYTES",
     "DIRECT_WAIT_TIMEOUT",
@@ -72,6 +75,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MIN_LEASE_SECONDS",
     "PASS_THROUGH_SEEN",
+    "PRODUCER_COOLDOWN",
     "SECRET_SETTINGS",
     "SQLITE_BUSY_TIMEOUT_MS",
     "STARTUP_RETRY_CAP",
@@ -162,6 +166,16 @@ VISIBILITY_SLACK = 4
 # True: task events also rename the task for Flower ("shop.charge [replayed]"). Off by default: every monitor
 # that labels by task name (Flower's /metrics, celery-exporter) would count steps x outcomes names per task.
 CONF_FLOWER_NAME_SUFFIX = "oncelery_flower_name_suffix"  # bool, default False
+# Producer dedupe (oncelery.task.producer): where the producer has a claims database configured, `.delay()` of an
+# idempotent task asks it first and answers a duplicate of a finished run without publishing. A bool (default
+# True); a task's `producer_dedupe=` option and a call's override it. The timeout (seconds, default 0.25) bounds
+# the check; past it, or on any database error, the call publishes as it would without the check (fails open).
+CONF_PRODUCER_DEDUPE = "oncelery_producer_dedupe"
+CONF_PRODUCER_TIMEOUT = "oncelery_producer_timeout"
+DEFAULT_PRODUCER_TIMEOUT = 0.25
+# After a failed check, a producer publishes without asking for this long (seconds): a database that is down
+# must not add a timeout to every call.
+PRODUCER_COOLDOWN = 5.0
 # Every app.conf.oncelery_* setting there is: any other name is a typo, refused with its name.
 KNOWN_SETTINGS = frozenset(
     {
@@ -182,6 +196,8 @@ KNOWN_SETTINGS = frozenset(
         CONF_WARN_PAYLOAD_BYTES,
         CONF_MAX_PAYLOAD_BYTES,
         CONF_STARTUP_WAIT,
+        CONF_PRODUCER_DEDUPE,
+        CONF_PRODUCER_TIMEOUT,
     }
 )
 # The pass-through switch for plain unit tests (as Powertools' POWERTOOLS_IDEMPOTENCY_DISABLED): the body runs

@@ -201,6 +201,9 @@ class DeliveryOutcome(Base):
     saved_input_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     saved_output_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     saved_cost_micros: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")  # micro-USD
+    # Of `count`, the calls answered at the producer (`.delay()` of a duplicate, migration 0022): never published,
+    # no worker slot; counted with the same outcome as a delivery answered by a worker would be.
+    at_producer: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
 
 
 class OutboxStatus(enum.Enum):

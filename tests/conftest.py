@@ -136,6 +136,9 @@ def app(db_url: str, redis_url: str) -> Iterator[Celery]:
         broker_url=redis_url,
         result_backend=redis_url,
         oncelery_database_url=db_url,
+        # These tests send duplicates to prove what a WORKER does with them: the producer's own answer (on by
+        # default where a claims database is configured) is tested in tests/test_producer_dedupe.py.
+        oncelery_producer_dedupe=False,
         task_default_queue=services.unique_queue(),
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,

@@ -187,6 +187,7 @@ def make_app(url: str, redis_url: str) -> Celery:
         broker_url=redis_url,
         result_backend=redis_url,
         oncelery_database_url=url,
+        oncelery_producer_dedupe=False,  # the faults under test are a worker's (the producer's: test_producer_dedupe)
         task_default_queue=services.unique_queue(),
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,

@@ -64,11 +64,11 @@ from oncelery.runs.decisions import (
     encode_result,
 )
 from oncelery.runs.faults import fault_point
-from oncelery.runs.keys import differing_fields, digest_key_rotated
+from oncelery.runs.keys import Identity, differing_fields, digest_key_rotated
 from oncelery.runs.waits import record_wait, wait_started
 from oncelery.settings import DIRECT_WAIT_TIMEOUT, HEADER_WAITING_SINCE
 
-__all__ = ["Delivery"]
+__all__ = ["Delivery", "conflict_error"]
 
 logger = logging.getLogger("oncelery.delivery")  # a stable name (users filter on it)
 
@@ -186,19 +186,8 @@ class Delivery:
 
     def _conflict(self, res: ClaimResult, *_: Any) -> Any:
         """CONFLICT: the key was first used with another payload; dead-letter this message, never retry it."""
-        stored = res.run.field_digests if res.run is not None else {}
-        fields = differing_fields(stored, self.ident.field_digests)
-        which = ", ".join(fields) or "unknown"
-        if digest_key_rotated(stored, self.ident.field_digests):
-            which = "unknown: the digest key (ONCELERY_DIGEST_KEY) changed since the first payload was stored"
-        conflict = IdempotencyConflict(
-            f"{self.task.name}: idempotency key {self.ident.key!r} was first used with a different payload "
-            f"(fields that differ: {which}); the first result stands. "
-            f"Use a new key (e.g. bump the version in it) for a new payload.",
-            task_name=self.task.name,
-            key=self.ident.key,
-            fields=fields,
-        )
+        conflict = conflict_error(self.task.name, self.ident, res.run.field_digests if res.run is not None else {})
+        fields = conflict.fields
         fault_point("dead_letter", task=self.task.name, key=self.ident.key)
         self.store.close_outbox_row(self.request.id, Outcome.CONFLICT)  # before the count: it is idempotent
         # The `conflict` count and one redacted letter per payload, in one transaction.
@@ -459,7 +448,26 @@ class Delivery:
 
 _WAIT = object()  # _busy's answer when a direct caller should poll again
 _WAITING = (Decision.IN_PROGRESS, Decision.ENTITY_BUSY)
+
+
 # How a wait ended, by the decision of the delivery that no longer waits (the label of in_progress_wait).
+def conflict_error(task_name: str, ident: Identity, stored: dict[str, str]) -> IdempotencyConflict:
+    """The IdempotencyConflict of a call whose key was first used with another payload, naming the fields that
+    differ (`stored`: the run's field digests; `ident`'s own are compared with them) where the digests tell."""
+    fields = differing_fields(stored, ident.field_digests)
+    which = ", ".join(fields) or "unknown"
+    if digest_key_rotated(stored, ident.field_digests):
+        which = "unknown: the digest key (ONCELERY_DIGEST_KEY) changed since the first payload was stored"
+    return IdempotencyConflict(
+        f"{task_name}: idempotency key {ident.key!r} was first used with a different payload "
+        f"(fields that differ: {which}); the first result stands. "
+        f"Use a new key (e.g. bump the version in it) for a new payload.",
+        task_name=task_name,
+        key=ident.key,
+        fields=fields,
+    )
+
+
 _WAIT_ENDED = {
     Decision.COMPLETED: Outcome.REPLAYED.value,
     Decision.CLAIMED: "claimed",

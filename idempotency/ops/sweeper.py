@@ -17,12 +17,12 @@ import logging
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import String, and_, cast, func, or_, select, update
+from sqlalchemy import and_, or_, select, update
 
 from oncelery.models import RunStatus
 from oncelery.ops.outbox import CONTINUATION, send_keyed
 from oncelery.settings import HEADER_WOKEN
-from oncelery.store.clock import lease_expired
+from oncelery.store.clock import lease_expired, stored_message
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS
 
@@ -33,11 +33,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("oncelery.sweeper")  # a stable name (users filter on it)
-
-
-def stored_message(column: Any) -> Any:
-    """SQL: the run keeps a message (neither SQL NULL nor JSON null: completion clears it to the latter)."""
-    return func.coalesce(cast(column, String), "null") != "null"
 
 
 def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100) -> int:

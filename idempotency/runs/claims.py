@@ -39,6 +39,7 @@ from oncelery.runs.decisions import (
     Death,
     Decision,
     EntityVersionOf,
+    ProducerFind,
     clean_error,
     completion_counts,
     lease_lost,
@@ -47,7 +48,14 @@ from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import Identity
 from oncelery.runs.legacy import LegacyRuns
 from oncelery.runs.letters import kill_lost, letter_conflict, letter_without_run, write_letter
-from oncelery.runs.outcomes import flush_replays, outcome_counts, record_outcome, record_outcome_txn
+from oncelery.runs.outcomes import (
+    counter_shard,
+    flush_replays,
+    outcome_counts,
+    record_outcome,
+    record_outcome_txn,
+    record_producer_replay,
+)
 from oncelery.runs.secrets import Secrets
 from oncelery.runs.views import Runs, RunView, run_view
 from oncelery.store.database import rowcount, translated
@@ -157,6 +165,36 @@ class RunStore:
             # The row changed between our statements (purged, inserted after our snapshot, taken over, killed,
             # or an expired entity holder demoted): look again.
         raise StoreError(f"Could not settle a claim for {task_name}[{ident.key}] in {_MAX_CLAIM_ROUNDS} rounds")
+
+    def producer_find(self, task_name: str, ident: Identity, mode: str) -> ProducerFind | None:
+        """The run of a call as a producer sees it before publishing, or None (no run); never claims.
+
+        A COMPLETED run of the same payload is answered: its replay is counted (`replayed`, at_producer) and its
+        run's replays bumped before this returns (`counted`), in the read's own statement on PostgreSQL. `mode`: the
+        bounded engine to use (store.dialects.producer_mode); a timeout or any driver error raises StoreError.
+        """
+        params = {
+            "p_task": task_name,
+            "p_tenant": ident.tenant,
+            "p_key": ident.key,
+            "p_fingerprint": ident.fingerprint,
+            "p_shard": counter_shard(),
+        }
+        sql = self.sql
+        fault_point("producer_find", task=task_name, key=ident.key)
+        if sql.producer_answer is not None:
+            row, _ = self.db.one_bounded(mode, sql.producer_answer, params)
+            return None if row.id is None else _producer_find(row, counted=bool(row.replayed))
+        with self.db.read() as conn:  # SQLite: reads take no lock; only an answer writes (its count)
+            row = conn.execute(sql.producer_view, params).first()
+        if row is None:
+            return None
+        found = _producer_find(row, counted=False)
+        if found.status is RunStatus.COMPLETED and found.fingerprint == ident.fingerprint:
+            fault_point("producer_count", task=task_name, key=ident.key)
+            record_producer_replay(self.db, mode, task_name, ident.tenant, found.run_id)
+            return _producer_find(row, counted=True)
+        return found
 
     def _claim_round(self, request: ClaimRequest, params: dict[str, Any]) -> ClaimResult | None:
         """One round of a claim: a new key claimed, else the run found decided; None: look again."""
@@ -439,3 +477,17 @@ class RunStore:
         """
         flush_replays()
         return outcome_counts(self.db, task_name, tenant)
+
+
+def _producer_find(row: Any, counted: bool) -> ProducerFind:
+    return ProducerFind(
+        run_id=int(row.id),
+        status=RunStatus(row.status) if not isinstance(row.status, RunStatus) else row.status,
+        fingerprint=row.fingerprint,
+        token=int(row.fencing_token),
+        result=row.result,
+        celery_task_id=row.celery_task_id,
+        lease_live=bool(row.lease_live),
+        recoverable=bool(row.kept) or bool(row.queued),
+        counted=counted,
+    )

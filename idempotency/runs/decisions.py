@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Any
 
 from oncelery.errors import LeaseLost, ResultNotJSON
-from oncelery.models import Outcome
+from oncelery.models import Outcome, RunStatus
 from oncelery.runs.keys import Identity
 from oncelery.runs.outcomes import counter_shard, outcome_params
 from oncelery.runs.views import RunView
@@ -33,6 +33,7 @@ __all__ = [
     "Death",
     "Decision",
     "EntityVersionOf",
+    "ProducerFind",
     "clean_error",
     "completion_counts",
     "encode_result",
@@ -157,6 +158,21 @@ class ClaimResult:
     # IN_PROGRESS of a run parked WAITING until its wake, found by a copy of its own message (a wake sent twice,
     # a redelivery): the waker sends the message again when it is due, so this copy has nothing left to do.
     parked_copy: bool = False
+
+
+@dataclass(frozen=True)
+class ProducerFind:
+    """What a producer's check found of a call's run: enough to answer, point at the run, or publish."""
+
+    run_id: int
+    status: RunStatus
+    fingerprint: str
+    token: int
+    result: Any
+    celery_task_id: str | None
+    lease_live: bool
+    recoverable: bool  # the run keeps its message, or an outbox row will publish it again
+    counted: bool  # a COMPLETED run of the same payload: its replay is already counted (at_producer)
 
 
 @dataclass(frozen=True)

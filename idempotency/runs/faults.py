@@ -21,6 +21,8 @@ __all__ = [
 
 #: Every point, in delivery order.
 POINTS = (
+    "producer_find",  # before a producer's check reads the call's run (and answers a duplicate) at .delay()
+    "producer_count",  # SQLite: before a producer counts the duplicate it answers (its own write transaction)
     "version_check",  # before a versioned event reads its entity's applied version
     "claim",  # before the claim statement
     "conflict_read",  # before a conflicting payload's claim reads the run's field digests (PostgreSQL)

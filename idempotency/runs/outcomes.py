@@ -23,7 +23,8 @@ from oncelery.errors import StoreError
 from oncelery.models import Outcome
 from oncelery.runs.faults import fault_point
 from oncelery.settings import ENV_REPLAY_FLUSH_INTERVAL, env_seconds
-from oncelery.store.database import Database
+from oncelery.store.database import Database, get_engine, translated
+from oncelery.store.driver import driver_transaction
 from oncelery.store.statements import statements
 from oncelery.store.tables import OUTCOME_SHARDS, OUTCOME_TOTALS, OUTCOMES, RUNS, SAVED_FROM
 
@@ -40,6 +41,7 @@ __all__ = [
     "pending_replays",
     "record_outcome",
     "record_outcome_txn",
+    "record_producer_replay",
 ]
 
 logger = logging.getLogger("oncelery.replay_cache")  # the cached replays' counts keep the cache's logger name
@@ -101,6 +103,21 @@ def record_outcome(
                 p_saved_cost_micros=cost,
             )
         conn.execute(sql.count_outcome, params)
+
+
+def record_producer_replay(db: Database, mode: str, task_name: str, tenant: str, run_id: int) -> None:
+    """Count a replay answered at the producer (`replayed`, at_producer = 1, with what it saved) and bump its run's
+    replays, in one durable transaction on the engine of `mode` (bounded: a busy database raises StoreError).
+
+    For databases without data-modifying CTEs (SQLite); PostgreSQL counts it in the producer's one statement.
+    """
+    sql = statements(db.dialect.name)
+    params = {**outcome_params(task_name, Outcome.REPLAYED, tenant, at_producer=1), "p_run_id": run_id}
+    with translated(db.url), driver_transaction(get_engine(db.url, mode)) as tx:
+        run = tx.execute(sql.count_replay_on_run, params).first()
+        if run is not None:  # purged meanwhile: the replay is counted, saving nothing known
+            params.update(zip((f"p_{name}" for name in SAVED_FROM), run, strict=True))
+        tx.execute(sql.count_outcome, params)
 
 
 def outcome_counts(db: Database, task_name: str | None = None, tenant: str | None = None) -> dict[str, int]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import and_, not_
+from sqlalchemy import String, and_, cast, func, not_
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.models import TaskRun
 
-__all__ = ["lease_expired", "lease_live"]
+__all__ = ["lease_expired", "lease_live", "stored_message"]
 
 
 def lease_live(now: ColumnElement[Any]) -> ColumnElement[bool]:
@@ -28,3 +28,8 @@ def lease_live(now: ColumnElement[Any]) -> ColumnElement[bool]:
 def lease_expired(now: ColumnElement[Any]) -> ColumnElement[bool]:
     """The negation of `lease_live`: what a takeover of a RUNNING run requires."""
     return not_(lease_live(now))
+
+
+def stored_message(column: Any) -> Any:
+    """SQL: the run keeps a message (neither SQL NULL nor JSON null: completion clears it to the latter)."""
+    return func.coalesce(cast(column, String), "null") != "null"

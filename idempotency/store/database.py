@@ -17,7 +17,15 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from oncelery.errors import SchemaMissing, StoreUnavailable
-from oncelery.store.dialects import MODE_AUTOCOMMIT, MODE_DEFAULT, MODE_FAST, MODE_READ, Dialect, dialect_of
+from oncelery.store.dialects import (
+    MODE_AUTOCOMMIT,
+    MODE_DEFAULT,
+    MODE_FAST,
+    MODE_READ,
+    Dialect,
+    dialect_of,
+    producer_timeout_ms,
+)
 from oncelery.store.driver import DriverTransaction, driver_transaction, run_on_driver
 
 __all__ = [
@@ -70,7 +78,7 @@ def get_engine(url: str, mode: str = MODE_DEFAULT) -> Engine:
 
 def _new_engine(url: str, mode: str) -> Engine:
     dia = dialect_of(normalize_url(url))
-    if mode in dia.own_engine_modes:
+    if mode in dia.own_engine_modes or producer_timeout_ms(mode) is not None:
         return dia.create_engine(normalize_url(url), mode)
     base = get_engine(url)  # the lock is reentrant
     if dia.autocommit_statements and mode in (MODE_READ, MODE_AUTOCOMMIT):
@@ -280,6 +288,26 @@ class Database:
         synchronous_commit=off, SQLite's synchronous=NORMAL.
         """
         return self._once_more_if_invalidated(lambda: self._one(stmt, params, durable))
+
+    def one_bounded(self, mode: str, stmt: Any, params: dict[str, Any]) -> tuple[Any, int]:
+        """Run one statement on the engine of `mode` (a producer's, bounded by its timeout); as `one`, no retry.
+
+        Asynchronous commit on PostgreSQL, and SQLite's synchronous=NORMAL, as a claim's.
+        """
+        try:
+            engine = get_engine(self.url, mode)
+            if self.dialect.autocommit_statements:
+                if engine.dialect.driver == "psycopg":
+                    return run_on_driver(engine, stmt, params)
+                with engine.connect() as conn:
+                    return first_and_count(conn.execute(stmt, params))
+            if on_sqlite3(engine):
+                with driver_transaction(engine) as tx:
+                    return first_and_count(tx.execute(stmt, params))
+            with engine.begin() as conn:
+                return first_and_count(conn.execute(stmt, params))
+        except DBAPIError as exc:
+            raise_translated(exc, self.url)
 
     def write(self, body: Callable[[Connection], None]) -> None:
         """Run `body` in one transaction, once more on a fresh connection if a killed pooled one failed it.

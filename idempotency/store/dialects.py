@@ -21,6 +21,7 @@ __all__ = [
     "MODE_AUTOCOMMIT",
     "MODE_DEFAULT",
     "MODE_FAST",
+    "MODE_PRODUCER",
     "MODE_READ",
     "SQLITE_TIME_FORMAT",
     "Dialect",
@@ -28,6 +29,8 @@ __all__ = [
     "SQLite",
     "dialect",
     "dialect_of",
+    "producer_mode",
+    "producer_timeout_ms",
 ]
 
 # Engine modes: the default (transactions), "read" (never takes SQLite's writer lock), and "fast"
@@ -36,6 +39,20 @@ MODE_DEFAULT = ""
 MODE_READ = "read"
 MODE_FAST = "fast"
 MODE_AUTOCOMMIT = "autocommit"  # durable single statements
+# A producer's check before it publishes (oncelery.task.producer): its own small pool, every statement bounded by
+# a timeout (the mode's suffix, in ms), so a slow database delays a `.delay()` by that much at most.
+MODE_PRODUCER = "producer"
+
+
+def producer_mode(seconds: float) -> str:
+    """The engine mode of producer checks bounded by `seconds` (one engine per distinct bound)."""
+    return f"{MODE_PRODUCER}:{max(1, round(seconds * 1000))}"
+
+
+def producer_timeout_ms(mode: str) -> int | None:
+    """The bound in ms of a producer mode, or None for any other mode."""
+    name, _, ms = mode.partition(":")
+    return int(ms) if name == MODE_PRODUCER and ms else None
 
 
 class Dialect:
@@ -154,6 +171,29 @@ class PostgreSQL(Dialect):
                 # Autocommit only: a returned connection has no transaction to roll back.
                 pool_reset_on_return=None,
             )
+        bound = producer_timeout_ms(mode)
+        if bound is not None:
+            # A producer's check: statement_timeout bounds a slow or blocked statement; libpq's connect_timeout
+            # (whole seconds, at least 2) bounds a server that does not answer at all. The caller then publishes
+            # as it would without the check, and skips checks for a while (oncelery.task.producer).
+            options = " ".join(
+                filter(
+                    None,
+                    [
+                        str(make_url(url).query.get("options") or ""),
+                        "-c synchronous_commit=off",
+                        f"-c statement_timeout={bound}",
+                    ],
+                )
+            )
+            return create_engine(
+                url,
+                isolation_level="AUTOCOMMIT",
+                pool_size=5,
+                max_overflow=10,
+                connect_args={"options": options, "connect_timeout": max(2, -(-bound // 1000))},
+                pool_reset_on_return=None,
+            )
         return create_engine(url, pool_size=5, max_overflow=10)
 
     def now(self) -> ColumnElement[Any]:
@@ -208,7 +248,9 @@ class SQLite(Dialect):
 
     def create_engine(self, url: str, mode: str) -> Engine:
         read_only = mode == MODE_READ
-        busy_ms = sqlite_busy_timeout_ms()
+        bound = producer_timeout_ms(mode)
+        # A producer's check waits for the writer lock only as long as its bound, then publishes without it.
+        busy_ms = sqlite_busy_timeout_ms() if bound is None else bound
         engine = create_engine(url, connect_args={"timeout": busy_ms / 1000})
 
         @event.listens_for(engine, "connect")
@@ -220,7 +262,7 @@ class SQLite(Dialect):
             cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
             cur.execute(f"PRAGMA busy_timeout={busy_ms}")
             cur.execute("PRAGMA foreign_keys=ON")
-            if mode == MODE_FAST:
+            if mode == MODE_FAST or bound is not None:
                 # Claims and lease renewals, as on PostgreSQL (synchronous_commit=off): committed without an
                 # fsync, so a power loss (never a process crash: WAL) may forget the last ones; the fence makes
                 # a forgotten claim harmless, and the next durable commit (a completion) syncs them too.
@@ -267,5 +309,12 @@ def dialect(name: str) -> Dialect:
 
 
 def dialect_of(url: str) -> Dialect:
-    """Return the `Dialect` of a database URL."""
-    return dialect(make_url(url).get_backend_name())
+    """Return the `Dialect` of a database URL (PostgreSQL through PgBouncer when it says `oncelery_pgbouncer=1`)."""
+    parsed = make_url(url)
+    name = parsed.get_backend_name()
+    if name == "postgresql" and parsed.query:
+        from oncelery.store.pgbouncer import behind_pgbouncer, pgbouncer  # it builds on PostgreSQL, above
+
+        if behind_pgbouncer(parsed):
+            return pgbouncer()
+    return dialect(name)

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Integer, String, and_, bindparam, func, literal, null, select, update
+from sqlalchemy import Integer, String, and_, bindparam, func, literal, null, or_, select, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import ColumnElement
 
-from oncelery.models import Outcome, RunStatus
-from oncelery.store.clock import lease_live
-from oncelery.store.tables import OUTCOME_KEY, OUTCOME_TOTALS, OUTCOMES, RUN_VIEW_COLUMNS, RUNS, SAVED_FROM
+from oncelery.models import OutboxStatus, Outcome, RunStatus
+from oncelery.store.clock import lease_live, stored_message
+from oncelery.store.tables import OUTBOX, OUTCOME_KEY, OUTCOME_TOTALS, OUTCOMES, RUN_VIEW_COLUMNS, RUNS, SAVED_FROM
 
 __all__ = [
     "NOT_DECIDING",
@@ -25,6 +25,8 @@ __all__ = [
     "complete_and_count",
     "count_replay",
     "count_statement",
+    "producer_answer",
+    "producer_view",
 ]
 
 # RunView columns the claim statement leaves NULL: no decision of a claim reads them, and decoding them (JSON,
@@ -85,6 +87,69 @@ def claim_or_replay(insert_claim: Any, now: ColumnElement[Any]) -> Any:
         )
         .cte("cur")
     )
+    bumped, counted = _replay_counted(cur)
+    one = select(literal(1).label("one")).subquery("one")
+    return (
+        select(
+            select(ins.c.id).scalar_subquery().label("new_id"),
+            select(func.count()).select_from(bumped).scalar_subquery().label("replayed"),
+            *cur.c,
+        )
+        .select_from(one.outerjoin(cur, literal(True)))
+        .add_cte(counted)
+    )
+
+
+def producer_view(now: ColumnElement[Any]) -> Any:
+    """What a producer decides on for the run of (p_task, p_tenant, p_key): a SELECT of at most one row."""
+    # Only what the producer reads: a run in progress is recoverable without the call's message if it keeps its
+    # own (`kept`) or an outbox row will publish it again (`queued`).
+    c, o = RUNS.c, OUTBOX.c
+    queued = (
+        select(o.id)
+        # Two literals, not IN (...): the driver path sends compiled text, which an expanding IN has none of.
+        .where(
+            o.celery_task_id == c.celery_task_id,
+            or_(o.status == OutboxStatus.PENDING, o.status == OutboxStatus.SENT),
+        )
+        .exists()
+    )
+    return select(
+        c.id,
+        c.status,
+        c.fingerprint,
+        c.fencing_token,
+        c.result,
+        c.celery_task_id,
+        lease_live(now).label("lease_live"),
+        stored_message(c.message).label("kept"),
+        queued.label("queued"),
+    ).where(
+        c.task_name == bindparam("p_task"),
+        c.tenant == bindparam("p_tenant"),
+        c.idempotency_key == bindparam("p_key"),
+    )
+
+
+def producer_answer(now: ColumnElement[Any]) -> Any:
+    """PostgreSQL: a producer's view of a call's run, and a duplicate's answer and count, in one statement."""
+    # As claim_or_replay without the INSERT (a producer never claims): a COMPLETED run of the same payload is
+    # answered and counted (`replayed`, at_producer = 1) in the same round trip as the read.
+    cur = producer_view(now).cte("cur")
+    bumped, counted = _replay_counted(cur, at_producer=True)
+    one = select(literal(1).label("one")).subquery("one")
+    return (
+        select(select(func.count()).select_from(bumped).scalar_subquery().label("replayed"), *cur.c)
+        .select_from(one.outerjoin(cur, literal(True)))
+        .add_cte(counted)
+    )
+
+
+def _replay_counted(cur: Any, at_producer: bool = False) -> tuple[Any, Any]:
+    """The CTEs that answer a duplicate of `cur`: its run's replays + 1, and the `replayed` count with its savings."""
+    #   bumped  a COMPLETED run of the same payload: replays + 1 RETURNING what it saves
+    #   counted the `replayed` outcome with those savings, only if bumped (a duplicate is answered here)
+    c = RUNS.c
     finished = select(cur.c.id).where(
         cur.c.status == RunStatus.COMPLETED, cur.c.fingerprint == bindparam("p_fingerprint")
     )
@@ -98,27 +163,22 @@ def claim_or_replay(insert_claim: Any, now: ColumnElement[Any]) -> Any:
         .cte("bumped")
     )
     o = OUTCOMES.c
+    totals = list(SAVED_FROM)
+    values: list[Any] = [bumped.c[column] for column in SAVED_FROM.values()]
+    if at_producer:
+        totals.append("at_producer")
+        values.append(literal(1))
     rows = select(
         bindparam("p_task", type_=String),
         bindparam("p_tenant", type_=String),
         literal(Outcome.REPLAYED.value, type_=o.outcome.type),
         bindparam("p_shard", type_=Integer),
         literal(1),
-        *(bumped.c[column] for column in SAVED_FROM.values()),
+        *values,
     ).select_from(bumped)
-    count = postgresql.insert(OUTCOMES).from_select([*OUTCOME_KEY, "count", *SAVED_FROM], rows)
-    upsert = count.on_conflict_do_update(index_elements=OUTCOME_KEY, set_=added(count, SAVED_FROM))
-    counted = upsert.cte("counted")
-    one = select(literal(1).label("one")).subquery("one")
-    return (
-        select(
-            select(ins.c.id).scalar_subquery().label("new_id"),
-            select(func.count()).select_from(bumped).scalar_subquery().label("replayed"),
-            *cur.c,
-        )
-        .select_from(one.outerjoin(cur, literal(True)))
-        .add_cte(counted)
-    )
+    count = postgresql.insert(OUTCOMES).from_select([*OUTCOME_KEY, "count", *totals], rows)
+    upsert = count.on_conflict_do_update(index_elements=OUTCOME_KEY, set_=added(count, totals))
+    return bumped, upsert.cte("counted")
 
 
 def complete_and_count(complete: Any) -> Any:

@@ -15,7 +15,14 @@ from sqlalchemy.sql.elements import ColumnElement
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.store.clock import lease_expired
 from oncelery.store.dialects import dialect as get_dialect
-from oncelery.store.one_trip import claim_or_replay, complete_and_count, count_replay, count_statement
+from oncelery.store.one_trip import (
+    claim_or_replay,
+    complete_and_count,
+    count_replay,
+    count_statement,
+    producer_answer,
+    producer_view,
+)
 from oncelery.store.tables import (
     LETTERS,
     OUTBOX,
@@ -116,6 +123,10 @@ class Statements:
         )
         self.count_replay_on_run = self._count_replay_on_run()
         self.count_replay = count_replay(self.count_replay_on_run, insert) if one_trip else None
+        # A producer's check (oncelery.task.producer): its view of a call's run, and on PostgreSQL a duplicate's
+        # answer and `replayed` count (at_producer) in the same statement.
+        self.producer_view = producer_view(now)
+        self.producer_answer = producer_answer(now) if one_trip else None
         # Entity versions: applied only forward.
         self.advance_version = self._advance_version(insert, now)
 

@@ -98,6 +98,7 @@ OUTCOME_TOTALS = (
     "saved_input_tokens",
     "saved_output_tokens",
     "saved_cost_micros",
+    "at_producer",
 )
 # The task_runs columns a RunView (oncelery.runs) is made of.
 RUN_VIEW_COLUMNS = (

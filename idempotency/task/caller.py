@@ -42,6 +42,9 @@ def outcome_of(result: Any) -> Outcome | None:
     Executed, resumed (some steps replayed from checkpoints), replayed (the stored result of an earlier run),
     in_progress (waiting for another holder, or skipped), and the refusals: conflict, stale, dead, lease_lost.
     """
+    answered = getattr(result, "oncelery_outcome", None)
+    if answered is not None:  # a duplicate answered at the producer (task.producer.ProducerReplay): never sent
+        return Outcome(answered)
     backend = result.backend
     if not isinstance(backend, BaseKeyValueStoreBackend):
         raise ConfigurationError(

@@ -39,6 +39,7 @@ from oncelery.settings import (
 from oncelery.task.body import RunBody
 from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
+from oncelery.task.producer import answer_at_producer, producer_dedupe_on
 from oncelery.task.revoke import watch_revokes
 from oncelery.task.startup import watch_worker_start
 
@@ -60,13 +61,17 @@ class IdempotentTask(RunBody):
     def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
         """Send the task; refuse at once what a worker would refuse (bad key, non-JSON payload).
 
-        `idempotency_key=` and `tenant=` travel as headers (Celery drops unknown options).
+        `idempotency_key=` and `tenant=` travel as headers (Celery drops unknown options). Where the producer has a
+        claims database configured, a duplicate of a finished run is answered without publishing (a
+        `ProducerReplay` holding its result), and a run in progress that will be re-sent anyway returns its own
+        AsyncResult (`producer_dedupe=False` turns the check off for one call; oncelery.task.producer).
         """
         check_option_names(options, CALL_OPTIONS, f"{self.name}: apply_async option")  # Celery drops typos
         key = options.pop("idempotency_key", None)
         tenant = options.pop("tenant", None)
         policy = options.pop("on_in_progress", None)
         lease = options.pop("lease", None)
+        dedupe = options.pop("producer_dedupe", None)
         headers = dict(options.get("headers") or {})
         self.settings()  # a misspelt oncelery_* setting is refused here, at the first call
         tenant = self.entry_tenant(args, kwargs, tenant, headers)
@@ -80,12 +85,17 @@ class IdempotentTask(RunBody):
             headers[HEADER_LEASE] = check_lease(lease, f"{self.name} (this call)")
         if headers:
             options["headers"] = headers
-        self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
+        seen = self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
+        if seen is not None and not a and producer_dedupe_on(self, dedupe):
+            # A duplicate the claims database answers is never published (oncelery.task.producer).
+            answered = answer_at_producer(self, seen[0], seen[1], headers, options)
+            if answered is not None:
+                return answered
         return super().apply_async(args, kwargs, *a, **options)
 
     def _check_at_call_time(
         self, args: Any, kwargs: Any, key: str | None, tenant: str | None, serializer: str | None
-    ) -> None:
+    ) -> tuple[list[Any], dict[str, Any]] | None:
         # The worker sees the arguments after a round trip through the serializer (kombu's JSON turns a
         # UUID, datetime or Decimal back into that object): derive the identity from the same values here,
         # so what every delivery would refuse is refused in the caller, not acked in a worker at 3 a.m.
@@ -99,11 +109,13 @@ class IdempotentTask(RunBody):
             self._keys.bind(seen_args, seen_kwargs)
         except ConfigurationError:
             # A chain link gets its first argument from the previous link, in the worker: checked there.
-            return
-        # No database here (producers need none): a content-addressed key is keyed in the worker, so the key and
-        # tenant are checked, and the payload's JSON, but no digest is computed.
+            return None
+        # No database needed here (producers need none): a content-addressed key is keyed where a database is, so
+        # the key and tenant are checked, and the payload's JSON; the arguments as a worker will see them are
+        # returned for the producer's check, which runs only where a claims database is configured.
         self.key_of(seen_args, seen_kwargs, key, tenant)
         self.version_of(seen_args, seen_kwargs)
+        return list(seen_args), dict(seen_kwargs)
 
     def _check_payload_size(self, body: str | bytes) -> None:
         # Measured on the encoding just made for the checks (no second one on the hot path): kombu's JSON escapes

@@ -118,6 +118,10 @@ class TaskOptions(Task):  # type: ignore[misc]
     llm_models: tuple[str, ...] = ()
     #: The default BatchPolicy of this task's self.llm(..., mode="batch") calls (None: BatchPolicy()).
     llm_batch: Any = None
+    #: Answer a duplicate `.delay()` from the claims database instead of publishing it, where the producer has one
+    #: configured (oncelery.task.producer). None: app.conf.oncelery_producer_dedupe, else True. Per call too:
+    #: apply_async(..., producer_dedupe=False).
+    producer_dedupe: bool | None = None
     #: The provider's batch API the relay's batcher submits this task's batch items to (an adapter, or a
     #: zero-argument callable making one), e.g. oncelery.llm.adapters.batch.OpenAIBatches(base_url, api_key).
     llm_batch_adapter: Any = None
@@ -337,8 +341,9 @@ class TaskOptions(Task):  # type: ignore[misc]
 
 #: The options a task declares (TaskOptions' annotated attributes), as @app.task(...) keywords.
 TASK_OPTIONS: tuple[str, ...] = tuple(TaskOptions.__annotations__)
-#: The options one call may give apply_async (each travels as a header); Celery drops other unknown ones.
-CALL_OPTIONS: tuple[str, ...] = ("idempotency_key", "tenant", "on_in_progress", "lease")
+#: The options one call may give apply_async (each travels as a header, but producer_dedupe, which is used where the
+#: call is made); Celery drops other unknown ones.
+CALL_OPTIONS: tuple[str, ...] = ("idempotency_key", "tenant", "on_in_progress", "lease", "producer_dedupe")
 # Any option starting with one of these is Oncelery's, known or misspelt.
 _OUR_PREFIXES = ("idempotency", "oncelery")
 # How close (difflib's ratio) a name must be to one of ours to be taken for a misspelling of it.
