@@ -13,12 +13,14 @@ import json
 import logging
 from typing import Any
 
+from celery import states
 from celery.backends.base import BaseKeyValueStoreBackend
+from celery.backends.redis import RedisBackend
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import Outcome
 
-__all__ = ["outcome_of", "tell_caller"]
+__all__ = ["outcome_of", "store_answer", "tell_caller"]
 
 logger = logging.getLogger("oncelery.caller")  # a stable name (users filter on it)
 
@@ -34,6 +36,34 @@ def tell_caller(backend: Any, task_id: str | None, outcome: Outcome, key: str, t
         backend.set(backend.get_key_for_task(task_id, _SUFFIX), value)
     except Exception as exc:  # the outcome is already counted in the database; this is only the caller's view
         logger.warning("could not store the outcome of task %s for its caller: %s", task_id, exc)
+
+
+def store_answer(
+    backend: Any, task_id: str, result: Any, outcome: Outcome, key: str, tenant: str, token: int | None
+) -> None:
+    """Store a result and its outcome under `task_id` as a worker's delivery would (raises the backend's errors).
+
+    For a call answered where it was made (oncelery.task.producer): on Redis both in ONE round trip (a pipeline:
+    the meta, its publish for a waiting `.get()`, and the outcome), elsewhere through the backend's own calls.
+    """
+    if not isinstance(backend, RedisBackend):
+        backend.store_result(task_id, result, states.SUCCESS)
+        tell_caller(backend, task_id, outcome, key, tenant, token)
+        return
+    now = backend.app.now().isoformat()
+    meta = {"status": states.SUCCESS, "result": result, "traceback": None, "children": [], "date_done": now}
+    encoded = backend.encode({**meta, "task_id": task_id})
+    told = json.dumps({"outcome": outcome.value, "key": key, "tenant": tenant, "token": token})
+    name = backend.get_key_for_task(task_id)
+    expires = backend.expires
+    with backend.client.pipeline(transaction=False) as pipe:  # no MULTI/EXEC: each entry stands alone
+        for entry, value in ((name, encoded), (backend.get_key_for_task(task_id, _SUFFIX), told)):
+            if expires:
+                pipe.setex(entry, expires, value)
+            else:
+                pipe.set(entry, value)
+        pipe.publish(name, encoded)  # a `.get()` already waiting on this id hears it at once
+        pipe.execute()
 
 
 def outcome_of(result: Any) -> Outcome | None:

@@ -50,7 +50,7 @@ from oncelery.settings import (
     pass_through,
 )
 from oncelery.store.dialects import producer_mode
-from oncelery.task.caller import tell_caller
+from oncelery.task.caller import store_answer
 
 __all__ = ["ProducerReplay", "answer_at_producer", "producer_dedupe_on"]
 
@@ -139,8 +139,7 @@ def _replayed(task: Any, found: ProducerFind, ident: Identity, options: dict[str
     if not _ignores_result(task, options) and not isinstance(backend, DisabledBackend):
         try:
             # What a worker would have stored for this task id: a poller elsewhere (AsyncResult(id)) sees it too.
-            backend.store_result(task_id, found.result, states.SUCCESS)
-            tell_caller(backend, task_id, Outcome.REPLAYED, ident.key, ident.tenant, found.token)
+            store_answer(backend, task_id, found.result, Outcome.REPLAYED, ident.key, ident.tenant, found.token)
         except Exception as exc:  # the replay is counted and its result is in the handle: never publish now
             logger.warning("%s: could not store the replayed result of task %s: %s", task.name, task_id, exc)
     chain = options.get("chain")
