@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from oncelery import IdempotencyConflict, IdempotentTask, outcome_of, pipeline
@@ -23,10 +23,10 @@ from oncelery.errors import StoreUnavailable
 from oncelery.models import RunStatus
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
-from oncelery.store.tables import OUTCOMES
 from oncelery.task import producer
 from oncelery.task.producer import ProducerReplay
 from oncelery.testing.faults import wait_until
+from tests.test_metrics import scrape
 
 TIMEOUT = 60
 
@@ -42,14 +42,9 @@ def producer_on(app: Celery) -> Iterator[None]:
 
 
 def at_producer(db_url: str, task_name: str) -> int:
-    """How many of the task's counted outcomes were answered at the producer (delivery_outcomes.at_producer)."""
-    engine = create_engine(db_url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            stmt = select(func.coalesce(func.sum(OUTCOMES.c.at_producer), 0)).where(OUTCOMES.c.task_name == task_name)
-            return int(conn.execute(stmt).scalar_one())
-    finally:
-        engine.dispose()
+    """The exporter's count of the task's calls answered at the producer (oncelery_producer_answers_total)."""
+    got = scrape(db_url)
+    return int(got.get(("oncelery_producer_answers_total", (("name", task_name), ("tenant", "")))) or 0)
 
 
 def summary_job(app: Celery, name: str, **options: Any) -> tuple[Any, list[int]]:

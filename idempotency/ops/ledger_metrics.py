@@ -39,6 +39,10 @@ _LIFETIME = {
     "takeovers": ("takeovers", "Takeovers (fencing_token - 1) of completed runs: retries and lost holders."),
     "saved_calls": ("llm_saved_calls", "Model calls replays did not make (each replay x the run's ok calls)."),
     "saved_cost_micros": ("llm_saved_cost_usd", "Estimated USD replays saved (priced calls)."),
+    "at_producer": (
+        "producer_answers",
+        "Duplicate calls answered where they were made (.delay()), never published; also counted as replayed.",
+    ),
 }
 
 
