@@ -23,6 +23,7 @@ from oncelery.errors import ServiceUnreachable
 from oncelery.settings import ENV_BROKER_URL, ENV_RESULT_BACKEND
 from oncelery.store.database import normalize_url, safe_url
 from oncelery.store.dialects import dialect_of
+from oncelery.store.pgbouncer import driver_url
 from oncelery.task.embedded_broker import SCHEME
 
 REACH_TIMEOUT = 2.0  # seconds per service: a live service on a LAN answers in milliseconds
@@ -68,7 +69,9 @@ def check_database(url: str, setting: str, timeout: float = REACH_TIMEOUT) -> No
     # Before create_engine, which imports the driver itself: a missing psycopg is one line naming the extra.
     dialect_of(url).require_driver()
     # Its own engine without a pool: the check must not leave a connection (or a 30 s pool) behind.
-    engine = create_engine(normalize_url(url), poolclass=NullPool, connect_args={"connect_timeout": int(timeout)})
+    engine = create_engine(
+        driver_url(normalize_url(url)), poolclass=NullPool, connect_args={"connect_timeout": int(timeout)}
+    )
     try:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))

@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, StatementError
 
 __all__ = [
+    "STATEMENT_SETUP",
     "DriverResult",
     "DriverStatement",
     "DriverTransaction",
@@ -113,6 +114,10 @@ _compiled: dict[tuple[int, int], DriverStatement] = {}
 #: before_cursor_execute event is for the other statements (tests and benchmarks count round trips).
 statement_listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
+#: The key, in a pooled connection's `info`, of a statement `run_on_driver` sends before each statement on that
+#: connection, in the same transaction: the session settings its connection cannot carry (store.pgbouncer).
+STATEMENT_SETUP = "oncelery_statement_setup"
+
 
 def driver_statement(stmt: Any, engine: Engine) -> DriverStatement:
     """The DriverStatement of `stmt` for `engine` (statements are built once per process and kept)."""
@@ -150,6 +155,7 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
         lost = engine.dialect.is_disconnect(cast(Any, exc), None, None)
         raise as_sqlalchemy_error(engine, compiled.sql, values, exc, psycopg.Error, lost) from exc
     conn: Any = fairy.driver_connection
+    setup = fairy.info.get(STATEMENT_SETUP)
     broken = False
     try:
         # A connection of a transactional pool runs this one statement in autocommit (a client-side switch
@@ -159,7 +165,13 @@ def run_on_driver(engine: Engine, stmt: Any, params: dict[str, Any]) -> tuple[An
             conn.autocommit = True
         try:
             with conn.cursor(row_factory=compiled.make_row) as cur:
-                cur.execute(compiled.sql, values)
+                if setup is None:
+                    cur.execute(compiled.sql, values)
+                else:
+                    # Pipelined: both in one implicit transaction (it ends at the one Sync), one round trip.
+                    with conn.pipeline():
+                        conn.execute(setup)
+                        cur.execute(compiled.sql, values)
                 result = cur.pgresult
                 row = cur.fetchone() if result is not None and result.status == ExecStatus.TUPLES_OK else None
                 return row, cur.rowcount

@@ -29,6 +29,7 @@ from pathlib import Path
 
 __all__ = [
     "PG_CTL_TIMEOUT",
+    "SERVER_SETTINGS",
     "SUPERUSER",
     "PgCluster",
     "free_port",
@@ -43,6 +44,8 @@ SUPERUSER = "postgres"
 # How long pg_ctl may wait for the server to start or stop (a loaded 2-core machine can be slow).
 PG_CTL_TIMEOUT = 60
 _database_numbers = itertools.count(1)
+# A test cluster's settings: it need not survive a power cut.
+SERVER_SETTINGS = {"fsync": "off", "full_page_writes": "off", "max_connections": "200", "shared_buffers": "32MB"}
 
 
 def postgres_bindir() -> Path | None:
@@ -98,8 +101,11 @@ def _alive(pid: int) -> bool:
 class PgCluster:
     """One PostgreSQL cluster in a temporary folder: start/stop/restart it, create databases, kill backends."""
 
-    def __init__(self, bindir: Path) -> None:
+    def __init__(self, bindir: Path, settings: dict[str, str] | None = None) -> None:
         self.bindir = bindir
+        # The server's settings (`-c name=value`): fast and throwaway unless a caller asks otherwise
+        # (bench/scale.py measures WAL with fsync and full-page writes on, as a production server writes it).
+        self.settings = {**SERVER_SETTINGS, **(settings or {})}
         self.root = Path(tempfile.mkdtemp(prefix="oncelery-pg-"))
         self.data = self.root / "data"
         self.sockets = self.root / "sockets"
@@ -162,10 +168,7 @@ class PgCluster:
                 f"-p {self.port}",
                 "-c listen_addresses=127.0.0.1",
                 f"-c unix_socket_directories={self.sockets}",
-                "-c fsync=off",
-                "-c full_page_writes=off",
-                "-c max_connections=200",
-                "-c shared_buffers=32MB",
+                *(f"-c {name}={value}" for name, value in self.settings.items()),
             ]
         )
         done = self._as_postgres(
