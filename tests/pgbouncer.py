@@ -143,6 +143,15 @@ class PgBouncer:
             for r in range(result.ntuples)
         ]
 
+    def reconnect(self, database: str) -> None:
+        """Close its server connections to `database` once released (their backends exit; new ones open on demand)."""
+        import psycopg
+
+        with self.admin() as conn:
+            result = conn.pgconn.exec_(f"RECONNECT {database}".encode())
+            if result.status != psycopg.pq.ExecStatus.COMMAND_OK:
+                raise RuntimeError(f"RECONNECT {database}: {(result.error_message or b'').decode(errors='replace')}")
+
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the server's log."""
         try:

@@ -9,7 +9,6 @@ automatically (after 5 runs on a connection) would collide with the same name pr
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 
@@ -18,13 +17,12 @@ from celery import Celery
 from sqlalchemy import func, literal, select, text
 from sqlalchemy.engine import make_url
 
-from oncelery import CELERY_DELIVERY_DEFAULTS, ConfigurationError, IdempotentTask
+from oncelery import ConfigurationError, IdempotentTask
 from oncelery.ops.reach import check_database
 from oncelery.store.database import Database, dispose_engines, get_engine
 from tests import services
 from tests.conftest import running_worker
 from tests.pgbouncer import PgBouncer, missing_pgbouncer
-from tests.services import close_app
 
 TIMEOUT = 30
 JOBS = 8  # each claim statement then runs more than 5 times on a connection: psycopg would prepare it
@@ -45,20 +43,15 @@ def bouncer(pg_session_url: str) -> Iterator[PgBouncer]:
         server.stop()
 
 
+@pytest.fixture
+def db_url(bouncer: PgBouncer, pg_session_url: str) -> str:
+    """The claims URL of this module's apps (conftest's `app`): the session's database through the PgBouncer."""
+    return bouncer.url(pg_session_url)
+
+
 def test_first_executions_and_duplicates_run_through_pgbouncer_in_transaction_mode(
-    bouncer: PgBouncer, pg_session_url: str, redis_url: str
+    bouncer: PgBouncer, app: Celery, db_url: str, pg_session_url: str
 ) -> None:
-    url = bouncer.url(pg_session_url)
-    app = Celery(f"test-pgbouncer-{os.getpid()}")
-    app.conf.update(
-        **CELERY_DELIVERY_DEFAULTS,
-        broker_url=redis_url,
-        result_backend=redis_url,
-        oncelery_database_url=url,
-        task_default_queue=services.unique_queue(),
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-    )
     executed: list[int] = []
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name=f"t.pgbouncer.{uuid.uuid4().hex[:8]}")
@@ -66,34 +59,26 @@ def test_first_executions_and_duplicates_run_through_pgbouncer_in_transaction_mo
         executed.append(doc)
         return f"summary {doc}"
 
-    try:
-        with running_worker(app, concurrency=2):
-            firsts = [summarize.delay(doc).get(timeout=TIMEOUT) for doc in range(JOBS)]
-            # Answered by the worker's claim: the statement psycopg would have prepared by now.
-            duplicates = [
-                summarize.apply_async((doc,), producer_dedupe=False).get(timeout=TIMEOUT) for doc in range(JOBS)
-            ]
-            # Answered at the producer, whose check's statement_timeout is set per transaction too.
-            at_producer = summarize.delay(0).get(timeout=TIMEOUT)
-        assert firsts == duplicates == [f"summary {doc}" for doc in range(JOBS)]
-        assert at_producer == "summary 0"
-        assert sorted(executed) == list(range(JOBS))
-        assert summarize.outcome_counts() == {"executed": JOBS, "replayed": JOBS + 1}
-    finally:
-        close_app(app)
+    with running_worker(app, concurrency=2):
+        firsts = [summarize.delay(doc).get(timeout=TIMEOUT) for doc in range(JOBS)]
+        # Answered by the worker's claim: the statement psycopg would have prepared by now.
+        duplicates = [summarize.apply_async((doc,), producer_dedupe=False).get(timeout=TIMEOUT) for doc in range(JOBS)]
+        # Answered at the producer, whose check's statement_timeout is set per transaction too.
+        at_producer = summarize.delay(0).get(timeout=TIMEOUT)
+    assert firsts == duplicates == [f"summary {doc}" for doc in range(JOBS)]
+    assert at_producer == "summary 0"
+    assert sorted(executed) == list(range(JOBS))
+    assert summarize.outcome_counts() == {"executed": JOBS, "replayed": JOBS + 1}
     # Asked through PgBouncer, so of the one server connection every client's transactions ran on.
     count = select(func.count().label("n")).select_from(text("pg_prepared_statements"))
-    assert Database(url).one(count, {})[0].n == 0
+    assert Database(db_url).one(count, {})[0].n == 0
     (pool,) = [p for p in bouncer.show("POOLS") if p["database"] == make_url(pg_session_url).database]
     assert int(pool["sv_active"]) + int(pool["sv_idle"]) + int(pool["sv_used"]) == 1
 
 
-def test_claims_commit_asynchronously_and_completions_durably_on_one_shared_server_connection(
-    bouncer: PgBouncer, pg_session_url: str
-) -> None:
-    url = bouncer.url(pg_session_url)
-    check_database(url, "ONCELERY_DATABASE_URL")  # the commands' up-front check: the flag is not libpq's
-    db = Database(url)
+def test_claims_commit_asynchronously_and_completions_durably_on_one_shared_server_connection(db_url: str) -> None:
+    check_database(db_url, "ONCELERY_DATABASE_URL")  # the commands' up-front check: the flag is not libpq's
+    db = Database(db_url)
     setting = select(func.current_setting("synchronous_commit").label("value"), literal(1).label("one"))
     seen = [db.one(setting, {}, durable=durable)[0].value for durable in (False, True, False, True)]
     # A claim's setting lives in its own transaction: the durable statement right after it, on the same

@@ -169,6 +169,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of process `pid`, its live children and the children it has reaped (a server and its backends).
+
+    A backend that exits moves its time into its parent's cutime/cstime once reaped: the total stays whole.
+    """
+    total = 0.0
+    for proc in (pid, *children_of(pid)):
+        try:
+            fields = Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15]) / CLK_TCK  # utime, stime, cutime, cstime
+    return total
+
+
 def memory_kib(pid: int) -> dict[str, int]:
     """VmRSS, VmHWM (peak RSS), RssAnon, RssFile (/proc/<pid>/status) and Pss, USS (smaps_rollup) in KiB.
 
@@ -225,9 +240,17 @@ def wait_quiet(max_wait: float, threshold: float = 0.15) -> float:
 
 
 def start_worker(
-    queue: str, env: dict[str, str], log: Path, concurrency: int, app: str = "bench.support.bench_app"
+    queue: str,
+    env: dict[str, str],
+    log: Path,
+    concurrency: int,
+    app: str = "bench.support.bench_app",
+    node: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start `celery -A app worker` (prefork, `concurrency` children) consuming `queue`, its output in `log`."""
+    """Start `celery -A app worker` (prefork, `concurrency` children) consuming `queue`, its output in `log`.
+
+    `node` names the worker (default `<queue>@%h`): several workers on one queue each need their own.
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -240,7 +263,7 @@ def start_worker(
         "-Q",
         queue,
         "-n",
-        f"{queue}@%h",
+        node or f"{queue}@%h",
         "--loglevel=WARNING",
         "--without-gossip",
         "--without-mingle",
