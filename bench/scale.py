@@ -248,9 +248,11 @@ class Run:
             wait_count(self.stats, key, total, procs, log)
             cpu1 = cpu_now(postmaster, procs, sampler, sampler.bouncer)
         finally:
-            sampler.stop()
-            for proc in procs:
-                stop_worker(proc)
+            try:
+                sampler.stop()
+            finally:
+                for proc in procs:
+                    stop_worker(proc)
         if mode == "pgbouncer" and self.bouncer is not None:
             # An idle backend may keep its statistics up to 10 s: closing them flushes them now.
             self.bouncer.reconnect(DBNAME)
