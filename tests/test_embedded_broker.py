@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.worker import state as worker_state
 from kombu import Connection, Consumer, Exchange, Queue
 
 from oncelery.task.embedded_broker import URL, Transport
@@ -281,6 +282,28 @@ def test_an_empty_queue_still_times_out(tmp_path: Path) -> None:
         consumer.consume()
         with pytest.raises(TimeoutError):
             conn.drain_events(timeout=0.2)
+
+
+@pytest.mark.parametrize("flag", ["should_stop", "should_terminate"])
+def test_a_worker_told_to_stop_takes_no_message_and_its_drain_returns_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    """Once Celery's SIGTERM/SIGQUIT handler has set its flag (0, EX_OK, for a warm stop), a drain answers
+    "nothing" at once instead of polling out its timeout, and leaves the queued message for the next worker."""
+    queue = _queue("stopping")
+    got: list[int] = []
+    with _connection(tmp_path) as conn:
+        _publish(conn, queue, range(1))
+        _consume(conn, queue, got)
+        monkeypatch.setattr(worker_state, flag, 0)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=WAIT)
+        assert time.monotonic() - started < WAIT / 2
+        assert got == [] and len([p for p in tmp_path.iterdir() if p.suffix == ".msg"]) == 1
+        monkeypatch.setattr(worker_state, flag, None)
+        conn.drain_events(timeout=WAIT)
+    assert got == [0]
 
 
 def test_the_embedded_default_selects_it_and_a_url_given_later_wins() -> None:

@@ -26,7 +26,9 @@ This transport is the filesystem transport with these changes:
 - names start with the wall clock in nanoseconds (20 digits), strictly increasing in each process: one
   producer's messages are taken in the order sent (kombu's millisecond names tie, and ties go by a uuid);
 - a file that is not a JSON message is kept as `<name>.malformed` and logged, not lost, and the next is taken;
-- an exchange's table file found empty (another process is creating it) means no bindings yet, not an error.
+- an exchange's table file found empty (another process is creating it) means no bindings yet, not an error;
+- a worker told to stop (Celery's shutdown flag is set) takes no more messages, and its drain returns at once
+  instead of polling out Celery's 2 s drain timeout twice.
 Messages, folders, options and semantics are otherwise the filesystem transport's own. It has its own URL scheme,
 `oncelery-fs://`, registered with kombu when `oncelery` is imported; `oncelery.celeryconfig` uses it for the
 embedded default. (Not Celery's `broker_transport` setting: that would apply to any broker URL given later,
@@ -47,6 +49,7 @@ from queue import Empty
 from time import monotonic
 from typing import Any
 
+from celery.worker import state as worker_state
 from kombu.exceptions import ChannelError
 from kombu.transport import TRANSPORT_ALIASES, filesystem, virtual
 from kombu.utils.json import dumps, loads
@@ -95,6 +98,14 @@ class _Names:
             self._last = max(time.time_ns(), self._last + 1)
             stamp = self._last
         return f"{stamp:020d}_{uuid.uuid4()}.{queue}.msg"
+
+
+def _worker_stopping() -> bool:
+    """Whether this process is a Celery worker told to stop: Celery's own flags, as `state.maybe_shutdown` reads
+    them (set by its SIGTERM/SIGINT/SIGQUIT handlers; 0, EX_OK, is set too)."""
+    return any(
+        flag is not None and flag is not False for flag in (worker_state.should_stop, worker_state.should_terminate)
+    )
 
 
 _names = _Names()
@@ -221,6 +232,14 @@ class Transport(filesystem.Transport):
         cycle: Any = self.cycle  # a FairCycle, set by the virtual transport's __init__
         deadline = None if timeout is None else monotonic() + timeout
         while True:
+            if _worker_stopping():
+                # Celery's blocking worker loop (synloop, the loop of every non-evented transport like this one)
+                # looks at the shutdown flag only between drain_events(timeout=2.0) calls, and drains once more
+                # after seeing it (in a `finally`): polling out both calls held every warm shutdown 2-4 s. A
+                # stopping worker takes no new message (taking one deletes its file), and nothing it still owes
+                # runs here: acks and rejects are settled by the QoS itself, and unacked messages are put back
+                # when the channel closes. So answer "nothing came" at once, as the poll would have.
+                raise TimeoutError()
             # Cleared before looking: an ack that lands after the look and before the wait ends the wait.
             self.slot_freed.clear()
             try:
