@@ -3,6 +3,7 @@
     python bench/throughput.py [--jobs 10000] [--repeat 3] [--database-url URL] [--broker-url URL]
                                [--fresh-db] [--spawn-redis PORT] [--concurrency 2] [--phases ...]
                                [--what-if ...] [--profile DIR] [--json FILE]
+                               [--stats-url URL] [--queue-type classic|quorum] [--first-round R]
 
 e.g. `python bench/throughput.py --spawn-redis 6399 --fresh-db --repeat 2 --phases plain,once,idem,dup`.
 Every phase runs against a real `celery -A bench.support.bench_app worker` subprocess (prefork, concurrency 2 or
@@ -34,6 +35,12 @@ COMPLETED rows in task_runs, for once the locks left in Redis). Reported per pha
                      PostgreSQL backends, of redis-server, and of everything else, from /proc;
                      util = busy share of all CPUs
 
+On RabbitMQ (`--broker-url amqp://...`; bench/brokers.py runs Redis and both RabbitMQ queue types side by side),
+the bench's counters stay in a Redis (`--stats-url`), each phase's queue is declared `--queue-type` classic or
+quorum (Celery's `task_create_missing_queue_type`) and deleted after the phase, and the CPU table adds the
+RabbitMQ node's (`rabbitmq`: the beam.smp processes of `--rabbitmq-pids`, else every beam.smp; `--redis-pids`
+likewise narrows the `redis` column to one server).
+
 `--profile DIR` attaches two `py-spy record` to each worker child (bench/support/pyspy.py) and prints where the
 children's time goes per job (profiled runs are slower: take the throughput figures from a run without it).
 
@@ -52,6 +59,7 @@ import uuid
 from pathlib import Path
 
 import redis
+from kombu import Queue
 from sqlalchemy.engine import Engine, make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,6 +94,8 @@ from bench.support.report import PhaseResult, report, write_json
 PHASES = ("plain", "once", "idem", "dup", "floor", "floordup", "idemc", "dupc", "cachedup")
 # A phase that answers the keys another phase just completed runs right after it.
 ANSWERS = {"dup": "idem", "floordup": "floor", "dupc": "idemc"}
+# The bench_app task each phase sends, where it is not `bench_<phase>`.
+TASKS = {"dup": "bench_idem", "idemc": "bench_idem", "dupc": "bench_idem"}
 # Phases whose worker runs with the replay cache (oncelery_replay_cache: the broker's Redis, database 5).
 CACHED = ("idemc", "dupc")
 
@@ -106,17 +116,8 @@ def enqueue(phase: str, run_tag: str, n: int, queue: str) -> tuple[int, float]:
 
     # dup: every key of idem again, all COMPLETED by now (as many jobs as the other phases: a fair rate)
     ids = range(n)
-    task = {
-        "plain": bench_app.bench_plain,
-        "once": bench_app.bench_once,
-        "idem": bench_app.bench_idem,
-        "dup": bench_app.bench_idem,
-        "floor": bench_app.bench_floor,
-        "floordup": bench_app.bench_floordup,
-        "idemc": bench_app.bench_idem,
-        "dupc": bench_app.bench_idem,
-        "cachedup": bench_app.bench_cachedup,
-    }[phase]
+    # By name: bench_once exists only where celery-once is installed.
+    task = getattr(bench_app, TASKS.get(phase, f"bench_{phase}"))
     count = 0
     started = time.perf_counter()
     with task.app.producer_or_acquire() as producer:
@@ -139,6 +140,8 @@ def worker_env(phase: str, args: argparse.Namespace, queue: str, cache_url: str)
     return {
         **os.environ,
         "BENCH_BROKER_URL": args.broker_url,
+        "BENCH_STATS_URL": args.stats_url,
+        "BENCH_QUEUE_TYPE": args.queue_type,
         "BENCH_DATABASE_URL": args.database_url,
         "BENCH_QUEUE": queue,
         "BENCH_WHAT_IF": args.what_if,
@@ -147,18 +150,45 @@ def worker_env(phase: str, args: argparse.Namespace, queue: str, cache_url: str)
     }
 
 
+def service_pids(args: argparse.Namespace) -> dict[str, list[int]]:
+    """The processes of the services beside the worker: Redis (--redis-pids, else every redis-server) and
+    the RabbitMQ node (--rabbitmq-pids, else every beam.smp when the broker is RabbitMQ)."""
+
+    def given(pids: str | None) -> list[int] | None:
+        return [int(p) for p in pids.split(",")] if pids else None
+
+    amqp = args.broker_url.startswith(("amqp", "pyamqp"))
+    return {
+        "redis": given(args.redis_pids) or pids_named("redis-server"),
+        "rabbitmq": given(args.rabbitmq_pids) or (pids_named("beam.smp") if amqp else []),
+    }
+
+
 def worker_cpu(
-    proc: subprocess.Popen[bytes], admin: Engine, dbname: str, redis_pids: list[int], redis0: float, busy: float
+    proc: subprocess.Popen[bytes],
+    admin: Engine,
+    dbname: str,
+    services: dict[str, list[int]],
+    services0: dict[str, float],
+    busy: float,
 ) -> dict[str, float]:
-    """CPU seconds of the worker's main process, its children, the database's backends, Redis, and the rest."""
+    """CPU seconds of the worker's main process, its children, the database's backends, Redis, RabbitMQ, the rest."""
     cpu = {
         "main": cpu_seconds(proc.pid),
         "children": sum(cpu_seconds(p) for p in children_of(proc.pid)),
         "postgres": sum(cpu_seconds(p) for p in backend_pids(admin, dbname)),
-        "redis": sum(cpu_seconds(p) for p in redis_pids) - redis0,
+        **{name: sum(cpu_seconds(p) for p in pids) - services0[name] for name, pids in services.items()},
     }
     cpu["other"] = max(0.0, busy - sum(cpu.values()))
     return cpu
+
+
+def drop_queue(queue: str) -> None:
+    """Delete the phase's queue on the broker (a Redis list, or a RabbitMQ queue) and its bindings."""
+    from bench.support import bench_app
+
+    with bench_app.app.connection_for_write() as conn:
+        Queue(queue).bind(conn.default_channel).delete()
 
 
 def stop_spies(spies: list[subprocess.Popen[bytes]]) -> None:
@@ -199,7 +229,7 @@ def run_phase(
     dbname = make_url(url).database or ""
     queue = f"oncelery_bench.{phase}.{uuid.uuid4().hex[:8]}"
     prefix = f"bench:{queue}"
-    cache_url = args.broker_url.rsplit("/", 1)[0] + "/5"
+    cache_url = args.stats_url.rsplit("/", 1)[0] + "/5"
     reset_for_first_executions(phase, url, cache_url)
     jobs, enqueue_rate = enqueue(phase, run_tag, args.jobs, queue)
     env = worker_env(phase, args, queue, cache_url)
@@ -207,8 +237,8 @@ def run_phase(
     c0, r0 = xact_counts(admin, dbname)
     idle_load = wait_quiet(args.settle) if args.settle > 0 else 0.0
     log = LOG_DIR / f"{queue}.log"
-    redis_pids = pids_named("redis-server")
-    redis0 = sum(cpu_seconds(p) for p in redis_pids)
+    services = service_pids(args)
+    services0 = {name: sum(cpu_seconds(p) for p in pids) for name, pids in services.items()}
     busy0 = system_busy_seconds()
     t0 = time.time()
     proc = start_worker(queue, env, log, args.concurrency)
@@ -218,7 +248,7 @@ def run_phase(
             spies = attach_py_spy(proc, prefix, stats, profile_dir / phase)
         t_end = wait_done(proc, stats, prefix, jobs, max(120.0, jobs / 20), log)
         busy = system_busy_seconds() - busy0
-        cpu = worker_cpu(proc, admin, dbname, redis_pids, redis0, busy)
+        cpu = worker_cpu(proc, admin, dbname, services, services0, busy)
     finally:
         stop_worker(proc)
         stop_spies(spies)
@@ -228,7 +258,8 @@ def run_phase(
     wait_no_backends(admin, dbname)
     c1, r1 = xact_counts(admin, dbname)
     verified = verify(phase, url, stats)
-    stats.delete(*(f"{prefix}:{k}" for k in ("done", "last", "first", "ready", "db")), queue)
+    stats.delete(*(f"{prefix}:{k}" for k in ("done", "last", "first", "ready", "db")))
+    drop_queue(queue)
     return PhaseResult(
         phase=phase,
         jobs=jobs,
@@ -256,7 +287,25 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--fresh-db", action="store_true", help="drop and re-create the bench database first (it must be the bench's)"
     )
-    parser.add_argument("--broker-url", default=DEFAULT_BROKER_URL, help="Redis broker (use a dedicated db)")
+    parser.add_argument(
+        "--broker-url", default=DEFAULT_BROKER_URL, help="Redis (use a dedicated db) or RabbitMQ (amqp://) broker"
+    )
+    parser.add_argument(
+        "--stats-url", help="Redis of the bench's counters (default: the broker; required for a RabbitMQ broker)"
+    )
+    parser.add_argument(
+        "--queue-type",
+        choices=("classic", "quorum"),
+        default="classic",
+        help="RabbitMQ: the type each phase's queue is declared with",
+    )
+    parser.add_argument(
+        "--redis-pids", help="comma-separated PIDs of the Redis CPU column (default: every redis-server)"
+    )
+    parser.add_argument("--rabbitmq-pids", help="comma-separated PIDs of the RabbitMQ node (default: every beam.smp)")
+    parser.add_argument(
+        "--first-round", type=int, default=0, help="number the rounds from R (their phase order rotates by it)"
+    )
     parser.add_argument(
         "--spawn-redis",
         type=int,
@@ -285,6 +334,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     args = parser.parse_args(argv)
     phases = args.phases.split(",")
+    if args.stats_url is None and not args.spawn_redis:
+        if not args.broker_url.startswith(("redis", "rediss")):
+            parser.error("--stats-url: give a Redis for the bench's counters when the broker is not Redis")
+        args.stats_url = args.broker_url
     if unknown := [p for p in phases if p not in PHASES]:
         parser.error(f"unknown phase(s) {unknown}; choose from {PHASES}")
     for answer, first in ANSWERS.items():
@@ -308,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     private_redis = None
     if args.spawn_redis:
         private_redis = spawn_redis(args.spawn_redis)
-        args.broker_url = f"redis://127.0.0.1:{args.spawn_redis}/0"
+        args.broker_url = args.stats_url = f"redis://127.0.0.1:{args.spawn_redis}/0"
     try:
         return run(args, phases)
     finally:
@@ -319,24 +372,28 @@ def run(args: argparse.Namespace, phases: list[str]) -> int:
     """Run `args.repeat` interleaved rounds of `phases`; print and return 0."""
     # bench.support.bench_app reads these at import, in this process (the producer) as in the worker.
     os.environ["BENCH_BROKER_URL"] = args.broker_url
+    os.environ["BENCH_STATS_URL"] = args.stats_url
+    os.environ["BENCH_QUEUE_TYPE"] = args.queue_type
     os.environ["BENCH_DATABASE_URL"] = args.database_url
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     admin = admin_engine(args.database_url)
     prepare_database(args.database_url, admin, args.fresh_db)
-    stats = redis.Redis.from_url(args.broker_url)
+    stats = redis.Redis.from_url(args.stats_url)
     by_phase: dict[str, list[PhaseResult]] = {p: [] for p in phases}
     print(
-        f"{args.jobs} jobs x {args.repeat} rounds, worker prefork -c {args.concurrency}, {os.cpu_count()} CPUs"
+        f"{args.jobs} jobs x {args.repeat} rounds, worker prefork -c {args.concurrency}, {os.cpu_count()} CPUs, "
+        f"broker {args.broker_url.split(':', 1)[0]}"
+        + (f" ({args.queue_type} queues)" if args.broker_url.startswith(("amqp", "pyamqp")) else "")
         + (f", what-if: {args.what_if}" if args.what_if else "")
     )
-    for r in range(args.repeat):
+    for r in range(args.first_round, args.first_round + args.repeat):
         run_tag = uuid.uuid4().hex[:12]
         for position, phase in enumerate(round_order(phases, r)):
             profile = args.profile / f"r{r}" if args.profile else None
             res = run_phase(phase, run_tag, args, admin, stats, profile)
             res.round, res.order = r, position
             by_phase[phase].append(res)
-            print(res.line(args.repeat), flush=True)
+            print(res.line(args.first_round + args.repeat), flush=True)
     summary = report(by_phase)
     if args.profile:
         for phase in phases:

@@ -2,9 +2,10 @@
 
 Environment (set by `bench/throughput.py` for the worker it starts):
 
-    BENCH_BROKER_URL    Redis broker (default redis://127.0.0.1:6379/13)
+    BENCH_BROKER_URL    Redis broker (default redis://127.0.0.1:6379/13), or RabbitMQ (amqp://...)
     BENCH_DATABASE_URL  Oncelery claims database (default postgresql://postgres@127.0.0.1:5432/oncelery_bench)
-    BENCH_STATS_URL     Redis for the benchmark's own counters (default: the broker URL)
+    BENCH_STATS_URL     Redis for the benchmark's own counters (default: the broker URL if it is Redis)
+    BENCH_QUEUE_TYPE    RabbitMQ: `quorum` declares the phase's queue as a quorum queue (default classic)
 
 `bench_plain` and `bench_idem` are no-ops with the same signature; the only difference is
 `base=IdempotentTask`. `bench_floor` is a yardstick, not Oncelery: the least a database claim can cost
@@ -74,12 +75,20 @@ def database_url() -> str:
 
 
 def stats_url() -> str:
-    """The Redis of the bench's own counters: $BENCH_STATS_URL, else the broker."""
-    return os.environ.get("BENCH_STATS_URL") or broker_url()
+    """The Redis of the bench's own counters: $BENCH_STATS_URL, else the broker if it is Redis, else the default."""
+    url = broker_url()
+    return os.environ.get("BENCH_STATS_URL") or (url if url.startswith("redis") else DEFAULT_BROKER_URL)
 
 
 def broker_settings() -> dict[str, Any]:
-    """The broker settings: a Redis URL, or the embedded default's filesystem transport from celeryconfig."""
+    """The broker settings: Redis, RabbitMQ (classic or quorum queues), or the embedded default's transport."""
+    if broker_url().startswith(("amqp", "pyamqp")):
+        # A queue named on the command line (-Q, apply_async(queue=...)) is declared with this type. A quorum
+        # queue is detected by the worker (worker_detect_quorum_queues): per-consumer prefetch, no global QoS.
+        return {
+            "broker_url": broker_url(),
+            "task_create_missing_queue_type": os.environ.get("BENCH_QUEUE_TYPE") or "classic",
+        }
     if broker_url() != "embedded":
         return {"broker_url": broker_url(), "broker_transport_options": {"visibility_timeout": 3600}}
     os.environ.pop("ONCELERY_BROKER_URL", None)  # celeryconfig picks the embedded broker only without it

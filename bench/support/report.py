@@ -27,7 +27,8 @@ class PhaseResult:
     xact_rollback: int = 0
     verified: str = ""
     # CPU milliseconds per job: worker main process, pool children, this phase's PostgreSQL backends, redis-server,
-    # everything else on the machine (bench driver, py-spy, PostgreSQL background processes, other users).
+    # the RabbitMQ node (a RabbitMQ broker), everything else on the machine (bench driver, py-spy, PostgreSQL
+    # background processes, other users).
     cpu_ms: dict[str, float] = field(default_factory=dict)
     cpu_utilization: float = 0.0
     idle_load_before: float = 0.0
@@ -104,14 +105,15 @@ def report(by_phase: dict[str, list[PhaseResult]]) -> dict[str, Any]:
             print(f"ratio {phase}/plain: {s['ratio_start']:.3f} (from worker start), {s['ratio_ready']:.3f} (ready)")
     print()
     print(
-        f"{'CPU ms/job':<10} {'main':>7} {'children':>8} {'postgres':>9} {'redis':>6} {'other':>6} "
+        f"{'CPU ms/job':<10} {'main':>7} {'children':>8} {'postgres':>9} {'redis':>6} {'rabbit':>6} {'other':>6} "
         f"{'total':>6} {'util':>5}"
     )
     for phase in phases:
         c = summary[phase]["cpu_ms"]
         print(
             f"{phase:<10} {c['main']:>7.2f} {c['children']:>8.2f} {c['postgres']:>9.2f} {c['redis']:>6.2f} "
-            f"{c['other']:>6.2f} {sum(c.values()):>6.2f} {summary[phase]['cpu_utilization']:>5.0%}"
+            f"{c.get('rabbitmq', 0.0):>6.2f} {c['other']:>6.2f} {sum(c.values()):>6.2f} "
+            f"{summary[phase]['cpu_utilization']:>5.0%}"
         )
     print()
     for phase, results in by_phase.items():

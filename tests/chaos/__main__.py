@@ -1,4 +1,4 @@
-"""`python -m tests.chaos [--preset ci|full] [--jobs N --duplicates P --kills K ...]`: run the chaos checker.
+"""`python -m tests.chaos [--preset ci|full|rabbitmq] [--jobs N --duplicates P --kills K ...]`: run the chaos checker.
 
 Prints `jobs=N faults=F lost=0 duplicated=0 unexpected=0` (plus per-fault counts, the fence and the LLM ledger
 summaries) and exits 0 only for a clean verdict (no job inconsistent with its stored result either), every
@@ -14,6 +14,11 @@ Presets (an option given on the command line overrides the preset's value):
        about to commit), 2 % long jobs past a 4 s visibility timeout; about 2 minutes on a 2-core machine.
 - full (for the docs): 10,000 jobs, 30 % duplicates, 51 kills, 3 flushes, 12 backend kills, 2 restarts,
        3 cuts, 3 zombies; jobs spread over 15 minutes.
+- rabbitmq (outside CI; figures in docs/chaos.md): the broker is a private RabbitMQ node (classic queue;
+       `--queue-type quorum` for a quorum queue), Redis keeps results and the replay cache. 400 jobs over
+       60 s, 20 % duplicates, 9 kills, 2 flushes (queue.purge), 2 broker restarts (the node stopped and
+       started: every unacked message redelivered at once), 3 backend kills, 1 PostgreSQL restart, 1 cut,
+       2 zombies; no long jobs (RabbitMQ has no visibility timeout). About 1.5 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -60,6 +65,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "long_share": 1.0,
         "republish_after": 10.0,
     },
+    "rabbitmq": {
+        "broker": "rabbitmq",
+        "queue_type": "classic",
+        "jobs": 400,
+        "duplicates": 20.0,
+        "kills": 9,
+        "flushes": 2,
+        "broker_restarts": 2,
+        "backend_kills": 3,
+        "restarts": 1,
+        "cuts": 1,
+        "zombies": 2,
+        "timeout": 420.0,
+        "workers": 2,
+        "seed": 1,
+        "window": 60.0,
+        "lease": 3.0,
+        "visibility_timeout": 4.0,  # unused by RabbitMQ (kombu's amqp transport has none)
+        "long_share": 0.0,
+        "republish_after": 10.0,
+    },
 }
 
 
@@ -70,7 +96,12 @@ def parse(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--jobs", type=int, help="jobs to submit (each a distinct idempotency key)")
     p.add_argument("--duplicates", type=float, help="percent of jobs sent a second time with the same key")
     p.add_argument("--kills", type=int, help="SIGKILLs of pool children, worker main processes, whole workers")
-    p.add_argument("--flushes", type=int, help="Redis FLUSHALLs")
+    p.add_argument(
+        "--broker", choices=("redis", "rabbitmq"), help="the broker: a private redis-server or RabbitMQ node"
+    )
+    p.add_argument("--queue-type", choices=("classic", "quorum"), help="RabbitMQ's task queue type")
+    p.add_argument("--flushes", type=int, help="Redis FLUSHALLs (RabbitMQ: purges of the task queue)")
+    p.add_argument("--broker-restarts", type=int, help="stops and starts of the RabbitMQ node, mid-job")
     p.add_argument("--backend-kills", type=int, help="pg_terminate_backend in claims, steps, commits")
     p.add_argument("--restarts", type=int, help="restarts of the throwaway PostgreSQL cluster")
     p.add_argument("--cuts", type=int, help="blackholes of the cut-off worker's database proxy")
@@ -89,6 +120,8 @@ def parse(argv: list[str]) -> dict[str, Any]:
     values.update({k: v for k, v in given.items() if v is not None})
     if values["workers"] < 2:
         p.error("--workers: give at least 2")
+    if values.get("broker_restarts") and values.get("broker", "redis") != "rabbitmq":
+        p.error("--broker-restarts: only with --broker rabbitmq")
     return values
 
 
@@ -100,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if not postgres_runnable():
         print("needs the PostgreSQL server binaries (initdb, pg_ctl, postgres) and a `postgres` user", file=sys.stderr)
         return 2
+    from tests.chaos.procs import rabbitmq_bindir
     from tests.chaos.runner import Run, options_from
+
+    if values.get("broker") == "rabbitmq" and rabbitmq_bindir() is None:
+        print(
+            "needs the RabbitMQ server (rabbitmq-server, rabbitmqctl): apt-get install rabbitmq-server", file=sys.stderr
+        )
+        return 2
 
     def interrupt(signum: int, frame: object) -> None:
         # `timeout`, a CI runner or a test's kill: the cleanup in Run.execute must still stop every process.

@@ -12,7 +12,10 @@ is bounded; a fault whose condition never held is not counted (and the run then 
   (and every other cut, starting with the first) is aimed at a holder about to commit (its effect staged):
   its late effects write and completion are refused by the fence.
 - cut: the same with the cut-off worker's database proxy blackholed instead of a signal, healed at the end.
-- flush: Redis FLUSHALL while messages wait in the queue and a body runs; the relay re-publishes from the outbox.
+- flush: Redis FLUSHALL (on RabbitMQ: a purge of the task queue) while messages wait in the queue and a body
+  runs; the relay re-publishes from the outbox.
+- broker_restart: the RabbitMQ node stopped and started while a job runs (its data kept): every connection
+  closes, the unacked messages are requeued and redelivered, workers and the relay reconnect.
 - backend_<phase>: pg_terminate_backend of a worker's backend caught inside a claim, a step or a commit.
 - restart: the throwaway cluster stopped ("fast", then "immediate" on the next one) and started, mid-job.
 """
@@ -33,7 +36,7 @@ import psycopg
 
 from tests.chaos.checker import Sut
 from tests.chaos.ledger import Attempt, Ledger
-from tests.chaos.procs import RedisServer, Worker, wait_for
+from tests.chaos.procs import RabbitServer, RedisServer, Worker, wait_for
 from tests.chaos.proxy import BlackholeProxy
 from tests.pg_cluster import PgCluster
 from tests.services import proc_state
@@ -91,7 +94,7 @@ class Chaos:
 
     cluster: PgCluster
     database: str
-    redis: RedisServer
+    broker: RedisServer | RabbitServer
     workers: dict[str, Worker]
     proxy: BlackholeProxy
     ledger: Ledger
@@ -257,18 +260,29 @@ class Chaos:
         return bool(took and committed and ended and refused and counted)
 
     def flush(self) -> bool:
-        """FLUSHALL the broker while messages wait in the queue and a body runs."""
+        """Empty the broker (Redis FLUSHALL, RabbitMQ queue.purge) while messages wait in the queue and a body runs."""
 
         def due() -> bool:
-            return self.redis.queued() > 0 and bool(self.ledger.open_attempts(tuple(self.workers)))
+            return self.broker.queued() > 0 and bool(self.ledger.open_attempts(tuple(self.workers)))
 
         self.burst()  # the relay publishes them in one round: more than the free pool slots take at once
         if not wait_for(due, FAULT_TIMEOUT, 0.005):
             return False
-        queued = self.redis.queued()
-        self.redis.flushall()
-        self.log(f"  flush: FLUSHALL with {queued} messages queued")
+        queued = self.broker.queued()
+        how = self.broker.flush()
+        self.log(f"  flush: {how}, {queued} messages queued")
         return True
+
+    def broker_restart(self) -> bool:
+        """Stop and start the RabbitMQ node while a job runs: its unacked messages come back, redelivered."""
+        if not isinstance(self.broker, RabbitServer):
+            raise RuntimeError("broker_restart needs --broker rabbitmq")
+        if self.victim(tuple(self.workers)) is None:
+            return False
+        started = time.monotonic()
+        back = self.broker.restart()
+        self.log(f"  broker_restart: stop and start in {time.monotonic() - started:.1f}s (up: {back})")
+        return back
 
     def backend_kill(self, phase: str) -> bool:
         """pg_terminate_backend of a worker's backend caught in `phase` (claim, step or commit)."""

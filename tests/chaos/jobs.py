@@ -8,6 +8,8 @@ visibility timeout, delivery defaults all from ONCELERY_* variables), then adds 
     CHAOS_LEASE         the job's lease in seconds
     CHAOS_STEP_SECONDS  the fake model call's latency in seconds (a long job passes its own, in its arguments)
     CHAOS_COMMIT_PAUSE  seconds between staging the effect and writing it (default 0.1)
+    CHAOS_QUEUE_TYPE    `quorum`: on RabbitMQ, the task queue is a quorum queue, configured as Celery's docs say
+                        (a topic exchange, so countdowns go through RabbitMQ's native delayed delivery)
 
 Every third job belongs to tenant `acme`: the app's tenant resolver (`oncelery_tenant`) reads who is sending
 from `sender_tenant`, which the runner sets around every copy it sends (outbox or direct); workers never ask it.
@@ -67,6 +69,8 @@ app.conf.update(
     oncelery_prices={MODEL: {"input": 0.15, "output": 0.60}},
     oncelery_tenant=_tenant_of,
 )
+if os.environ.get("CHAOS_QUEUE_TYPE") == "quorum":
+    app.conf.update(task_default_queue_type="quorum", task_default_exchange_type="topic")
 
 metadata = MetaData()
 # The system under test's effect: one row per committed effect, tagged with the attempt that wrote it.

@@ -1,4 +1,4 @@
-"""The processes the runner starts: its own redis-server, the `celery worker`s, the outbox relay.
+"""The processes the runner starts: its own redis-server (and RabbitMQ node), the `celery worker`s, the outbox relay.
 
 Each runs in a session of its own (`start_new_session=True`), so it is stopped by its PID and its process
 group (pool children included), never by name: tests.services.stop_sessions does it for every incarnation,
@@ -8,10 +8,15 @@ including the sessions of workers that were SIGKILLed and restarted (their orpha
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
+import amqp
 import redis
 
 from oncelery.testing.faults import poll
@@ -21,6 +26,8 @@ from tests.services import alive, stop_sessions
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = "celery"  # Celery's default queue, on a Redis server nobody else uses
 UNACKED = "unacked"  # kombu's hash of the messages workers took and have not acked (ETA waits included)
+# RabbitMQ's own scripts: /usr/sbin/rabbitmq-server switches to the `rabbitmq` user, and its cookie, when run as root.
+RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")
 
 
 # The runner is not a test: a condition that never comes is an answer (None), not a failure.
@@ -78,6 +85,11 @@ class RedisServer:
         with self.client() as client:
             client.flushall()
 
+    def flush(self) -> str:
+        """The flush fault as a broker: FLUSHALL (the queue, the unacked bookkeeping, results, the replay cache)."""
+        self.flushall()
+        return "FLUSHALL"
+
     def queued(self) -> int:
         """Return how many messages wait in the queue."""
         with self.client() as client:
@@ -87,6 +99,148 @@ class RedisServer:
         """Return how many messages workers took and have not acked (running, reserved, or waiting out an ETA)."""
         with self.client() as client:
             return int(client.hlen(UNACKED))
+
+
+def rabbitmq_bindir() -> Path | None:
+    """The folder of RabbitMQ's own `rabbitmq-server` and `rabbitmqctl` scripts, or None if it is not installed."""
+    if (RABBITMQ_BIN / "rabbitmq-server").exists():
+        return RABBITMQ_BIN
+    found = shutil.which("rabbitmq-server")
+    return Path(found).parent if found else None
+
+
+class RabbitServer:
+    """A RabbitMQ node of the runner's own: its node name, ports, cookie, data and logs in `workdir`, no plugins.
+
+    A fault purges or restarts it and hurts nobody else. Its data folder outlives a restart, as a real node's
+    disk does: durable queues and persistent messages (Celery's defaults) come back; unacked ones are requeued
+    (redelivered) the moment a consumer's channel or connection closes.
+    """
+
+    def __init__(self, sessions: Sessions, workdir: Path) -> None:
+        bindir = rabbitmq_bindir()
+        if bindir is None:
+            raise RuntimeError("no RabbitMQ server (rabbitmq-server): apt-get install rabbitmq-server")
+        self.bindir = bindir
+        self.sessions = sessions
+        self.port = free_port()
+        self.node = f"oncelery-{self.port}@localhost"
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}//"
+        self.home = workdir / "rabbitmq"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / "rabbitmq.log"
+        (self.home / "rabbitmq.conf").write_text(
+            f"listeners.tcp.default = 127.0.0.1:{self.port}\n"
+            "disk_free_limit.absolute = 50MB\n"
+            "log.console = false\n"
+            "log.file.level = warning\n"
+        )
+        (self.home / "enabled_plugins").write_text("[].\n")  # the management plugin off
+        (self.home / "rabbitmq-env.conf").write_text("")  # not the system's (its NODENAME, its port)
+        self.env = {
+            **os.environ,
+            "HOME": str(self.home),  # its own Erlang cookie, for rabbitmqctl too
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(free_port()),
+            "RABBITMQ_MNESIA_BASE": str(self.home / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.home / "log"),
+            "RABBITMQ_CONFIG_FILE": str(self.home / "rabbitmq.conf"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.home / "rabbitmq-env.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.home / "enabled_plugins"),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+        }
+        self._conn: amqp.Connection | None = None
+        self.proc = self.start()
+
+    def start(self) -> subprocess.Popen[bytes]:
+        """Start the node (in a session of its own; its data folder kept from any earlier start)."""
+        self.proc = self.sessions.spawn([str(self.bindir / "rabbitmq-server")], self.env, self.log)
+        return self.proc
+
+    def _channel(self) -> Any:
+        # One connection for the polls (a fault polls every few ms), opened again after a restart or an error.
+        if self._conn is None:
+            self._conn = amqp.Connection(f"127.0.0.1:{self.port}", connect_timeout=5)
+            self._conn.connect()
+        return self._conn.channel(1)
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            with suppress(Exception):
+                self._conn.collect()
+        self._conn = None
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Wait until the node accepts AMQP connections."""
+
+        def connects() -> bool:
+            try:
+                self._channel()
+                return True
+            except Exception:
+                self._drop()
+                return False
+
+        return bool(wait_for(connects, timeout, 0.1))
+
+    def queued(self, queue: str = QUEUE) -> int:
+        """Return how many messages wait in `queue`, ready (not delivered, or requeued); 0 if it does not exist."""
+        for attempt in (1, 2):  # once more on a fresh connection: the node may have restarted since the last poll
+            try:
+                return int(self._channel().queue_declare(queue, passive=True).message_count)
+            except amqp.NotFound:
+                self._drop()  # the channel is closed by the error
+                return 0
+            except (amqp.AMQPError, OSError):
+                self._drop()
+                if attempt == 2:
+                    raise
+        return 0
+
+    def held(self) -> int:
+        """Return how many messages consumers took and have not acked, in every queue (ETA waits included), plus
+        the countdowns waiting in Celery's native delayed delivery queues (`celery_delayed_*`, quorum queues).
+
+        AMQP does not tell; rabbitmqctl does (an Erlang VM per call: called only when all else is quiet).
+        """
+        out = self.ctl(
+            "list_queues", "--quiet", "--no-table-headers", "name", "messages_ready", "messages_unacknowledged"
+        )
+        held = 0
+        for name, ready, unacked in (line.split() for line in out.splitlines() if len(line.split()) == 3):
+            held += int(unacked) + (int(ready) if name.startswith("celery_delayed_") else 0)
+        return held
+
+    def ctl(self, *args: str) -> str:
+        """Run `rabbitmqctl -n <node> args` and return its output."""
+        argv = [str(self.bindir / "rabbitmqctl"), "-n", self.node, *args]
+        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60, check=True)
+        return done.stdout
+
+    def flush(self) -> str:
+        """The flush fault on RabbitMQ: purge the task queue (every message waiting in it is gone; the unacked
+        ones stay with their consumers, as a purge leaves them)."""
+        purged = int(self._channel().queue_purge(QUEUE) or 0)
+        return f"queue.purge of {purged} messages"
+
+    def restart(self, timeout: float = 60.0) -> bool:
+        """Stop the node (SIGTERM: a clean stop, connections closed) and start it again on the same data."""
+        self._drop()
+        with suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.start()
+        return self.wait_ready(timeout)
+
+    def close(self) -> None:
+        """Close the polling connection (the node itself is stopped with the other sessions)."""
+        self._drop()
 
 
 class Worker:

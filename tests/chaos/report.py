@@ -30,6 +30,7 @@ def minimums(run: Run) -> dict[str, int]:
         "backend_kills": o.backend_kills,
         "flush": o.flushes,
         "restart": o.restarts,
+        "broker_restart": o.broker_restarts,
         "cut": o.cuts,
         "zombie": o.zombies,
     }
@@ -43,6 +44,7 @@ def achieved(chaos: Chaos) -> dict[str, int]:
         "backend_kills": sum(c[f"backend_{p}"] for p in PHASES),
         "flush": c["flush"],
         "restart": c["restart"],
+        "broker_restart": c["broker_restart"],
         "cut": c["cut"],
         "zombie": c["zombie"],
     }
@@ -70,10 +72,16 @@ def report(run: Run, chaos: Chaos) -> int:
     per_kind = " ".join(f"{k}={n}" for k, n in sorted(chaos.counts.items()))
     missed = " ".join(f"{k}={n}" for k, n in sorted(chaos.missed.items())) or "none"
     print(f"faults: {per_kind} (missed: {missed})")
-    print(
-        f"visibility: timeout={run.opts.visibility_timeout:g}s long_jobs={long_jobs} redeliveries={redeliveries}; "
-        f"restarted workers={sum(w.restarts for w in run.workers.values())}"
-    )
+    restarted = sum(w.restarts for w in run.workers.values())
+    if run.opts.broker == "rabbitmq":  # no visibility timeout: a message comes back when its channel closes
+        print(
+            f"broker: rabbitmq {run.opts.queue_type} queue, redeliveries={redeliveries}; restarted workers={restarted}"
+        )
+    else:
+        print(
+            f"visibility: timeout={run.opts.visibility_timeout:g}s long_jobs={long_jobs} "
+            f"redeliveries={redeliveries}; restarted workers={restarted}"
+        )
     outcomes = run.sut.outcomes()
     print(f"fence: staged_effects_refused={verdict.refused} completions_refused={verdict.completions_refused} "
           f"attempts_fenced_in_body={verdict.fenced} lease_lost={outcomes.get('lease_lost', 0)}")  # fmt: skip

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from tests.chaos.ledger import Ledger
-from tests.chaos.procs import RedisServer, Relay, Sessions, Worker, wait_for
+from tests.chaos.procs import RabbitServer, RedisServer, Relay, Sessions, Worker, wait_for
 from tests.chaos.proxy import BlackholeProxy
 from tests.pg_cluster import PgCluster, postgres_bindir
 from tests.services import clean_env
@@ -57,6 +57,9 @@ class Options:
     long_share: float  # percent of jobs longer than the visibility timeout
     republish_after: float
     keep: bool = False
+    broker: str = "redis"  # or "rabbitmq": a private node is the broker, Redis keeps the results and the cache
+    queue_type: str = "classic"  # RabbitMQ's task queue: classic or quorum
+    broker_restarts: int = 0  # RabbitMQ node restarts (the rabbitmq preset)
 
 
 class Run:
@@ -74,6 +77,7 @@ class Run:
         self.proxy: BlackholeProxy | None = None
         self.workers: dict[str, Worker] = {}
         self.relay: Relay | None = None
+        self.broker: RedisServer | RabbitServer | None = None
         self.stopping = threading.Event()
         self.faults_done = threading.Event()
         self.burst_left = 0  # originals to send at once (a fault asked for a backlog in the queue)
@@ -96,10 +100,11 @@ class Run:
     # -- setup -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start Redis, the cluster (migrated), the proxy, the workers and the relay; wait until all are ready."""
+        """Start Redis (and RabbitMQ), the cluster (migrated), the proxy, the workers and the relay; wait for all."""
         opts = self.opts
         self.ledger.create()
         redis = RedisServer(self.sessions, self.workdir)
+        rabbit = RabbitServer(self.sessions, self.workdir) if opts.broker == "rabbitmq" else None
         bindir = postgres_bindir()
         if bindir is None:
             raise RuntimeError("no PostgreSQL binaries (initdb, pg_ctl, postgres)")
@@ -111,15 +116,19 @@ class Run:
         if not redis.wait_ready():
             raise RuntimeError(f"redis-server did not start: see {self.workdir / 'redis.log'}")
         self.redis = redis
+        if rabbit is not None and not rabbit.wait_ready():
+            raise RuntimeError(f"rabbitmq-server did not start: see {self.workdir / 'rabbitmq.log'}")
+        self.broker = rabbit or redis
         env = clean_env(
             ONCELERY_DATABASE_URL=url,
-            ONCELERY_BROKER_URL=f"{redis.url}/0",
+            ONCELERY_BROKER_URL=rabbit.url if rabbit is not None else f"{redis.url}/0",
             ONCELERY_RESULT_BACKEND=f"{redis.url}/1",
             ONCELERY_VISIBILITY_TIMEOUT=f"{opts.visibility_timeout:g}",
             ONCELERY_UNACKED_RESTORE_INTERVAL="1",
             ONCELERY_DATA_DIR=str(self.workdir / "data"),
             CHAOS_LEDGER=str(self.ledger.path),
             CHAOS_LEASE=f"{opts.lease:g}",
+            CHAOS_QUEUE_TYPE=opts.queue_type,
         )
         # This process is a client of the same app (outbox writes, direct sends): the same settings.
         os.environ.update({k: v for k, v in env.items() if k.startswith(("ONCELERY_", "CHAOS_"))})
@@ -147,7 +156,10 @@ class Run:
         ready = wait_for(lambda: all(w.ready() for w in self.workers.values()) and self.relay.ready(), STARTUP_TIMEOUT)
         if not ready:
             raise RuntimeError(f"workers or relay not ready after {STARTUP_TIMEOUT}s: see {self.workdir}")
-        self.log(f"ready: redis {redis.port}, postgres {self.cluster.port}, proxy {self.proxy.port}, {self.workdir}")
+        broker = f"rabbitmq {rabbit.port} ({opts.queue_type}), " if rabbit is not None else ""
+        self.log(
+            f"ready: {broker}redis {redis.port}, postgres {self.cluster.port}, proxy {self.proxy.port}, {self.workdir}"
+        )
 
     # -- submissions ---------------------------------------------------------------------------------
 
@@ -252,7 +264,7 @@ class Run:
         opts = self.opts
         kinds = [("kill_child", "kill_main", "kill_host")[i % 3] for i in range(opts.kills)]
         kinds += [f"backend_{('claim', 'step', 'commit')[i % 3]}" for i in range(opts.backend_kills)]
-        kinds += ["flush"] * opts.flushes + ["restart"] * opts.restarts
+        kinds += ["flush"] * opts.flushes + ["restart"] * opts.restarts + ["broker_restart"] * opts.broker_restarts
         kinds += ["cut"] * opts.cuts + ["zombie"] * opts.zombies
         self.rng.shuffle(kinds)
         return kinds
@@ -278,9 +290,9 @@ class Run:
         from tests.chaos.faults import Chaos
         from tests.chaos.report import report
 
-        if self.cluster is None or self.proxy is None:
+        if self.cluster is None or self.proxy is None or self.broker is None:
             raise RuntimeError("drive() needs start() first")
-        chaos = Chaos(self.cluster, self.database, self.redis, self.workers, self.proxy, self.ledger, self.sut,
+        chaos = Chaos(self.cluster, self.database, self.broker, self.workers, self.proxy, self.ledger, self.sut,
                       self.resend, self.ask_burst, self.log)  # fmt: skip
         self.threads = threads = [
             threading.Thread(target=self.submitter, args=(self.plan(),), name="submitter", daemon=True),
@@ -329,7 +341,8 @@ class Run:
             latest = max(self.ledger.last_delivery(), self.ledger.last_due())
             if time.time() - latest < QUIET_IDLE:
                 return False
-            return self.sut.unsettled() == 0 and self.redis.queued() == 0 and self.redis.held() == 0
+            broker = self.broker
+            return broker is not None and self.sut.unsettled() == 0 and broker.queued() == 0 and broker.held() == 0
 
         polls = [False]
 
@@ -357,6 +370,8 @@ class Run:
             thread.join(30)
         if self.proxy is not None:
             self.proxy.heal()
+        if isinstance(self.broker, RabbitServer):
+            self.broker.close()
         # Settled, the system is idle: a warm shutdown has nothing left to finish (2-3 s of pool teardown per
         # worker); otherwise each process gets its warm shutdown first, its logs complete.
         self.sessions.stop_all(grace=0.0 if self.settled else 10.0)
