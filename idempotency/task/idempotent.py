@@ -9,10 +9,12 @@ Flower) <- `body` (the API a body calls on `self`) <- `idempotent` (this one).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Retry
+from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
 
@@ -239,7 +241,7 @@ class IdempotentTask(RunBody):
             headers[HEADER_ABANDONED] = abandoned
         if waiting_since is not None:
             headers[HEADER_WAITING_SINCE] = waiting_since
-        delay = wait_backoff(waits)
+        delay = self._deliverable_countdown(wait_backoff(waits))
         # Same task id and the same `retries` count: waiting on a live holder is not a failure.
         sig = self.signature_from_request(req, countdown=delay, retries=req.retries, headers=headers)
         # Sent as it came, without apply_async's caller-side checks: they passed when it was first sent (so
@@ -253,6 +255,26 @@ class IdempotentTask(RunBody):
             raise Ignore()
         # A store fault: Retry makes the worker ack this delivery and mark the task RETRY, with the error.
         raise Retry(exc=exc, when=delay, sig=sig)
+
+    def _deliverable_countdown(self, delay: float) -> float:
+        """`delay`, or whole seconds where Celery routes a countdown through RabbitMQ's native delayed delivery.
+
+        With quorum queues on a topic exchange, Celery (5.7) sends a countdown as a routing key of int(countdown)
+        seconds, and kombu refuses 0: a wait of 0.25-0.99 s raised ValueError, and the delivery that should have
+        been sent again was acked as a failure. That delivery's resolution is one second anyway.
+        """
+        if delay >= 1 or delay <= 0:
+            return delay
+        seen = self.__dict__.get("_native_delay")
+        if seen is None or seen[0] is not self.app.conf:
+            try:
+                driver = self.app.producer_pool.connections.connection.transport.driver_type
+                native = bool(detect_quorum_queues(self.app, driver)[0])
+            except Exception:  # no broker connection object to ask: as on any broker but RabbitMQ's quorum queues
+                native = False
+            seen = (self.app.conf, native)
+            self.__dict__["_native_delay"] = seen
+        return float(math.ceil(delay)) if seen[1] else delay
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: BaseException | None = None, *a: Any, **kw: Any) -> Any:
         """Celery's retry, except that an error which can never succeed is raised at once (the run goes DEAD).
