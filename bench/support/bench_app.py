@@ -122,6 +122,9 @@ app.conf.update(
     task_track_started=False,
     broker_connection_retry_on_startup=True,
     oncelery_database_url=database_url(),
+    # The phases measure what a WORKER does with each job (dup: its answer to a duplicate): the producer's own
+    # answer to a duplicate (producer dedupe, on where a database is configured) is bench/producer_dedupe.py's.
+    oncelery_producer_dedupe=False,
     # bench/throughput.py's idemc and dupc phases: the replay cache on (oncelery.replay_cache).
     oncelery_replay_cache=os.environ.get("BENCH_REPLAY_CACHE") or None,
     timezone="UTC",
