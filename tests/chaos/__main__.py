@@ -1,4 +1,4 @@
-"""`python -m tests.chaos [--preset ci|full|rabbitmq] [--jobs N --duplicates P --kills K ...]`: run the chaos checker.
+"""`python -m tests.chaos [--preset ci|full|producer|rabbitmq] [--jobs N --kills K ...]`: run the chaos checker.
 
 Prints `jobs=N faults=F lost=0 duplicated=0 unexpected=0` (plus per-fault counts, the fence and the LLM ledger
 summaries) and exits 0 only for a clean verdict (no job inconsistent with its stored result either), every
@@ -14,6 +14,10 @@ Presets (an option given on the command line overrides the preset's value):
        about to commit), 2 % long jobs past a 4 s visibility timeout; about 2 minutes on a 2-core machine.
 - full (for the docs): 10,000 jobs, 30 % duplicates, 51 kills, 3 flushes, 12 backend kills, 2 restarts,
        3 cuts, 3 zombies; jobs spread over 15 minutes.
+- producer (outside CI; figures in docs/chaos.md): producers resend with producer dedupe on (the product's
+       default, and the other presets' too: `--no-producer-dedupe` sends every copy to the broker): 300 jobs
+       over 30 s, 60 % sent a second time (half straight through `.delay()`), 6 kills, 2 Redis flushes,
+       2 backend kills, 1 PostgreSQL restart, 1 cut, 1 zombie; prints how many copies the producer answered.
 - rabbitmq (outside CI; figures in docs/chaos.md): the broker is a private RabbitMQ node (classic queue;
        `--queue-type quorum` for a quorum queue), Redis keeps results and the replay cache. 400 jobs over
        60 s, 20 % duplicates, 9 kills, 2 flushes (queue.purge), 2 broker restarts (the node stopped and
@@ -65,6 +69,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "long_share": 1.0,
         "republish_after": 10.0,
     },
+    # Producers resend (60 % of the jobs get a copy, half straight through .delay()) with producer dedupe on,
+    # while the broker is flushed and workers are killed: a copy answered at the producer must never be a job
+    # that nothing else would run.
+    "producer": {
+        "producer_dedupe": True,
+        "jobs": 300,
+        "duplicates": 60.0,
+        "kills": 6,
+        "flushes": 2,
+        "backend_kills": 2,
+        "restarts": 1,
+        "cuts": 1,
+        "zombies": 1,
+        "timeout": 300.0,
+        "workers": 2,
+        "seed": 2,
+        "window": 30.0,
+        "lease": 3.0,
+        "visibility_timeout": 4.0,
+        "long_share": 2.0,
+        "republish_after": 10.0,
+    },
     "rabbitmq": {
         "broker": "rabbitmq",
         "queue_type": "classic",
@@ -114,6 +140,11 @@ def parse(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--visibility-timeout", type=float, help="Redis visibility timeout (shorter than long jobs)")
     p.add_argument("--long-share", type=float, help="percent of jobs that outlast the visibility timeout")
     p.add_argument("--republish-after", type=float, help="the relay's --republish-after in seconds")
+    p.add_argument(
+        "--producer-dedupe",
+        action=argparse.BooleanOptionalAction,
+        help="the runner's .delay() copies asked of the claims database first (on by default, as in the product)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the logs and the ledger (kept anyway on failure)")
     given = vars(p.parse_args(argv))
     values = dict(PRESETS[given.pop("preset")])

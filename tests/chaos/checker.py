@@ -93,6 +93,13 @@ class Sut:
         )
         return {str(o).lower().rsplit(".", 1)[-1]: int(n) for o, n in rows}
 
+    def producer_answers(self) -> int:
+        """How many copies the runner's `.delay()` answered from the database without publishing (producer dedupe)."""
+        rows = self.rows(
+            "SELECT coalesce(sum(at_producer), 0) FROM delivery_outcomes WHERE task_name = :t", t=TASK_NAME
+        )
+        return int(rows[0][0]) if rows else 0
+
     def close(self) -> None:
         """Close the engine."""
         self.engine.dispose()

@@ -69,6 +69,8 @@ app.conf.update(
     oncelery_prices={MODEL: {"input": 0.15, "output": 0.60}},
     oncelery_tenant=_tenant_of,
 )
+if os.environ.get("CHAOS_PRODUCER_DEDUPE") == "0":  # the runner sends every copy to the broker
+    app.conf.oncelery_producer_dedupe = False
 if os.environ.get("CHAOS_QUEUE_TYPE") == "quorum":
     app.conf.update(task_default_queue_type="quorum", task_default_exchange_type="topic")
 

@@ -92,6 +92,9 @@ def report(run: Run, chaos: Chaos) -> int:
     republished = sum(int(n) for n in re.findall(r"re-published (\d+) jobs", relay_log))
     print(f"relay: re-published {republished} jobs whose runs had not finished (lost by a flush, a killed worker...)")
     sent = run.sent
+    if run.opts.producer_dedupe:
+        # Direct copies and fault resends go through .delay(): those the database answered were never published.
+        print(f"producer dedupe: answered_at_producer={run.sut.producer_answers()} (counted replayed)")
     print(
         f"sent: outbox={sent['outbox']} direct={sent['direct']} fault_resends={sent['fault']} "
         f"deliveries={run.ledger.scalar('SELECT count(*) FROM deliveries')} "

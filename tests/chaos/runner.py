@@ -60,6 +60,7 @@ class Options:
     broker: str = "redis"  # or "rabbitmq": a private node is the broker, Redis keeps the results and the cache
     queue_type: str = "classic"  # RabbitMQ's task queue: classic or quorum
     broker_restarts: int = 0  # RabbitMQ node restarts (the rabbitmq preset)
+    producer_dedupe: bool = True  # the runner's direct copies are asked of the claims database first (the default)
 
 
 class Run:
@@ -129,6 +130,7 @@ class Run:
             CHAOS_LEDGER=str(self.ledger.path),
             CHAOS_LEASE=f"{opts.lease:g}",
             CHAOS_QUEUE_TYPE=opts.queue_type,
+            CHAOS_PRODUCER_DEDUPE="1" if opts.producer_dedupe else "0",
         )
         # This process is a client of the same app (outbox writes, direct sends): the same settings.
         os.environ.update({k: v for k, v in env.items() if k.startswith(("ONCELERY_", "CHAOS_"))})
