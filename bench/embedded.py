@@ -1,29 +1,35 @@
-"""Throughput on the embedded default's transport: plain Celery vs IdempotentTask, both on kombu's filesystem
-broker, the claims in a SQLite file (no server at all, as `oncelery process` runs by default).
+"""Throughput on the embedded default's transport: plain Celery vs IdempotentTask vs a SQLite floor, all on
+kombu's filesystem broker, the claims in a SQLite file (no server at all, as `oncelery process` runs by default).
 
-    python bench/embedded.py [--jobs 1000] [--repeat 3] [--concurrency 2] [--polling-interval S]
-                             [--stock-transport] [--spawn-redis 6398 | --stats-url URL] [--json FILE]
+    python bench/embedded.py [--jobs 1000] [--repeat 3] [--phases plain,idem,floor] [--concurrency 2]
+                             [--polling-interval S] [--stock-transport] [--spawn-redis 6398 | --stats-url URL]
+                             [--json FILE]
 
 The broker settings are the embedded default's own, read from oncelery.celeryconfig (oncelery.embedded_broker,
 kombu's filesystem transport woken by acks; --stock-transport: kombu's own filesystem transport), spool
 under a temporary $ONCELERY_DATA_DIR, polling_interval 0.1 s unless --polling-interval); the claims database
-is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.support.bench_app
-worker --pool=prefork` (acks_late, prefetch 1, results ignored in both phases). A job is the same no-op as in
-bench/throughput.py:
+is a fresh SQLite file migrated with `upgrade_schema`; the worker is `celery -A bench.support.sqlite_floor
+worker --pool=prefork` (bench.support.bench_app's app and the floor task; acks_late, prefetch 1, results ignored
+in every phase). A job is the same no-op as in bench/throughput.py:
 
     plain  N jobs of `oncelery.bench_plain`
     idem   N jobs of `oncelery.bench_idem`, each a distinct key (first executions; the run row keeps the
            message, as on the embedded broker by default)
+    floor  N jobs of `oncelery.bench_sqlite_floor`, a plain Celery task doing the two SQLite transactions of
+           idem's first execution (claim; completion + outcome count) on bare sqlite3, in the same file and
+           tables, with Oncelery's pragmas (bench/support/sqlite_floor.py): a yardstick, not Oncelery
 
-Phases run in interleaved rounds (--repeat R; the order alternates). Each phase enqueues all of its jobs,
+Phases run in interleaved rounds (--repeat R; the order rotates). Each phase enqueues all of its jobs,
 then starts a fresh worker and waits for the last one. The bench counts finished jobs in a Redis of its own
 (one MULTI per job in both phases, spawned on --spawn-redis PORT): only the measuring instrument, not part
 of the embedded stack. Printed per phase, median over rounds:
 
     jobs/s (start)   jobs / (last done - worker process start)
     jobs/s (ready)   jobs / (last done - worker_ready)
-    x plain          idem's jobs/s (ready) / plain's (the goal: >= 0.8)
-    CPU ms/job       worker main process and pool children, from /proc
+    x plain          jobs/s (ready) / plain's
+    x floor          jobs/s (ready) / floor's (issue 27 section 3's goal for idem: >= 0.8)
+    CPU ms/job       worker main process and pool children, from /proc (steadier than jobs/s on a shared
+                     machine: --repeat 3 at least)
 
 kombu's stock virtual transport sleeps `polling_interval` whenever a worker's prefetch window is full, so with
 prefetch 1 it caps a worker near concurrency / polling_interval jobs/s (--stock-transport shows it); the
@@ -60,14 +66,18 @@ from bench.support.harness import (
     wait_done,
 )
 
+PHASES = ("plain", "idem", "floor")
+WORKER_APP = "bench.support.sqlite_floor"  # bench_app's app with the floor task: one worker app for every phase
+
 
 def run_phase(
     phase: str, jobs: int, args: argparse.Namespace, env: dict[str, str], stats: redis.Redis
 ) -> dict[str, Any]:
     """Enqueue `jobs` no-ops of `phase` on the filesystem broker, drain them with a fresh worker, return the rates."""
     from bench.support.bench_app import bench_idem, bench_plain
+    from bench.support.sqlite_floor import bench_sqlite_floor
 
-    task = bench_idem if phase == "idem" else bench_plain
+    task = {"plain": bench_plain, "idem": bench_idem, "floor": bench_sqlite_floor}[phase]
     queue = f"oncelery_bench.{phase}.{uuid.uuid4().hex[:8]}"
     prefix = f"bench:{queue}"
     run_tag = uuid.uuid4().hex[:12]
@@ -78,7 +88,7 @@ def run_phase(
     enqueue_s = time.perf_counter() - started
     log = LOG_DIR / f"{queue}.log"
     t0 = time.time()
-    proc = start_worker(queue, {**env, "BENCH_QUEUE": queue}, log, args.concurrency)
+    proc = start_worker(queue, {**env, "BENCH_QUEUE": queue}, log, args.concurrency, app=WORKER_APP)
     try:
         wait_done(proc, stats, prefix, jobs, max(300.0, jobs / 2), log)
         cpu = {"main": cpu_seconds(proc.pid), "children": sum(cpu_seconds(p) for p in children_of(proc.pid))}
@@ -107,20 +117,30 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
         summary[phase]["cpu_ms"] = {k: statistics.median(r["cpu_ms"][k] for r in results) for k in ("main", "children")}
     header = (
-        f"{'phase':<6} {'jobs/s start':>13} {'jobs/s ready':>13} {'x plain':>8} {'boot s':>7} "
+        f"{'phase':<6} {'jobs/s start':>13} {'jobs/s ready':>13} {'x plain':>8} {'x floor':>8} {'boot s':>7} "
         f"{'CPU ms/job main':>16} {'children':>9}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for phase, s in summary.items():
         ratio = s["rate_ready"] / summary["plain"]["rate_ready"] if "plain" in summary else float("nan")
-        s["ratio_ready"] = ratio
+        of_floor = s["rate_ready"] / summary["floor"]["rate_ready"] if "floor" in summary else float("nan")
+        s["ratio_ready"], s["ratio_floor"] = ratio, of_floor
         print(
-            f"{phase:<6} {s['rate_start']:>13.1f} {s['rate_ready']:>13.1f} {ratio:>8.3f} {s['boot_s']:>7.2f} "
-            f"{s['cpu_ms']['main']:>16.2f} {s['cpu_ms']['children']:>9.2f}"
+            f"{phase:<6} {s['rate_start']:>13.1f} {s['rate_ready']:>13.1f} {ratio:>8.3f} {of_floor:>8.3f} "
+            f"{s['boot_s']:>7.2f} {s['cpu_ms']['main']:>16.2f} {s['cpu_ms']['children']:>9.2f}"
         )
     for phase, results in runs.items():
         each = ", ".join(f"{r['rate_start']:.1f}/{r['rate_ready']:.1f}" for r in results)
         print(f"  {phase} runs (start/ready jobs/s): {each}")
+    if "idem" in runs and "floor" in runs:
+        # Each round's idem against the same round's floor: the two ran minutes apart at most, so a load that
+        # other processes put on the machine meanwhile moves both (the medians above may come from other rounds).
+        rounds = [i["rate_ready"] / f["rate_ready"] for i, f in zip(runs["idem"], runs["floor"], strict=True)]
+        summary["idem"]["ratio_floor_rounds"] = rounds
+        print(
+            f"  idem / floor by round (ready): {', '.join(f'{r:.3f}' for r in rounds)}; "
+            f"median {statistics.median(rounds):.3f} (goal >= 0.8)"
+        )
     return summary
 
 
@@ -128,7 +148,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1000, help="jobs per phase")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds of plain + idem; medians reported")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of every phase; medians reported")
+    parser.add_argument(
+        "--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)} (default: all)"
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="worker processes (prefork -c)")
     parser.add_argument("--polling-interval", type=float, help="override the embedded broker's polling_interval (s)")
     parser.add_argument(
@@ -144,7 +167,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spawn-redis", type=int, default=6398, metavar="PORT", help="private Redis for the counters")
     parser.add_argument("--stats-url", help="use this Redis for the bench's counters instead of spawning one")
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = sorted(set(args.phases) - set(PHASES))
+    if unknown or not args.phases:
+        parser.error(f"--phases: {', '.join(unknown) or 'none given'}; choose from {', '.join(PHASES)}")
+    return args
 
 
 def bench_env(args: argparse.Namespace, data_dir: Path, stats_url: str) -> dict[str, str]:
@@ -166,10 +194,11 @@ def bench_env(args: argparse.Namespace, data_dir: Path, stats_url: str) -> dict[
 
 
 def run_rounds(args: argparse.Namespace, stats: redis.Redis) -> dict[str, list[dict[str, Any]]]:
-    """Run plain and idem `--repeat` times, alternating which goes first; print each run."""
-    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "idem": []}
+    """Run every phase `--repeat` times, rotating which goes first; print each run."""
+    runs: dict[str, list[dict[str, Any]]] = {phase: [] for phase in args.phases}
     for r in range(args.repeat):
-        for phase in ("plain", "idem") if r % 2 == 0 else ("idem", "plain"):
+        shift = r % len(args.phases)
+        for phase in args.phases[shift:] + args.phases[:shift]:
             res = run_phase(phase, args.jobs, args, {**os.environ}, stats)
             runs[phase].append(res)
             print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, insert, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, InvalidRequestError
 from sqlalchemy.orm import Session
 
@@ -246,6 +247,39 @@ def test_a_sqlite_completion_whose_count_fails_writes_nothing_and_ends_once_late
     assert store.outcome_counts(TASK) == {}
     store.complete(res.claim, {"v": 1})
     run = store.get(TASK, "half")
+    assert run is not None and run.status == RunStatus.COMPLETED and run.result == {"v": 1}
+    assert store.outcome_counts(TASK) == {"executed": 1}
+
+
+@ON_SQLITE
+def test_a_sqlite_write_transaction_takes_the_write_lock_at_its_first_statement(db_url: str) -> None:
+    """A SQLite write transaction begins (BEGIN IMMEDIATE) at its first statement: the work before it, such as
+    building its parameters, holds no other writer of the file. Another writer gets the lock until then, not
+    after, until the commit; a block that runs no statement writes nothing."""
+    store = RunStore(db_url)
+    res = store.claim(TASK, ident("lock"), lease=30)
+    assert res.claim is not None
+    other = sqlite3.connect(make_url(db_url).database or "", timeout=0, isolation_level=None)
+
+    def other_can_write() -> bool:
+        try:
+            other.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:  # database is locked: no wait (timeout 0)
+            return False
+        other.execute("ROLLBACK")
+        return True
+
+    try:
+        with store.db.begin_statements() as tx:
+            assert other_can_write()
+            store.complete_txn(tx, res.claim, {"v": 1})
+            assert not other_can_write()
+        assert other_can_write()
+        with store.db.begin_statements():
+            pass
+    finally:
+        other.close()
+    run = store.get(TASK, "lock")
     assert run is not None and run.status == RunStatus.COMPLETED and run.result == {"v": 1}
     assert store.outcome_counts(TASK) == {"executed": 1}
 

@@ -223,18 +223,26 @@ class DriverResult:
 
 
 class DriverTransaction:
-    """Statements inside one open transaction of a pooled sqlite3 connection (see `driver_transaction`)."""
+    """Statements inside one write transaction of a pooled sqlite3 connection (see `driver_transaction`)."""
 
     def __init__(self, engine: Engine, conn: Any) -> None:
         self.engine = engine
         self.conn = conn
+        self.begun = False
         self.last: tuple[str, Any] = ("BEGIN IMMEDIATE", ())  # what an error names
 
     def execute(self, stmt: Any, params: dict[str, Any]) -> DriverResult:
         """Run `stmt` in this transaction; driver errors leave `driver_transaction` as SQLAlchemy's."""
         compiled, values = prepared(stmt, self.engine, params)
+        args = compiled.args(values)
+        if not self.begun:
+            # The file's write lock is taken at the first statement, its parameters ready: the caller's work
+            # before it (building them, encoding JSON) is not time every other writer of the file waits for.
+            # IMMEDIATE: the lock up front, before that statement reads (lock waits honour busy_timeout).
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.begun = True
         self.last = (compiled.sql, values)
-        cur = self.conn.execute(compiled.sql, compiled.args(values))
+        cur = self.conn.execute(compiled.sql, args)
         try:
             if cur.description is None:
                 return DriverResult(None, cur.rowcount)
@@ -247,8 +255,9 @@ class DriverTransaction:
 
 @contextmanager
 def driver_transaction(engine: Engine) -> Iterator[DriverTransaction]:
-    """One write transaction (BEGIN IMMEDIATE) on a pooled sqlite3 connection of `engine`: committed at the end,
-    rolled back if the block raises. Waits for the write lock as the connection's busy_timeout says.
+    """One write transaction (BEGIN IMMEDIATE at its first statement) on a pooled sqlite3 connection of `engine`:
+    committed at the end, rolled back if the block raises. Waits for the write lock as the connection's
+    busy_timeout says. A block that runs no statement begins and commits nothing.
 
     Driver errors are raised as SQLAlchemy's (OperationalError, IntegrityError, ...), as `run_on_driver` does,
     so the caller's error handling is the one of any other statement.
@@ -259,10 +268,10 @@ def driver_transaction(engine: Engine) -> Iterator[DriverTransaction]:
     broken = False
     try:
         try:
-            conn.execute("BEGIN IMMEDIATE")  # the write lock up front: lock waits honour busy_timeout
             yield tx
-            tx.last = ("COMMIT", ())
-            conn.execute("COMMIT")
+            if tx.begun:
+                tx.last = ("COMMIT", ())
+                conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
