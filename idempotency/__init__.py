@@ -68,10 +68,12 @@ from oncelery.task.embedded_broker import is_embedded_broker
 from oncelery.task.idempotent import IdempotentTask
 from oncelery.task.metering import MeteredCall, Price, model_call, price_of
 from oncelery.task.pipeline import pipeline
+from oncelery.task.producer import ProducerReplay
 
 __all__ = [
     # Tasks: the base class, its body API, pipelines
     "IdempotentTask",
+    "ProducerReplay",
     "StepInfo",
     "current_step",
     "pipeline",

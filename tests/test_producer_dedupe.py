@@ -18,13 +18,12 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from oncelery import IdempotencyConflict, IdempotentTask, outcome_of, pipeline
+from oncelery import IdempotencyConflict, IdempotentTask, ProducerReplay, outcome_of, pipeline
 from oncelery.errors import StoreUnavailable
 from oncelery.models import RunStatus
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.task import producer
-from oncelery.task.producer import ProducerReplay
 from oncelery.testing.faults import wait_until
 from tests.conftest import running_worker
 from tests.store_faults import FAULTS, JOB_TIMEOUT, Db, LogLines, assert_once, define_job, expected, fault_of
