@@ -295,17 +295,7 @@ class Database:
         Asynchronous commit on PostgreSQL, and SQLite's synchronous=NORMAL, as a claim's.
         """
         try:
-            engine = get_engine(self.url, mode)
-            if self.dialect.autocommit_statements:
-                if engine.dialect.driver == "psycopg":
-                    return run_on_driver(engine, stmt, params)
-                with engine.connect() as conn:
-                    return first_and_count(conn.execute(stmt, params))
-            if on_sqlite3(engine):
-                with driver_transaction(engine) as tx:
-                    return first_and_count(tx.execute(stmt, params))
-            with engine.begin() as conn:
-                return first_and_count(conn.execute(stmt, params))
+            return _run_one(get_engine(self.url, mode), stmt, params, self.dialect.autocommit_statements)
         except DBAPIError as exc:
             raise_translated(exc, self.url)
 
@@ -341,19 +331,8 @@ class Database:
 
     def _one(self, stmt: Any, params: dict[str, Any], durable: bool) -> tuple[Any, int]:
         if self.dialect.autocommit_statements:
-            engine = get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST)
-            if engine.dialect.driver == "psycopg":
-                # The hot path (a claim, a completion, a renewal): SQLAlchemy compiles, psycopg runs it.
-                return run_on_driver(engine, stmt, params)
-            with engine.connect() as conn:
-                return first_and_count(conn.execute(stmt, params))
-        engine = self.engine if durable else self.fast_engine
-        if on_sqlite3(engine):
-            # A claim, a renewal, a count: SQLAlchemy compiles, sqlite3 runs it in its own write transaction.
-            with driver_transaction(engine) as tx:
-                return first_and_count(tx.execute(stmt, params))
-        with engine.begin() as conn:
-            return first_and_count(conn.execute(stmt, params))
+            return _run_one(get_engine(self.url, MODE_AUTOCOMMIT if durable else MODE_FAST), stmt, params, True)
+        return _run_one(self.engine if durable else self.fast_engine, stmt, params, False)
 
     def require_file(self) -> None:
         """Raise StoreUnavailable if this is a SQLite file that does not exist (reads never create one)."""
@@ -367,3 +346,20 @@ class Database:
                 url=safe_url(self.url),
             )
         self._file_seen = True
+
+
+def _run_one(engine: Engine, stmt: Any, params: dict[str, Any], autocommit: bool) -> tuple[Any, int]:
+    """One statement on `engine`: in autocommit (PostgreSQL's pools), or in its own write transaction; returns
+    (the first returned row or None, the rows matched)."""
+    if autocommit:
+        if engine.dialect.driver == "psycopg":
+            # The hot path (a claim, a completion, a renewal): SQLAlchemy compiles, psycopg runs it.
+            return run_on_driver(engine, stmt, params)
+        with engine.connect() as conn:
+            return first_and_count(conn.execute(stmt, params))
+    if on_sqlite3(engine):
+        # A claim, a renewal, a count: SQLAlchemy compiles, sqlite3 runs it in its own write transaction.
+        with driver_transaction(engine) as tx:
+            return first_and_count(tx.execute(stmt, params))
+    with engine.begin() as conn:
+        return first_and_count(conn.execute(stmt, params))

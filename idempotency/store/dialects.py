@@ -151,48 +151,19 @@ class PostgreSQL(Dialect):
             # Durable single statements (a completion, a count): a pool of autocommit connections, so the
             # driver path neither switches autocommit on and off around each statement nor resets the
             # connection when it goes back (there is never a transaction to roll back).
-            return create_engine(
-                url, isolation_level="AUTOCOMMIT", pool_size=5, max_overflow=10, pool_reset_on_return=None
-            )
+            return _autocommit_engine(url)
         if mode == MODE_FAST:
             # Claims and lease renewals need not survive a database crash (a lost claim only fails its
             # holder's fenced completion; the random owner keeps tokens unique). Not waiting for the WAL
-            # flush keeps a claim to one cheap round trip. connect_args replace the URL's own `options`
-            # (e.g. a search_path): keep them.
-            options = " ".join(
-                filter(None, [str(make_url(url).query.get("options") or ""), "-c synchronous_commit=off"])
-            )
-            return create_engine(
-                url,
-                isolation_level="AUTOCOMMIT",
-                pool_size=5,
-                max_overflow=10,
-                connect_args={"options": options},
-                # Autocommit only: a returned connection has no transaction to roll back.
-                pool_reset_on_return=None,
-            )
+            # flush keeps a claim to one cheap round trip.
+            return _autocommit_engine(url, "synchronous_commit=off")
         bound = producer_timeout_ms(mode)
         if bound is not None:
             # A producer's check: statement_timeout bounds a slow or blocked statement; libpq's connect_timeout
             # (whole seconds, at least 2) bounds a server that does not answer at all. The caller then publishes
             # as it would without the check, and skips checks for a while (oncelery.task.producer).
-            options = " ".join(
-                filter(
-                    None,
-                    [
-                        str(make_url(url).query.get("options") or ""),
-                        "-c synchronous_commit=off",
-                        f"-c statement_timeout={bound}",
-                    ],
-                )
-            )
-            return create_engine(
-                url,
-                isolation_level="AUTOCOMMIT",
-                pool_size=5,
-                max_overflow=10,
-                connect_args={"options": options, "connect_timeout": max(2, -(-bound // 1000))},
-                pool_reset_on_return=None,
+            return _autocommit_engine(
+                url, "synchronous_commit=off", f"statement_timeout={bound}", connect_timeout=max(2, -(-bound // 1000))
             )
         return create_engine(url, pool_size=5, max_overflow=10)
 
@@ -233,6 +204,26 @@ class PostgreSQL(Dialect):
         "FROM pg_control_system() s, pg_control_checkpoint() c, pg_database d WHERE d.datname = current_database()",
         "SELECT 'no-control/' || d.oid::text || '/' || extract(epoch FROM pg_postmaster_start_time())::text "
         "FROM pg_database d WHERE d.datname = current_database()",
+    )
+
+
+def _autocommit_engine(url: str, *settings: str, **connect_args: Any) -> Engine:
+    """A PostgreSQL pool of autocommit connections started with `settings` ("name=value"), for single statements.
+
+    connect_args replace the URL's own `options` (e.g. a search_path): they are kept, before ours. A returned
+    connection has no transaction to roll back, so none is reset.
+    """
+    given = str(make_url(url).query.get("options") or "")
+    options = " ".join(filter(None, [given, *(f"-c {setting}" for setting in settings)]))
+    if options:
+        connect_args["options"] = options
+    return create_engine(
+        url,
+        isolation_level="AUTOCOMMIT",
+        pool_size=5,
+        max_overflow=10,
+        connect_args=connect_args,
+        pool_reset_on_return=None,
     )
 
 

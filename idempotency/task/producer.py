@@ -43,7 +43,6 @@ from oncelery.settings import (
     CONF_PRODUCER_TIMEOUT,
     DEFAULT_PRODUCER_TIMEOUT,
     HEADER_KEY,
-    HEADER_ON_IN_PROGRESS,
     HEADER_TENANT,
     PRODUCER_COOLDOWN,
     configured_database_url,
@@ -163,8 +162,7 @@ def _in_progress(task: Any, found: ProducerFind, headers: dict[str, Any], option
         return None  # the caller holds the last link's handle: the worker's wait sends the chain on
     if options.get("task_id") not in (None, found.celery_task_id):
         return None  # the caller holds a handle of its own task id, which only a delivery would resolve
-    policy = headers.get(HEADER_ON_IN_PROGRESS) or task.policy_for(headers)
-    if policy != "retry":
+    if task.policy_for(headers) != "retry":
         return None  # "skip" and "raise" are answers a delivery gives: it decides them
     return task.AsyncResult(found.celery_task_id)
 
