@@ -18,11 +18,13 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from oncelery import IdempotencyConflict, IdempotentTask, ProducerReplay, outcome_of, pipeline
+from oncelery import IdempotencyConflict, IdempotentTask, ProducerReplay, outbox, outcome_of, pipeline
 from oncelery.errors import StoreUnavailable
 from oncelery.models import RunStatus
+from oncelery.ops.relay import Relay
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
+from oncelery.store.database import Database
 from oncelery.task import producer
 from oncelery.testing.faults import wait_until
 from tests.conftest import running_worker
@@ -315,3 +317,33 @@ def only_once(fault: Callable[[], None]) -> Callable[[str, dict[str, Any]], None
             fault()
 
     return hook
+
+
+def test_an_outbox_job_in_progress_is_answered_with_its_own_id_and_tenants_never_answer_each_other(
+    app: Celery, worker_factory: Any, db_url: str, published: list[str]
+) -> None:
+    """The outbox row the relay would re-publish makes a running job recoverable without the call (its task id
+    is returned); the same key under another tenant is another run: published, and run."""
+    gate, started = threading.Event(), threading.Event()
+    calls: list[tuple[str, int]] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_prod_outbox", idempotency_key="o:{n}")
+    def slow(self: IdempotentTask, n: int) -> int:
+        calls.append((self.request.headers.get("oncelery_tenant") or "", n))
+        started.set()
+        assert gate.wait(TIMEOUT)
+        return n + 100
+
+    with worker_factory(app, concurrency=2):
+        with Database(db_url).begin() as conn:
+            task_id = outbox.enqueue(conn, slow.s().set(tenant="acme"), 12)
+        assert Relay(app, db_url, sweep_interval=None).run_once().published == 1
+        assert started.wait(TIMEOUT)
+        published.clear()
+        dup = slow.apply_async((12,), tenant="acme")
+        assert dup.id == task_id, "the outbox row re-sends the job: the call gets the run's own result"
+        other = slow.apply_async((12,), tenant="globex")  # same key, another tenant: not this run
+        assert other.id != task_id and published == [slow.name]
+        gate.set()
+        assert dup.get(timeout=TIMEOUT) == other.get(timeout=TIMEOUT) == 112
+    assert sorted(calls) == [("acme", 12), ("globex", 12)]
