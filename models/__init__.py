@@ -9,6 +9,7 @@ user's database.
 from oncelery.models.base import Base
 from oncelery.models.batches import BatchState, ItemState, LlmBatch, LlmBatchItem, OnceleryLease
 from oncelery.models.budgets import CapChange, LlmBudget, OperatorCap
+from oncelery.models.forks import Fork, ForkEffects
 from oncelery.models.intents import IntentState, LlmIntent, LlmLimiter, RepeatReason
 from oncelery.models.ledger import LedgerLabelTotal, LedgerTotal, ModelCall
 from oncelery.models.runs import (
@@ -34,6 +35,8 @@ __all__ = [
     "DeadLetter",
     "DeliveryOutcome",
     "EntityVersion",
+    "Fork",
+    "ForkEffects",
     "HistogramBucket",
     "IntentState",
     "ItemState",

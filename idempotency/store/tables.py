@@ -11,6 +11,7 @@ from oncelery.models import (
     DeadLetter,
     DeliveryOutcome,
     EntityVersion,
+    Fork,
     HistogramBucket,
     LedgerLabelTotal,
     LedgerTotal,
@@ -37,6 +38,7 @@ __all__ = [
     "CALLS",
     "CAPS",
     "CAP_CHANGES",
+    "FORKS",
     "HISTOGRAM_BUCKETS",
     "INTENTS",
     "LABEL_TOTALS",
@@ -82,6 +84,8 @@ LEASES = cast(Table, OnceleryLease.__table__)
 BUDGETS = cast(Table, LlmBudget.__table__)
 CAPS = cast(Table, OperatorCap.__table__)
 CAP_CHANGES = cast(Table, CapChange.__table__)
+# Forks of past runs (ops/fork.py): where each came from, its overrides and its effects mode.
+FORKS = cast(Table, Fork.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.
 RUN_STATUS_TOTALS = cast(Table, RunStatusTotal.__table__)
 LETTER_TOTALS = cast(Table, LetterTotal.__table__)
