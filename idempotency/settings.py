@@ -19,6 +19,8 @@ __all__ = [
     "CONF_DATABASE_URL",
     "CONF_DIGEST_KEY",
     "CONF_FLOWER_NAME_SUFFIX",
+    "CONF_KEEP_ARGUMENTS",
+    "CONF_KEPT_ARGUMENTS_RETENTION",
     "CONF_LEASE",
     "CONF_LEDGER_SPOOL_DIR",
     "CONF_LIMITS",
@@ -36,6 +38,7 @@ __all__ = [
     "CONTENT_KEY_PREFIX",
     "DEFAULT_DATABASE_FILE",
     "DEFAULT_DATA_DIR",
+    "DEFAULT_KEPT_ARGUMENTS_RETENTION",
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_LEDGER_SPOOL",
     "DEFAULT_MAX_DELIVERIES",
@@ -57,7 +60,9 @@ __all__ = [
     "ENV_RESULT_BACKEND",
     "ENV_SQLITE_BUSY_TIMEOUT",
     "ENV_STARTUP_WAIT",
+    "FORK_KEY_PREFIX",
     "HEADER_ABANDONED",
+    "HEADER_FORK",
     "HEADER_KEY",
     "HEADER_LEASE",
     "HEADER_ON_IN_PROGRESS",
@@ -126,6 +131,11 @@ LEGACY_CONTENT_KEY_PREFIX = "sha256:"
 CONF_LEASE = "oncelery_lease"  # seconds
 CONF_ON_IN_PROGRESS = "oncelery_on_in_progress"  # "retry" | "skip" | "raise"
 CONF_STORE_MESSAGE = "oncelery_store_message"  # bool
+# Keep a run's arguments after it completes (a fork needs them): the task option keep_arguments, else this (False).
+# Kept until retention (`oncelery purge`, the relay) clears them, CONF_KEPT_ARGUMENTS_RETENTION after completion.
+CONF_KEEP_ARGUMENTS = "oncelery_keep_arguments"
+CONF_KEPT_ARGUMENTS_RETENTION = "oncelery_kept_arguments_retention"  # an age: "7d", "24h"
+DEFAULT_KEPT_ARGUMENTS_RETENTION = "7d"
 # A callable (task_name, args, kwargs) -> tenant or None, called where the job is sent (apply_async) for a
 # task with no tenant option of its own; the tenant travels with the message as a header.
 CONF_TENANT = "oncelery_tenant"
@@ -227,6 +237,10 @@ HEADER_PIPELINE = "oncelery_pipeline"
 # Per-call options (apply_async(..., on_in_progress=..., lease=...)), carried to every delivery of the call.
 HEADER_ON_IN_PROGRESS = "oncelery_on_in_progress"
 HEADER_LEASE = "oncelery_lease"
+# A fork's run (ops/fork.py): its key is FORK_KEY_PREFIX + "<fork id>:" + the source run's key, so it never takes
+# production's claim; the header carries the fork's id to the worker (the key alone also names it).
+FORK_KEY_PREFIX = "fork:"
+HEADER_FORK = "oncelery_fork"
 IN_PROGRESS_POLICIES = ("retry", "skip", "raise")
 
 MAX_KEY_LENGTH = 255  # the width of task_runs.idempotency_key

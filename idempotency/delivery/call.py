@@ -18,6 +18,7 @@ from oncelery.llm.errors import BudgetExceeded, CallOutcomeUnknown, ProviderReje
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim, EntityVersionOf
+from oncelery.runs.forks import ForkSpec
 from oncelery.runs.keys import Identity
 from oncelery.settings import DEFAULT_LEASE_SECONDS
 
@@ -48,6 +49,8 @@ class RunContext:
     effects: EffectsScope
     # Whether the body may park the run WAITING (RunParked): only a delivery a broker can deliver again.
     parkable: bool = True
+    # The fork this run is (its overrides and effects mode: runs/forks.py), else None: a production run.
+    fork: ForkSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class Call:
     ident: Identity
     message: dict[str, Any]
     keep_message: bool = False
+    # The task's keep_arguments: completion keeps the message (a fork's arguments) until retention clears it.
+    keep_arguments: bool = False
     entity: str | None = None
     version: EntityVersionOf | None = None
     direct: bool = False

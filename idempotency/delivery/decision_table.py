@@ -64,6 +64,7 @@ from oncelery.runs.decisions import (
     encode_result,
 )
 from oncelery.runs.faults import fault_point
+from oncelery.runs.forks import ForkSpec, fork_id_of, load_fork
 from oncelery.runs.keys import Identity, differing_fields, digest_key_rotated
 from oncelery.runs.waits import record_wait, wait_started
 from oncelery.settings import DIRECT_WAIT_TIMEOUT, HEADER_WAITING_SINCE
@@ -256,10 +257,11 @@ class Delivery:
             raise StoreError(f"{self.task.name}[{self.ident.key}]: a claim was decided without a claim")
         logger.info("claimed %s[%s] token=%d attempt=%d", self.task.name, claim.key, claim.token, claim.attempts)
         try:
-            checkpoints = self._checkpoints(claim)
+            fork = self._fork(claim)
+            checkpoints = self._checkpoints(claim, fork)
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")
-        ctx = self._attach(claim, checkpoints)
+        ctx = self._attach(claim, checkpoints, fork)
         try:
             return self._run_body(ctx, args, kwargs)
         except LeaseLost:
@@ -279,18 +281,33 @@ class Delivery:
             ctx.effects.close()
             self.task.detach(ctx)
 
-    def _checkpoints(self, claim: Claim) -> list[Any]:
-        # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
-        if not claim.takeover:
-            return []
-        fault_point("load_checkpoints", task=self.task.name, key=claim.key)
-        return load_checkpoints(self.store, claim.run_id)
+    def _fork(self, claim: Claim) -> ForkSpec | None:
+        # Only a fork's key (fork:<id>:...) is looked up: a production run makes no query here.
+        if fork_id_of(claim.key) is None:
+            return None
+        fault_point("fork_load", task=self.task.name, key=claim.key)
+        return load_fork(self.store.db, claim.task_name, claim.key)
 
-    def _attach(self, claim: Claim, checkpoints: list[Any]) -> RunContext:
+    def _checkpoints(self, claim: Claim, fork: ForkSpec | None = None) -> list[Any]:
+        # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
+        own: list[Any] = []
+        if claim.takeover:
+            fault_point("load_checkpoints", task=self.task.name, key=claim.key)
+            own = load_checkpoints(self.store, claim.run_id)
+        if fork is None:
+            return own
+        # A fork replays the steps before its from-step from the SOURCE run's checkpoints; from there it executes.
+        mine = {c.position for c in own}
+        source = load_checkpoints(self.store, fork.source_run_id)
+        replayed = [c for c in source if c.position < fork.from_position and c.position not in mine]
+        return sorted(own + replayed, key=lambda c: c.position)
+
+    def _attach(self, claim: Claim, checkpoints: list[Any], fork: ForkSpec | None = None) -> RunContext:
         hb = Heartbeat(self.store, claim, self.task.max_lease_seconds()).start()
         ctx = RunContext(
-            claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store), parkable=self.resend
-        )
+            claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store, fork), parkable=self.resend,
+            fork=fork,
+        )  # fmt: skip
         self.task.attach(ctx)
         # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
         # carries the attempt: never a fresh allowance per copy.
@@ -316,7 +333,8 @@ class Delivery:
         fault_point("complete", task=self.task.name, key=claim.key)
         steps = ctx.steps.counts()
         try:
-            self.store.complete(claim, encoded, ctx.effects.connection, outcome, self.version, steps)
+            keep = self.call.keep_arguments
+            self.store.complete(claim, encoded, ctx.effects.connection, outcome, self.version, steps, keep)
         except StaleVersion as stale:
             # A newer version of the entity was applied while this one ran: its effects roll back,
             # and the run completes with no result, counted `stale` (never applied out of order).

@@ -347,12 +347,14 @@ class RunStore:
         outcome: Outcome = Outcome.EXECUTED,
         version: EntityVersionOf | None = None,
         steps: tuple[int, int] = (0, 0),
+        keep_arguments: bool = False,
     ) -> None:
         """Mark the run COMPLETED with `result` in the caller's transaction, or raise LeaseLost (no write).
 
         With `version`, the entity's applied version moves to it in the same transaction, or StaleVersion
         is raised (nothing written) if a newer version was applied first. `steps`: the run's checkpointed steps
         and those this delivery replayed, added with its takeovers to the outcome's running totals.
+        `keep_arguments`: the run keeps its message (the task's keep_arguments) until retention clears it.
         """
         if version is not None:
             vparams = {"p_task": claim.task_name, "p_tenant": claim.tenant, **version.params()}
@@ -360,6 +362,11 @@ class RunStore:
                 raise StaleVersion.of(version.entity, version.version)
         params = {**self.fence_params(claim), "p_result": result, **completion_counts(claim, outcome, steps)}
         sql = self.sql
+        if keep_arguments:
+            if rowcount(conn.execute(sql.complete_keeping, params)) != 1:
+                raise lease_lost(claim)
+            conn.execute(sql.count_outcome, params)
+            return
         if sql.complete_and_count is not None:
             if conn.execute(sql.complete_and_count, params).first() is None:
                 raise lease_lost(claim)
@@ -376,22 +383,23 @@ class RunStore:
         outcome: Outcome = Outcome.EXECUTED,
         version: EntityVersionOf | None = None,
         steps: tuple[int, int] = (0, 0),
+        keep_arguments: bool = False,
     ) -> None:
         """Commit the run's completion (and the open `effects` transaction) atomically, fenced by the token."""
         if effects is None:
             sql = self.sql
-            if sql.complete_and_count is not None and version is None:
+            if sql.complete_and_count is not None and version is None and not keep_arguments:
                 # One statement: its own durable transaction in autocommit mode (no BEGIN/COMMIT trips).
                 params = {**self.fence_params(claim), "p_result": result, **completion_counts(claim, outcome, steps)}
                 if self.db.one(sql.complete_and_count, params)[0] is None:
                     raise lease_lost(claim)
                 return
             with self.db.begin_statements() as conn:
-                self.complete_txn(conn, claim, result, outcome, version, steps)
+                self.complete_txn(conn, claim, result, outcome, version, steps, keep_arguments)
             return
         with translated(self.url):
             try:
-                self.complete_txn(effects, claim, result, outcome, version, steps)
+                self.complete_txn(effects, claim, result, outcome, version, steps, keep_arguments)
                 effects.commit()
             except BaseException:
                 effects.rollback()

@@ -27,6 +27,7 @@ POINTS = (
     "claim",  # before the claim statement
     "conflict_read",  # before a conflicting payload's claim reads the run's field digests (PostgreSQL)
     "load_checkpoints",  # before a taken-over run loads its steps
+    "fork_load",  # before a fork's run reads its fork row (then the source's checkpoints)
     "heartbeat",  # before a holder's lease renewal (on the heartbeat thread, while the body runs)
     "step_call",  # before a step's function is called (oncelery.testing.fail_step_once)
     "ledger_write",  # before a model call's ledger row (and running totals) is written

@@ -98,6 +98,7 @@ class Statements:
         # The holder's fenced writes: the lease renewed, the run completed (with its count, in one trip).
         self.heartbeat = update(RUNS).where(_fenced()).values(lease_expires_at=until)
         self.complete = self._complete(now)
+        self.complete_keeping = self._complete(now, keep_message=True)  # the task keeps its arguments (a fork's)
         self.complete_and_count = complete_and_count(self.complete) if one_trip else None
         self.settle_stale = self._settle_stale(now)
         # A published outbox row whose delivery was refused before any run (stale, conflict): closed for good.
@@ -230,21 +231,19 @@ class Statements:
     # -- completion ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _complete(now: ColumnElement[Any]) -> Any:
+    def _complete(now: ColumnElement[Any], keep_message: bool = False) -> Any:
         # The holder's fenced completion, with the result it returned.
-        return (
-            update(RUNS)
-            .where(_fenced())
-            .values(
-                status=RunStatus.COMPLETED,
-                result=bindparam("p_result", type_=JSON),
-                finished_at=now,
-                updated_at=now,
-                lease_expires_at=None,
-                not_before=None,
-                message=None,  # kept only until the run completes (G9): it was there for recovery
-            )
-        )
+        values: dict[str, Any] = {
+            "status": RunStatus.COMPLETED,
+            "result": bindparam("p_result", type_=JSON),
+            "finished_at": now,
+            "updated_at": now,
+            "lease_expires_at": None,
+            "not_before": None,
+        }
+        if not keep_message:  # kept arguments stay until retention clears them (runs/kept.py)
+            values["message"] = None  # kept only until the run completes (G9): it was there for recovery
+        return update(RUNS).where(_fenced()).values(**values)
 
     @staticmethod
     def _settle_stale(now: ColumnElement[Any]) -> Any:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import step_seed
 from oncelery.errors import ConfigurationError
+from oncelery.runs.forks import apply_overrides
 from oncelery.settings import HEADER_WOKEN, require_database_url
 from oncelery.store.database import Database
 from oncelery.task.announce import Announcing
@@ -153,6 +154,8 @@ class RunBody(Announcing):
         if self._passing():
             return call_unclaimed(chosen, request)
         ctx = self.run_context("self.llm()")
+        if ctx.fork is not None and ctx.fork.overrides_for(name):  # a fork's --set STEP.model=... (docs/fork.md)
+            request = apply_overrides(request, ctx.fork.overrides_for(name))
         # A direct or eager call has no broker to wake a parked run through: it blocks, as inline_wait=None does.
         woken = bool((self.request.headers or {}).get(HEADER_WOKEN))  # this delivery woke a parked run
         policy = policy_of(

@@ -24,6 +24,7 @@ from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.errors import ConfigurationError, OnceleryError, PayloadTooLarge, StoreError
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
+from oncelery.runs.forks import fork_id_of
 from oncelery.runs.keys import Identity, validate_key
 from oncelery.settings import (
     HEADER_ABANDONED,
@@ -184,10 +185,12 @@ class IdempotentTask(RunBody):
         except ConfigurationError as exc:  # a bad setting: no delivery can run until it is fixed
             logger.error("%s: %s", self.name, exc)
             raise
+        keeps_arguments = self._keeps_arguments()
         call = Call(
             ident,
             message,
-            keep_message=self._keeps_messages(),
+            keep_message=keeps_arguments or self._keeps_messages(),
+            keep_arguments=keeps_arguments,
             entity=entity,
             version=version,
             direct=direct,
@@ -212,6 +215,8 @@ class IdempotentTask(RunBody):
             version = self.version_of(args, kwargs)
             ident = self.store.legacy.identity(self.name, ident)
             version = self.store.legacy.entity(self.name, ident.tenant, version)
+            if fork_id_of(ident.key) is not None:  # a fork re-runs the past: never production's entity slot
+                entity, version = None, None
         except StoreError:
             raise
         except OnceleryError as exc:

@@ -207,6 +207,8 @@ def run_llm_step(
     meta = {"llm": {"provider": adapter.provider, "endpoint": adapter.endpoint, "model": request.get("model")}}
     if batch is not None:
         meta["llm"]["mode"] = "batch"
+    if ctx.fork is not None:  # the step's metadata says which fork made it, and what the fork changed
+        meta["fork"] = {"id": ctx.fork.id, "overrides": ctx.fork.overrides_for(name)}
 
     def call() -> WithWrites:
         step = current_step()

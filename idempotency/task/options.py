@@ -21,6 +21,7 @@ from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import EntityVersionOf
 from oncelery.runs.keys import CallKey, FingerprintSpec, Identity, KeyBuilder, KeySpec
 from oncelery.settings import (
+    CONF_KEEP_ARGUMENTS,
     CONF_LEASE,
     CONF_ON_IN_PROGRESS,
     CONF_STORE_MESSAGE,
@@ -81,6 +82,9 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: can be sent again. None: app.conf.oncelery_store_message, else only on an embedded broker
     #: (oncelery-fs://, filesystem://: is_embedded_broker), which loses in-flight messages.
     store_message: bool | None = None
+    #: Keep the run's arguments after it completes, so `oncelery fork` can run it again (docs/fork.md). None:
+    #: app.conf.oncelery_keep_arguments, else False. Kept until retention (oncelery_kept_arguments_retention, 7d).
+    keep_arguments: bool | None = None
     #: Deliveries whose worker vanished mid-body (SIGKILL, OOM, segfault) after which the run goes DEAD with
     #: a dead letter instead of running again: Celery re-queues such a poison message for ever under
     #: task_reject_on_worker_lost. None: no bound.
@@ -323,6 +327,11 @@ class TaskOptions(Task):  # type: ignore[misc]
         digest_key = (digest_secret(self.app.conf) or store.digest_key()) if digests else None
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         return self._keys.identity(args, kwargs, idempotency_key, tenant, digest_key, store.identity_key())
+
+    def _keeps_arguments(self) -> bool:
+        if self.keep_arguments is not None:
+            return bool(self.keep_arguments)
+        return bool(self.settings().get(CONF_KEEP_ARGUMENTS, False))
 
     def _keeps_messages(self) -> bool:
         if self.store_message is not None:

@@ -1,0 +1,128 @@
+"""A fork's row as the delivery reads it: which run it forks, from which step, with which overrides and effects.
+
+The fork's run has its own key, `fork:<id>:<source key>` (FORK_KEY_PREFIX), under the source's task and tenant:
+it never takes production's claim, its concurrency key or its entity version (a fork re-runs the past: it is
+neither blocked by production's running entity nor stale against it). Steps before `from_position` are replayed
+from the SOURCE's checkpoints; from there on every step executes in the fork's own run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from oncelery.settings import FORK_KEY_PREFIX
+from oncelery.store.database import Database
+from oncelery.store.tables import FORKS
+
+__all__ = [
+    "OVERRIDABLE",
+    "ForkSpec",
+    "apply_overrides",
+    "fork_id_of",
+    "fork_key",
+    "load_fork",
+    "load_fork_txn",
+]
+
+#: What `--set STEP.NAME=VALUE` may change in a step's model call.
+OVERRIDABLE = ("model", "prompt", "temperature", "seed")
+
+_FORK_KEY = re.compile(re.escape(FORK_KEY_PREFIX) + r"(\d+):")
+
+
+@dataclass(frozen=True)
+class ForkSpec:
+    """One fork: its source run, the step it re-runs from, the per-step overrides and where effects go."""
+
+    id: int
+    source_run_id: int
+    task_name: str
+    tenant: str
+    source_key: str
+    from_step: str
+    from_position: int
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    effects: str = "dry"
+    shadow_url: str | None = None
+    key: str = ""
+    cohort_id: int | None = None
+
+    def overrides_for(self, step: str) -> dict[str, Any]:
+        """The overrides `self.llm(step, ...)` applies in this fork (empty: the call as the code makes it)."""
+        return dict(self.overrides.get(step) or {})
+
+
+def apply_overrides(request: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The model request with a fork's overrides: model, temperature and seed replace the request's; `prompt`
+    replaces its input (a `{input}` in the prompt stands for the original input, when that is text).
+
+    The request changes, so its digest does: the ledger and the intent protocol see a new call, never a replay.
+    """
+    changed = dict(request)
+    for name in ("model", "temperature", "seed"):
+        if name in overrides:
+            changed[name] = overrides[name]
+    if "prompt" in overrides:
+        prompt = str(overrides["prompt"])
+        original = request.get("input")
+        text = prompt.replace("{input}", original) if isinstance(original, str) else prompt
+        if "messages" in request and "input" not in request:  # a chat request: its last message is the prompt
+            messages = [dict(m) for m in request["messages"]]
+            if messages:
+                last = messages[-1].get("content")
+                messages[-1]["content"] = prompt.replace("{input}", last) if isinstance(last, str) else prompt
+            changed["messages"] = messages
+        else:
+            changed["input"] = text
+    return changed
+
+
+def fork_key(fork_id: int, source_key: str) -> str:
+    """The key of fork `fork_id`'s run: production's key can never be it (production keys never name a fork id)."""
+    return f"{FORK_KEY_PREFIX}{fork_id}:{source_key}"
+
+
+def fork_id_of(key: str | None) -> int | None:
+    """The fork id a run's key names, or None for a production key (no query: most keys are not forks)."""
+    if not key or not key.startswith(FORK_KEY_PREFIX):
+        return None
+    m = _FORK_KEY.match(key)
+    return int(m.group(1)) if m else None
+
+
+def load_fork_txn(conn: Connection, fork_id: int) -> ForkSpec | None:
+    """The fork row `fork_id`, in the caller's transaction (None: no such fork)."""
+    row = conn.execute(select(FORKS).where(FORKS.c.id == fork_id)).mappings().first()
+    if row is None:
+        return None
+    return ForkSpec(
+        id=int(row["id"]),
+        source_run_id=int(row["source_run_id"]),
+        task_name=row["task_name"],
+        tenant=row["tenant"],
+        source_key=row["source_key"],
+        from_step=row["from_step"],
+        from_position=int(row["from_position"]),
+        overrides=dict(row["overrides"] or {}),
+        effects=getattr(row["effects"], "value", row["effects"]),
+        shadow_url=row["shadow_url"],
+        key=row["fork_key"],
+        cohort_id=row["cohort_id"],
+    )
+
+
+def load_fork(db: Database, task_name: str, key: str | None) -> ForkSpec | None:
+    """The fork whose run has `key` under `task_name`, else None (a production run: no query is made)."""
+    fork_id = fork_id_of(key)
+    if fork_id is None:
+        return None
+    with db.read() as conn:
+        spec = load_fork_txn(conn, fork_id)
+    # A user's own key that merely looks like a fork's is production's: the fork row must name this very run.
+    if spec is None or spec.key != key or spec.task_name != task_name:
+        return None
+    return spec
