@@ -207,7 +207,8 @@ def run_llm_step(
     meta = {"llm": {"provider": adapter.provider, "endpoint": adapter.endpoint, "model": request.get("model")}}
     if batch is not None:
         meta["llm"]["mode"] = "batch"
-    if ctx.fork is not None:  # the step's metadata says which fork made it, and what the fork changed
+    if ctx.fork is not None and ctx.fork.overrides_for(name):  # which fork changed this step, and how
+        # Only overridden steps (all at or after the from-step): a replayed step's meta stays the source's.
         meta["fork"] = {"id": ctx.fork.id, "overrides": ctx.fork.overrides_for(name)}
 
     def call() -> WithWrites:

@@ -1,0 +1,167 @@
+"""Forking a past run from step N: exactly the steps from N are paid again, with the overrides, and a fork's
+effects never reach production unless it is `live`.
+
+Real in-process workers, both stores, the fake provider's creates as the oracle, the ledger for the preview.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import func, select
+
+from oncelery import IdempotentTask, output_text
+from oncelery.errors import ConfigurationError, StoreUnavailable
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.fake import FakeProvider, Knobs, generate_text
+from oncelery.ops.fork import fork_run, preview
+from oncelery.ops.fork_preview import fork_diff
+from oncelery.outbox import enqueue
+from oncelery.runs.faults import fault_injected
+from oncelery.runs.kept import redact_arguments
+from oncelery.store.database import Database, get_engine
+from oncelery.store.tables import CALLS, OUTBOX, RUNS, STEPS
+from tests.conftest import ON_SQLITE, migrated
+from tests.services import count_rows, effects_table
+
+TEXT = "The council approved the new library budget on Tuesday."
+JOB = 60.0
+PRICES = {"gpt-a": {"input": 1.0, "output": 2.0}, "gpt-b": {"input": 5.0, "output": 15.0}}
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    """A fake provider (workers reach it over HTTP on 127.0.0.1)."""
+    with FakeProvider(Knobs(poll_after_ms=5, generation_s=0.01)) as provider:
+        yield provider
+
+
+@pytest.fixture
+def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
+    """An OpenAI Responses adapter on the fake."""
+    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
+        yield adapter
+
+
+def article(app: Celery, adapter: Any, **options: Any) -> Any:
+    """A 3-step pipeline (summarize -> keywords -> quality, each a model call) with effects and an outbox job."""
+    app.conf.oncelery_prices = PRICES
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_fork", idempotency_key="doc:{doc}",
+              concurrency_key="doc:{doc}", **options)  # fmt: skip
+    def pipeline(self: IdempotentTask, doc: str, text: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for step in ("summarize", "keywords", "quality"):
+            text = output_text(self.llm(step, adapter=adapter, model="gpt-a", input=text, max_output_tokens=60))
+            out[step] = text
+        with self.effects() as session:
+            session.execute(effects_table.insert().values(key=doc, pid=os.getpid()))
+            enqueue(
+                session, self.app.signature("oncelery.t_fork_next"), doc
+            )  # published only if this effect commits in production
+        return out
+
+    return pipeline
+
+
+def creates(fake: FakeProvider) -> int:
+    return int(sum(fake.stats()["creates_by_intent"].values()))
+
+
+def rows(db_url: str, table: Any) -> int:
+    with get_engine(db_url).connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def test_a_fork_from_step_3_pays_one_call_and_writes_no_production_effect(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses, tmp_path: Path
+) -> None:
+    task = article(app, responses, keep_arguments=True)
+    shadow_url = f"sqlite:///{tmp_path / 'shadow.db'}"
+    shadow = migrated(shadow_url)
+    engine = get_engine(db_url)
+    with worker_factory(app):
+        source = task.delay("a1", TEXT).get(timeout=JOB)
+        assert creates(fake) == 3
+        produced = (count_rows(engine, effects_table, "a1"), rows(db_url, OUTBOX))
+        assert produced == (1, 1)
+
+        # The preview: the source's own tokens for the quality step, at the new model's price (exact arithmetic).
+        seen = preview(app, task, "doc:a1", from_step="quality", overrides=["quality.model=gpt-b"])
+        with engine.connect() as conn:
+            tin, tout = conn.execute(
+                select(CALLS.c.input_tokens, CALLS.c.output_tokens).where(CALLS.c.step == "quality")
+            ).one()
+        [line] = seen.steps
+        assert (line["step"], line["model"], line["input_tokens"], line["output_tokens"]) == (
+            "quality",
+            "gpt-b",
+            tin,
+            tout,
+        )
+        assert seen.total_micros == -(-(tin * 5 + tout * 15) // 1)  # USD/1M tokens = micro-USD per token
+
+        dry = fork_run(app, task, "doc:a1", from_step="quality", overrides={"quality": {"model": "gpt-b"}})
+        result = dry.get(timeout=JOB)
+        assert creates(fake) == 4, "steps 1-2 replayed from the source: one model call"
+        assert result["summarize"] == source["summarize"] and result["keywords"] == source["keywords"]
+        assert result["quality"] == generate_text("gpt-b", source["keywords"]) != source["quality"]
+
+        live_before = rows(db_url, OUTBOX)
+        sh = fork_run(app, task, "doc:a1", from_step="quality", overrides=["quality.model=gpt-b"], effects="shadow",
+                      shadow_url=shadow_url)  # fmt: skip
+        sh.get(timeout=JOB)
+        assert creates(fake) == 5
+    # 0 production rows from the dry and the shadow fork: effects and outbox as the source left them.
+    assert (count_rows(engine, effects_table, "a1"), rows(db_url, OUTBOX)) == produced and live_before == 1
+    assert count_rows(shadow, effects_table, "a1") == 1 and rows(shadow_url, OUTBOX) == 1
+    # The fork's runs are their own (never production's key or concurrency slot), and say what they changed.
+    with engine.connect() as conn:
+        keys = sorted(conn.execute(select(RUNS.c.idempotency_key)).scalars())
+        meta = conn.execute(
+            select(STEPS.c.meta).join(RUNS, RUNS.c.id == STEPS.c.run_id).where(RUNS.c.idempotency_key == dry.key)
+        ).scalar_one()
+    assert keys == sorted(["doc:a1", dry.key, sh.key]) and dry.key == f"fork:{dry.id}:doc:a1"
+    assert meta["fork"] == {"id": dry.id, "overrides": {"model": "gpt-b"}} and meta["llm"]["model"] == "gpt-b"
+    # The diff: steps 1-2 replayed (no delta), step 3 changed, its cost from the ledger at gpt-b's price.
+    diff = {d.step: d for d in fork_diff(Database(db_url), dry.id, lambda a, b: float(a == b))}
+    assert diff["summarize"].replayed and not diff["summarize"].diff and diff["keywords"].cost_delta_micros == 0
+    assert diff["quality"].diff and diff["quality"].score == 0.0 and diff["quality"].cost_delta_micros > 0
+
+
+@ON_SQLITE
+def test_a_fork_needs_kept_or_given_arguments_and_survives_a_store_fault_loading_its_fork(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = article(app, responses)  # keep_arguments off: completion clears the message
+    fired: list[bool] = []
+
+    def fail_once(_name: str, _context: dict[str, Any]) -> None:
+        if not fired:
+            fired.append(True)
+            raise StoreUnavailable("the database went away right here")
+
+    with worker_factory(app):
+        task.delay("b1", TEXT).get(timeout=JOB)
+        with pytest.raises(ConfigurationError, match="keep_arguments=True"):
+            fork_run(app, task, "doc:b1", from_step="quality")
+        with pytest.raises(ConfigurationError, match="no step 'nope'"):
+            fork_run(app, task, "doc:b1", from_step="nope", args=["b1", TEXT])
+        with fault_injected("fork_load", fail_once):
+            handle = fork_run(app, task, "doc:b1", from_step="keywords", args=["b1", TEXT])
+            handle.get(timeout=JOB)
+    assert fired and creates(fake) == 3 + 2, "re-sent after the fault, the fork paid its two steps once"
+    with get_engine(db_url).connect() as conn:
+        kept = conn.execute(select(RUNS.c.message).where(RUNS.c.idempotency_key == "doc:b1")).scalar()
+    assert redact_arguments(kept) == {"kept": False}
+
+
+def test_redacted_arguments_name_sizes_and_digests_never_values() -> None:
+    shown = redact_arguments({"args": ["secret-doc"], "kwargs": {"text": "private words"}}, b"k")
+    assert "secret-doc" not in repr(shown) and "private words" not in repr(shown)
+    assert shown["kwargs"]["text"]["bytes"] == len('"private words"') and shown["args"][0]["type"] == "str"
