@@ -55,6 +55,8 @@ class Fork(Base):
     shadow_url: Mapped[str | None] = mapped_column(String(1024))
     fork_key: Mapped[str] = mapped_column(String(255), nullable=False, unique=True)
     cohort_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
+    # The cohort's cost cap (micro-USD): every fork of the cohort reserves in one budget row, cohort:<id>.
+    cohort_cap_micros: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, server_default=func.current_timestamp()
     )

@@ -104,7 +104,7 @@ def test_a_fork_from_step_3_pays_one_call_and_writes_no_production_effect(
             tin,
             tout,
         )
-        assert seen.total_micros == -(-(tin * 5 + tout * 15) // 1)  # USD/1M tokens = micro-USD per token
+        assert seen.total_micros == tin * 5 + tout * 15  # USD per 1M tokens is micro-USD per token
 
         dry = fork_run(app, task, "doc:a1", from_step="quality", overrides={"quality": {"model": "gpt-b"}})
         result = dry.get(timeout=JOB)

@@ -88,11 +88,16 @@ class BudgetPlan:
     price: tuple[Decimal, Decimal]  # USD per 1M tokens, input and output: micro-USD per token
     on_budget: str = "dead_letter"
     call_limit_micros: int | None = None  # this one call's cap (`self.llm(..., max_cost_usd=)`)
+    # Named caps shared by many runs, (row name, micro-USD): a fork cohort's `cohort:<id>` (ops/fork_cohort.py).
+    shared: tuple[tuple[str, int], ...] = ()
 
     @property
     def active(self) -> bool:
         """Whether any budget applies (else nothing is reserved, and no statement is run)."""
-        return bool(self.rules) or self.job_limit_micros is not None or self.call_limit_micros is not None
+        return (
+            bool(self.rules) or self.job_limit_micros is not None or self.call_limit_micros is not None
+            or bool(self.shared)
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ def _budgets(plan: BudgetPlan, tenant: str, run_id: int, now_epoch: float) -> li
     chosen: list[_Budget] = []
     if plan.job_limit_micros is not None:
         chosen.append(_Budget(f"run:{run_id}", f"run:{run_id}", (), plan.job_limit_micros, None))
+    chosen.extend(_Budget(name, name, (), limit, None) for name, limit in plan.shared)
     picked: dict[tuple[str, str], BudgetRule] = {}
     for rule in plan.rules:
         if rule.scope.startswith("tenant:"):

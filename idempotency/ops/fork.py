@@ -25,7 +25,7 @@ from oncelery.models import ForkEffects, RunStatus
 from oncelery.ops.fork_preview import ForkPreview, preview_fork
 from oncelery.runs.forks import OVERRIDABLE, fork_key
 from oncelery.runs.kept import arguments_of
-from oncelery.settings import HEADER_FORK, MAX_KEY_LENGTH, require_database_url
+from oncelery.settings import HEADER_FORK, HEADER_KEY, HEADER_TENANT, MAX_KEY_LENGTH, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import FORKS, RUNS, STEPS
 
@@ -72,6 +72,7 @@ class ForkHandle:
     id: int
     key: str
     result: Any
+    cohort_id: int | None = None
 
     def get(self, timeout: float | None = None) -> Any:
         """Wait for the fork's run to finish and return its result (Celery's AsyncResult.get)."""
@@ -169,14 +170,16 @@ def fork_run(
     args: Any = None,
     kwargs: Any = None,
     cohort_id: int | None = None,
+    cohort_cap_micros: int | None = None,
 ) -> ForkHandle:
     """Fork the COMPLETED run `key` of `task` from step `from_step`: record the fork, send its run, return it.
 
     Steps before `from_step` are replayed from the source's checkpoints; it and every later step execute, with
     `overrides` ({step: {model, prompt, temperature, seed}} or ["step.model=..."]) applied by `self.llm`.
     `effects`: "dry" (rolled back, the default), "shadow" (written to `shadow_url`) or "live" (production).
+    `task`: the task or its name (sent by name: a worker of the task runs it).
     """
-    task = app.tasks[task] if isinstance(task, str) else task
+    name = task if isinstance(task, str) else str(task.name)
     changes = parse_overrides(overrides)
     if effects not in EFFECTS_MODES:
         raise ConfigurationError(f"effects={effects!r}: use one of {', '.join(EFFECTS_MODES)} (dry is the default)")
@@ -184,7 +187,7 @@ def fork_run(
         raise ConfigurationError("effects='shadow' needs shadow_url= (--shadow-url): the database effects go to")
     db = Database(require_database_url(app.conf, "oncelery fork"))
     with db.begin() as conn:
-        source = find_source(conn, task.name, key, tenant)
+        source = find_source(conn, name, key, tenant)
         position = source.position_of(from_step)
         for step in changes:
             if step in {name for p, name in source.steps if p < position}:
@@ -193,9 +196,10 @@ def fork_run(
                 )
         call_args, call_kwargs = _arguments(source, args, kwargs)
         row = {
-            "source_run_id": source.run_id, "task_name": task.name, "tenant": tenant, "source_key": key,
+            "source_run_id": source.run_id, "task_name": name, "tenant": tenant, "source_key": key,
             "from_step": from_step, "from_position": position, "overrides": changes,
             "effects": ForkEffects(effects), "shadow_url": shadow_url, "cohort_id": cohort_id,
+            "cohort_cap_micros": cohort_cap_micros,
             "fork_key": f"pending:{source.run_id}:{id(changes)}:{key}"[:MAX_KEY_LENGTH],
         }  # fmt: skip
         fork_id = int(conn.execute(FORKS.insert().values(**row).returning(FORKS.c.id)).scalar_one())
@@ -204,9 +208,12 @@ def fork_run(
             raise ConfigurationError(
                 f"the fork's key {new_key[:40]}... is over {MAX_KEY_LENGTH} characters: fork a run with a shorter key"
             )
-        conn.execute(update(FORKS).where(FORKS.c.id == fork_id).values(fork_key=new_key))
-    options: dict[str, Any] = {"idempotency_key": new_key, "headers": {HEADER_FORK: fork_id}}
+        if cohort_cap_micros is not None and cohort_id is None:  # a cohort's first fork names the cohort
+            cohort_id = fork_id
+        conn.execute(update(FORKS).where(FORKS.c.id == fork_id).values(fork_key=new_key, cohort_id=cohort_id))
+    headers: dict[str, Any] = {HEADER_KEY: new_key, HEADER_FORK: fork_id}
     if tenant:
-        options["tenant"] = tenant
-    result = task.apply_async(call_args, call_kwargs, **options)
-    return ForkHandle(fork_id, new_key, result)
+        headers[HEADER_TENANT] = tenant
+    # Sent by name with the key headers a call's options become, so the CLI needs no import of the task's module.
+    result = app.send_task(name, call_args, call_kwargs, headers=headers)
+    return ForkHandle(fork_id, new_key, result, cohort_id)

@@ -28,8 +28,8 @@ __all__ = [
     "load_fork_txn",
 ]
 
-#: What `--set STEP.NAME=VALUE` may change in a step's model call.
-OVERRIDABLE = ("model", "prompt", "temperature", "seed")
+#: What `--set STEP.NAME=VALUE` may change in a step's model call (`mode`: "batch" makes it a batch item).
+OVERRIDABLE = ("model", "prompt", "temperature", "seed", "mode")
 
 _FORK_KEY = re.compile(re.escape(FORK_KEY_PREFIX) + r"(\d+):")
 
@@ -50,6 +50,13 @@ class ForkSpec:
     shadow_url: str | None = None
     key: str = ""
     cohort_id: int | None = None
+    cohort_cap_micros: int | None = None
+
+    def shared_budgets(self) -> tuple[tuple[str, int], ...]:
+        """The budget rows every call of this fork reserves in besides its own: its cohort's cap, if any."""
+        if self.cohort_id is None or self.cohort_cap_micros is None:
+            return ()
+        return ((f"cohort:{self.cohort_id}", int(self.cohort_cap_micros)),)
 
     def overrides_for(self, step: str) -> dict[str, Any]:
         """The overrides `self.llm(step, ...)` applies in this fork (empty: the call as the code makes it)."""
@@ -112,6 +119,7 @@ def load_fork_txn(conn: Connection, fork_id: int) -> ForkSpec | None:
         shadow_url=row["shadow_url"],
         key=row["fork_key"],
         cohort_id=row["cohort_id"],
+        cohort_cap_micros=row["cohort_cap_micros"],
     )
 
 

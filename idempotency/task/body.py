@@ -154,13 +154,17 @@ class RunBody(Announcing):
         if self._passing():
             return call_unclaimed(chosen, request)
         ctx = self.run_context("self.llm()")
-        if ctx.fork is not None and ctx.fork.overrides_for(name):  # a fork's --set STEP.model=... (docs/fork.md)
-            request = apply_overrides(request, ctx.fork.overrides_for(name))
+        shared: tuple[tuple[str, int], ...] = ()
+        if ctx.fork is not None:  # a fork's --set STEP.model=... (docs/fork.md), and its cohort's shared cap
+            changes = ctx.fork.overrides_for(name)
+            request = apply_overrides(request, changes) if changes else request
+            mode = str(changes.get("mode", mode))
+            shared = ctx.fork.shared_budgets()
         # A direct or eager call has no broker to wake a parked run through: it blocks, as inline_wait=None does.
         woken = bool((self.request.headers or {}).get(HEADER_WOKEN))  # this delivery woke a parked run
         policy = policy_of(
             self, at_most_once, on_lost, background, waits if ctx.parkable else None, woken,
-            model=str(request.get("model", "")), max_cost_usd=max_cost_usd,
+            model=str(request.get("model", "")), max_cost_usd=max_cost_usd, shared=shared,
         )  # fmt: skip
         ctx.heartbeat.check()
         if ctx.effects.connection is not None:

@@ -82,6 +82,7 @@ def policy_of(
     *,
     model: str = "",
     max_cost_usd: Any = None,
+    shared: tuple[tuple[str, int], ...] = (),
 ) -> CallPolicy:
     """Return the call's policy: the per-call values, else the task's `llm_*` options."""
     lost = on_lost if on_lost is not None else task.llm_on_lost
@@ -98,17 +99,19 @@ def policy_of(
     limits = limits_of(task.app.conf)
     return CallPolicy(
         background=background, at_most_once=bool(once), on_lost=lost, inline_wait_s=wait, limits=limits, woken=woken,
-        budgets=budget_plan(task, model, max_cost_usd),
+        budgets=budget_plan(task, model, max_cost_usd, shared),
     )  # fmt: skip
 
 
-def budget_plan(task: Any, model: str, max_cost_usd: Any = None) -> BudgetPlan | None:
+def budget_plan(
+    task: Any, model: str, max_cost_usd: Any = None, shared: tuple[tuple[str, int], ...] = ()
+) -> BudgetPlan | None:
     """The budgets a call of `model` reserves in (None: none applies), or ConfigurationError (no price)."""
     conf = task.app.conf
     rules = budgets_of(conf)
     job = None if task.max_cost_usd is None else parse_usd(task.max_cost_usd, f"{task.name}: max_cost_usd")
     call = None if max_cost_usd is None else parse_usd(max_cost_usd, f"{task.name}: self.llm(max_cost_usd=)")
-    if not rules and job is None and call is None:
+    if not rules and job is None and call is None and not shared:
         return None
     price = price_of(model, conf)
     if price is None:
@@ -116,7 +119,7 @@ def budget_plan(task: Any, model: str, max_cost_usd: Any = None) -> BudgetPlan |
             f"{task.name}: a budget applies to this call, and model {model!r} has no price: add it to "
             f"app.conf.{CONF_PRICES} ({{'{model}': {{'input': usd_per_1M, 'output': usd_per_1M}}}})"
         )
-    return BudgetPlan(rules, job, (price.input, price.output), task.on_budget, call)
+    return BudgetPlan(rules, job, (price.input, price.output), task.on_budget, call, shared)
 
 
 def budgets_of(conf: Any) -> tuple[BudgetRule, ...]:

@@ -42,6 +42,7 @@ def upgrade() -> None:
         sa.Column("shadow_url", sa.String(1024)),
         sa.Column("fork_key", sa.String(255), nullable=False),
         sa.Column("cohort_id", sa.BigInteger()),
+        sa.Column("cohort_cap_micros", sa.BigInteger()),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.current_timestamp()),
         sa.CheckConstraint("from_position >= 0", name=op.f("ck_oncelery_forks_from_position_non_negative")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_oncelery_forks")),
