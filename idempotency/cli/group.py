@@ -27,6 +27,7 @@ from oncelery.cli.context import (
 )
 from oncelery.cli.costs import costs
 from oncelery.cli.dlq import dlq
+from oncelery.cli.fork import fork
 from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.cli.limits import budgets, limits
 from oncelery.cli.metrics import metrics
@@ -128,7 +129,7 @@ def build_group() -> OnceleryGroup:
         ctx.meta[URL_META] = database_url
 
     _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets, batches))
-    _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics))
+    _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics, fork))
     return group
 
 
