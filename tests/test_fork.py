@@ -6,26 +6,32 @@ Real in-process workers, both stores, the fake provider's creates as the oracle,
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import func, select
 
 from oncelery import IdempotentTask, output_text
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, StoreUnavailable
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.ops.fork import fork_run, preview
 from oncelery.ops.fork_preview import fork_diff
+from oncelery.ops.retention import purge
 from oncelery.outbox import enqueue
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.kept import redact_arguments
 from oncelery.store.database import Database, get_engine
-from oncelery.store.tables import CALLS, OUTBOX, RUNS, STEPS
+from oncelery.store.tables import BUDGETS, CALLS, OUTBOX, RUNS, STEPS
+from oncelery.testing.waiting import poll
 from tests.conftest import ON_SQLITE, migrated
 from tests.services import count_rows, effects_table
 
@@ -165,3 +171,66 @@ def test_redacted_arguments_name_sizes_and_digests_never_values() -> None:
     shown = redact_arguments({"args": ["secret-doc"], "kwargs": {"text": "private words"}}, b"k")
     assert "secret-doc" not in repr(shown) and "private words" not in repr(shown)
     assert shown["kwargs"]["text"]["bytes"] == len('"private words"') and shown["args"][0]["type"] == "str"
+
+
+@ON_SQLITE
+def test_the_cli_previews_redacts_and_runs_a_cohort_within_its_cap(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = article(app, responses, keep_arguments=True)
+    cli = CliRunner()
+
+    def run(*argv: str) -> Any:
+        return cli.invoke(oncelery_cli, ["--database-url", db_url, "fork", *argv], obj=SimpleNamespace(app=app))
+
+    change = ("--task", task.name, "--from-step", "quality", "--set", "quality.model=gpt-b")
+    with worker_factory(app):
+        for doc in ("c1", "c2"):
+            task.delay(doc, TEXT).get(timeout=JOB)
+        made = creates(fake)
+        shown = run("doc:c1", *change, "--dry-run", "--json")
+        assert shown.exit_code == 0, shown.output
+        document = json.loads(shown.output)
+        assert TEXT not in shown.output and document["arguments"]["kept"] is True
+        assert document["preview"]["total_micros"] > 0 and "fork" not in document
+        assert TEXT in run("doc:c1", *change, "--dry-run", "--show-arguments").output
+        refused = run("cohort", *change, "--max-cost-usd", "0.000001", "--yes")
+        assert refused.exit_code == 2 and "over --max-cost-usd" in refused.output
+        assert "nothing sent" in run("cohort", *change, "--max-cost-usd", "1").output
+        assert creates(fake) == made, "a preview makes no call"
+        sent = run("cohort", *change, "--max-cost-usd", "1", "--yes", "--json")
+        assert sent.exit_code == 0, sent.output
+        plan = json.loads(sent.output)
+        assert plan["count"] == 2 and len(plan["forks"]) == 2
+
+        def finished() -> bool:
+            with get_engine(db_url).connect() as conn:
+                done = conn.execute(
+                    select(func.count()).where(RUNS.c.idempotency_key.like("fork:%"), RUNS.c.status == "COMPLETED")
+                ).scalar_one()
+            return int(done) == 2
+
+        poll(finished, JOB)
+    assert creates(fake) == made + 2
+    # The cohort's forks reserved in one shared budget row, and spent what the ledger says, within the cap.
+    with get_engine(db_url).connect() as conn:
+        [(name, spent, limit)] = conn.execute(
+            select(BUDGETS.c.name, BUDGETS.c.spent_micros, BUDGETS.c.limit_micros).where(
+                BUDGETS.c.name.like("cohort:%")
+            )
+        ).all()
+        ledger = conn.execute(
+            select(func.sum(CALLS.c.cost_micros)).where(CALLS.c.idempotency_key.like("fork:%"))
+        ).scalar_one()
+    assert 0 < spent == ledger <= limit == 1_000_000 and name == f"cohort:{plan['forks'][0]['id']}"
+    diff = run("diff", str(plan["forks"][0]["id"]), "--json")
+    assert diff.exit_code == 0 and json.loads(diff.output)["count"] == 3
+    # Retention clears kept arguments (here: all, age 0), never the runs.
+    report = purge(Database(db_url), 10**9, kept_older_than=0)
+    assert report.kept_arguments == 4 and report.runs == 0
+    assert redact_arguments(kept_message(db_url, "doc:c1")) == {"kept": False}
+
+
+def kept_message(db_url: str, key: str) -> Any:
+    with get_engine(db_url).connect() as conn:
+        return conn.execute(select(RUNS.c.message).where(RUNS.c.idempotency_key == key)).scalar()

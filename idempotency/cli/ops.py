@@ -15,7 +15,7 @@ from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.errors import ConfigurationError
 from oncelery.ops.reach import check_app
 from oncelery.ops.relay import DEFAULT_MAX_PUBLISHES, Relay
-from oncelery.ops.retention import parse_age, purge
+from oncelery.ops.retention import kept_arguments_age, parse_age, purge
 from oncelery.store.database import Database
 
 
@@ -104,7 +104,8 @@ def relay(
     if once:
         done = worker.run_once()
         if keep is not None:
-            done.purged = purge(worker.db, keep, forget=purge_forgetter(app.conf, url)).runs
+            kept = kept_arguments_age(app.conf)
+            done.purged = purge(worker.db, keep, forget=purge_forgetter(app.conf, url), kept_older_than=kept).runs
         if as_json:
             echo_json(vars(done))
         else:
@@ -136,12 +137,16 @@ def purge_command(ctx: click.Context, older_than: str, batch: int) -> None:
     """Delete runs finished before AGE ago, with their steps, dead letters and ledger rows (never RUNNING/DEAD)."""
     url = resolve_database_url(ctx)
     # The replay cache's entries go with the runs (when the app, or the environment, has the cache).
-    forget = purge_forgetter(getattr(celery_app_of(ctx), "conf", None), url)
-    report = purge(Database(url), _age(older_than) or 0.0, batch, forget=forget)
+    conf = getattr(celery_app_of(ctx), "conf", None)
+    forget = purge_forgetter(conf, url)
+    report = purge(
+        Database(url), _age(older_than) or 0.0, batch, forget=forget, kept_older_than=kept_arguments_age(conf)
+    )
     click.echo(
         f"purged {report.runs} runs ({report.steps} steps, {report.dead_letters} dead letters, "
         f"{report.ledger} ledger rows) and {report.outbox} outbox rows in {report.batches} batches"
         + (f"; kept {report.kept_referenced} runs your tables still refer to" if report.kept_referenced else "")
+        + (f"; cleared the kept arguments of {report.kept_arguments} runs" if report.kept_arguments else "")
     )
 
 

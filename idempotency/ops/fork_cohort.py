@@ -11,7 +11,6 @@ its cap even where the preview under-estimated. `batch=True` sends the overridde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -76,14 +75,15 @@ def fork_cohort(
     db = Database(require_database_url(app.conf, "oncelery fork cohort"))
     c = RUNS.c
     with db.read() as conn:
-        now = conn.execute(select(db.dialect.now())).scalar_one()
-        since_at = now - timedelta(seconds=parse_age(since))
+        # The database clock: runs finished after now - since (the same expression retention's cut-off uses).
+        since_at = db.dialect.lease_until("p_age")
         found = conn.execute(
             select(c.tenant, c.idempotency_key)
             .where(c.task_name == task_name, c.status == RunStatus.COMPLETED, c.finished_at >= since_at)
             .where(c.idempotency_key.not_like(f"{FORK_KEY_PREFIX}%"))
             .order_by(c.finished_at.desc(), c.id.desc())
-            .limit(limit)
+            .limit(limit),
+            {"p_age": db.dialect.lease_param(-parse_age(since))},
         ).all()
         for tenant, key in found:
             source = find_source(conn, task_name, key, tenant)

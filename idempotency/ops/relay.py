@@ -21,7 +21,7 @@ from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, Ba
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import send_keyed
-from oncelery.ops.retention import purge
+from oncelery.ops.retention import kept_arguments_age, purge
 from oncelery.ops.sweeper import sweep_lost_runs, wake_waiting_runs
 from oncelery.runs.decisions import REASON_REPUBLISH_CAP
 from oncelery.runs.faults import fault_point
@@ -185,7 +185,8 @@ class Relay:
             try:
                 done = self.run_once()
                 if retention is not None and time.monotonic() >= next_purge:
-                    done.purged = purge(self.db, retention, forget=self._forget()).runs
+                    kept = kept_arguments_age(self.app.conf)
+                    done.purged = purge(self.db, retention, forget=self._forget(), kept_older_than=kept).runs
                     next_purge = time.monotonic() + purge_every
                 failures = 0
                 if heartbeat is not None:

@@ -17,12 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, column, delete, func, inspect, or_, select, table
+from sqlalchemy import Connection, and_, column, delete, func, inspect, or_, select, table, update
 from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.runs.faults import fault_point
+from oncelery.settings import CONF_KEPT_ARGUMENTS_RETENTION, DEFAULT_KEPT_ARGUMENTS_RETENTION
+from oncelery.store.clock import stored_message
 from oncelery.store.database import Database
 from oncelery.store.tables import BATCH_ITEMS, INTENTS, LETTERS, OUTBOX, RUNS, STEPS
 
@@ -71,6 +73,28 @@ class PurgeReport:
     outbox: int = 0
     kept_referenced: int = 0
     batches: int = 0
+    kept_arguments: int = 0  # completed runs whose kept arguments were cleared (runs/kept.py)
+
+
+def kept_arguments_age(conf: Any = None) -> float:
+    """Seconds a completed run keeps its arguments: `oncelery_kept_arguments_retention` of `conf`, else 7d."""
+    value = None if conf is None else conf.get(CONF_KEPT_ARGUMENTS_RETENTION)
+    return parse_age(value if value is not None else DEFAULT_KEPT_ARGUMENTS_RETENTION)
+
+
+def clear_kept_arguments(db: Database, older_than: float) -> int:
+    """Clear the arguments completed runs kept (`keep_arguments=`) once they finished `older_than` seconds ago
+    (database clock); the runs themselves stay. Returns how many runs it cleared."""
+    r = RUNS.c
+    dia = db.dialect
+    with db.begin() as conn:
+        cleared = conn.execute(
+            update(RUNS)
+            .where(r.status == RunStatus.COMPLETED, stored_message(r.message), r.finished_at < dia.lease_until("p_age"))
+            .values(message=None),
+            {"p_age": dia.lease_param(-older_than)},
+        )
+        return int(cleared.rowcount or 0)
 
 
 def purge(
@@ -79,11 +103,13 @@ def purge(
     batch: int = DEFAULT_BATCH,
     on_batch: Callable[[PurgeReport], None] | None = None,
     forget: Callable[[list[tuple[str, str, str]]], object] | None = None,
+    kept_older_than: float | None = None,
 ) -> PurgeReport:
     """Delete runs that finished more than `older_than` seconds ago (database clock), `batch` per transaction.
 
     `forget`: called with the (task, tenant, key) of each batch's deleted runs once it committed (the replay
-    cache drops their entries, so a purged key is forgotten there too).
+    cache drops their entries, so a purged key is forgotten there too). `kept_older_than`: the age past which a
+    completed run's kept arguments are cleared (default: oncelery_kept_arguments_retention's default, 7d).
     """
     if older_than < 0 or batch < 1:
         raise ConfigurationError("purge: older_than must be >= 0 seconds and batch >= 1")
@@ -123,6 +149,9 @@ def purge(
         if on_batch is not None:
             on_batch(report)
     _purge_runless(db, cutoff, params, report)
+    report.kept_arguments = clear_kept_arguments(
+        db, kept_arguments_age() if kept_older_than is None else kept_older_than
+    )
     return report
 
 
