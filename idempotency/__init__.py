@@ -48,8 +48,12 @@ from oncelery.llm.fake import FakeProvider
 from oncelery.models import Outcome, RunStatus
 from oncelery.ops.costs import BatchSavings, CostLine, CostReport, Spend, batch_savings, cost_report
 from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport
+from oncelery.ops.fork import ForkHandle, fork_run, preview_fork
+from oncelery.ops.fork_cohort import CohortPlan, fork_cohort
+from oncelery.ops.fork_preview import ForkPreview, StepDiff, fork_diff
 from oncelery.ops.relay import Relay, RelayRound, install_relay_task
 from oncelery.ops.retention import PurgeReport, parse_age, purge
+from oncelery.runs.kept import redact_arguments
 from oncelery.runs.keys import Identity, differing_fields
 from oncelery.runs.views import Runs, RunView, StepView
 from oncelery.settings import (
@@ -162,4 +166,14 @@ __all__ = [
     "ResponseGone",
     "ResponseLost",
     "output_text",
+    # Forks: a past run again from step N, with another model or prompt (docs/fork.md); kept arguments
+    "CohortPlan",
+    "ForkHandle",
+    "ForkPreview",
+    "StepDiff",
+    "fork_cohort",
+    "fork_diff",
+    "fork_run",
+    "preview_fork",
+    "redact_arguments",
 ]

@@ -23,7 +23,7 @@ from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, StoreUnavailable
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
-from oncelery.ops.fork import fork_run, preview
+from oncelery.ops.fork import fork_run, preview_fork
 from oncelery.ops.fork_preview import fork_diff
 from oncelery.ops.retention import purge
 from oncelery.outbox import enqueue
@@ -98,7 +98,7 @@ def test_a_fork_from_step_3_pays_one_call_and_writes_no_production_effect(
         assert produced == (1, 1)
 
         # The preview: the source's own tokens for the quality step, at the new model's price (exact arithmetic).
-        seen = preview(app, task, "doc:a1", from_step="quality", overrides=["quality.model=gpt-b"])
+        seen = preview_fork(app, task, "doc:a1", from_step="quality", overrides=["quality.model=gpt-b"])
         with engine.connect() as conn:
             tin, tout = conn.execute(
                 select(CALLS.c.input_tokens, CALLS.c.output_tokens).where(CALLS.c.step == "quality")

@@ -16,7 +16,7 @@ import click
 
 from oncelery.cli.context import APP_HELP, resolve_database_url, resolve_publisher
 from oncelery.cli.format import echo_json, format_table, json_option
-from oncelery.ops.fork import EFFECTS_MODES, find_source, fork_run, preview
+from oncelery.ops.fork import EFFECTS_MODES, find_source, fork_run, preview_fork
 from oncelery.ops.fork_cohort import fork_cohort
 from oncelery.ops.fork_preview import ForkPreview, fork_diff, load_scorer
 from oncelery.runs.kept import redact_arguments
@@ -85,7 +85,7 @@ def fork_command(
     """Fork run KEY of --task from --from-step: preview its cost, then (without --dry-run) send it."""
     app, url = resolve_publisher(ctx, app_path, "fork")
     app.conf.oncelery_database_url = url
-    seen = preview(app, task_name, key, from_step=from_step, overrides=list(sets), tenant=tenant)
+    seen = preview_fork(app, task_name, key, from_step=from_step, overrides=list(sets), tenant=tenant)
     with Database(url).read() as conn:
         message = find_source(conn, task_name, key, tenant).message
     shown = message if show_arguments else redact_arguments(message)

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, select, update
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import ForkEffects, RunStatus
-from oncelery.ops.fork_preview import ForkPreview, preview_fork
+from oncelery.ops.fork_preview import ForkPreview, price_steps
 from oncelery.runs.forks import OVERRIDABLE, fork_key
 from oncelery.runs.kept import arguments_of
 from oncelery.settings import HEADER_FORK, HEADER_KEY, HEADER_TENANT, MAX_KEY_LENGTH, require_database_url
@@ -36,7 +36,7 @@ __all__ = [
     "find_source",
     "fork_run",
     "parse_overrides",
-    "preview",
+    "preview_fork",
 ]
 
 EFFECTS_MODES = tuple(m.value for m in ForkEffects)
@@ -147,13 +147,15 @@ def _arguments(source: SourceRun, args: Any, kwargs: Any) -> tuple[list[Any], di
     return kept
 
 
-def preview(app: Any, task: Any, key: str, *, from_step: str, overrides: Any = None, tenant: str = "") -> ForkPreview:
+def preview_fork(
+    app: Any, task: Any, key: str, *, from_step: str, overrides: Any = None, tenant: str = ""
+) -> ForkPreview:
     """What forking `key` from `from_step` with `overrides` would cost, from the source's ledger (nothing is sent)."""
     name = task if isinstance(task, str) else task.name
     db = Database(require_database_url(app.conf, "oncelery fork --dry-run"))
     with db.read() as conn:
         source = find_source(conn, name, key, tenant)
-        return preview_fork(conn, app.conf, source.run_id, source.steps, source.position_of(from_step),
+        return price_steps(conn, app.conf, source.run_id, source.steps, source.position_of(from_step),
                             parse_overrides(overrides))  # fmt: skip
 
 

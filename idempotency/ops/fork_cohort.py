@@ -19,7 +19,7 @@ from oncelery.errors import ConfigurationError
 from oncelery.llm.budgets import parse_usd
 from oncelery.models import RunStatus
 from oncelery.ops.fork import find_source, fork_run, parse_overrides
-from oncelery.ops.fork_preview import preview_fork
+from oncelery.ops.fork_preview import price_steps
 from oncelery.ops.retention import parse_age
 from oncelery.settings import FORK_KEY_PREFIX, require_database_url
 from oncelery.store.database import Database
@@ -87,7 +87,7 @@ def fork_cohort(
         ).all()
         for tenant, key in found:
             source = find_source(conn, task_name, key, tenant)
-            cost = preview_fork(conn, app.conf, source.run_id, source.steps, source.position_of(from_step), changes)
+            cost = price_steps(conn, app.conf, source.run_id, source.steps, source.position_of(from_step), changes)
             plan.keys.append((tenant, key))
             plan.costs.append(cost.total_micros)
     plan.total_micros = sum(plan.costs)

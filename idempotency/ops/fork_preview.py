@@ -32,7 +32,7 @@ __all__ = [
     "StepDiff",
     "fork_diff",
     "load_scorer",
-    "preview_fork",
+    "price_steps",
     "step_calls",
 ]
 
@@ -80,7 +80,7 @@ def step_calls(conn: Connection, run_id: int) -> dict[str, StepCall]:
     return out
 
 
-def preview_fork(
+def price_steps(
     conn: Connection, conf: Any, run_id: int, steps: list[tuple[int, str]], position: int, overrides: dict[str, Any]
 ) -> ForkPreview:
     """The cost of re-running steps from `position` of run `run_id` with `overrides`, priced by `conf`."""
