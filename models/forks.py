@@ -12,10 +12,11 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, CheckConstraint, DateTime, Enum, Integer, String, func
+from sqlalchemy import BigInteger, CheckConstraint, DateTime, Integer, String, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from oncelery.models.base import Base, BigId, Json
+from oncelery.models.runs import _enum  # VARCHAR + CHECK on every dialect, as every status
 
 
 class ForkEffects(enum.Enum):
@@ -40,18 +41,7 @@ class Fork(Base):
     from_position: Mapped[int] = mapped_column(Integer, nullable=False)
     # {step: {"model": ..., "prompt": ..., "temperature": ..., "seed": ...}}
     overrides: Mapped[Any] = mapped_column(Json, nullable=False)
-    effects: Mapped[ForkEffects] = mapped_column(
-        Enum(
-            ForkEffects,
-            name="fork_effects",
-            native_enum=False,
-            create_constraint=True,
-            length=16,
-            values_callable=lambda e: [m.value for m in e],
-            validate_strings=True,
-        ),
-        nullable=False,
-    )
+    effects: Mapped[ForkEffects] = mapped_column(_enum(ForkEffects, "fork_effects"), nullable=False)
     shadow_url: Mapped[str | None] = mapped_column(String(1024))
     fork_key: Mapped[str] = mapped_column(String(255), nullable=False, unique=True)
     cohort_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
