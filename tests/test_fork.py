@@ -167,6 +167,30 @@ def test_a_fork_needs_kept_or_given_arguments_and_survives_a_store_fault_loading
     assert redact_arguments(kept) == {"kept": False}
 
 
+@ON_SQLITE
+def test_a_shadow_fork_whose_shadow_write_fails_is_sent_again_and_writes_its_effect_once(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses, tmp_path: Path
+) -> None:
+    task = article(app, responses, keep_arguments=True)
+    shadow_url = f"sqlite:///{tmp_path / 'shadow.db'}"
+    shadow = migrated(shadow_url)
+    fired: list[str] = []
+
+    def fail_in_the_fork(_name: str, _context: dict[str, Any]) -> None:
+        if not fired:  # installed after the source ran: the fork's shadow block is the first to flush
+            fired.append("shadow")
+            raise StoreUnavailable("the shadow database went away right here")
+
+    with worker_factory(app):
+        task.delay("s1", TEXT).get(timeout=JOB)
+        with fault_injected("effects_flush", fail_in_the_fork):
+            handle = fork_run(app, task, "doc:s1", from_step="quality", effects="shadow", shadow_url=shadow_url)
+            handle.get(timeout=JOB)
+    assert fired and count_rows(shadow, effects_table, "s1") == 1 and rows(shadow_url, OUTBOX) == 1
+    assert count_rows(get_engine(db_url), effects_table, "s1") == 1, "production kept the source's row only"
+    assert creates(fake) == 4, "the re-sent fork re-attached to or replayed its paid call"
+
+
 def test_redacted_arguments_name_sizes_and_digests_never_values() -> None:
     shown = redact_arguments({"args": ["secret-doc"], "kwargs": {"text": "private words"}}, b"k")
     assert "secret-doc" not in repr(shown) and "private words" not in repr(shown)

@@ -103,6 +103,7 @@ class EffectsScope:
             Session(bind=shadow, join_transaction_mode="create_savepoint", expire_on_commit=False) as session,
         ):
             yield session
+            fault_point("effects_flush")
             session.commit()
 
     def discard(self) -> None:
