@@ -89,7 +89,13 @@ def runs_list(
 @click.argument("key")
 @click.option("--task", "task_name", metavar="NAME", default=None, help="The task (if several share the key).")
 @click.option("--tenant", metavar="TENANT", default=None, help="The tenant (if several share the key).")
-@click.option("--show-payload", is_flag=True, help="Print the stored message's arguments (redacted otherwise).")
+@click.option(
+    "--show-payload",
+    "--show-arguments",
+    "show_payload",
+    is_flag=True,
+    help="Print the stored message's arguments, kept ones included (redacted otherwise).",
+)
 @json_option()
 @click.pass_context
 def runs_show(
