@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,7 +203,7 @@ def fork_run(
             "from_step": from_step, "from_position": position, "overrides": changes,
             "effects": ForkEffects(effects), "shadow_url": shadow_url, "cohort_id": cohort_id,
             "cohort_cap_micros": cohort_cap_micros,
-            "fork_key": f"pending:{source.run_id}:{id(changes)}:{key}"[:MAX_KEY_LENGTH],
+            "fork_key": f"pending:{uuid.uuid4().hex}",  # unique until the row has its id
         }  # fmt: skip
         fork_id = int(conn.execute(FORKS.insert().values(**row).returning(FORKS.c.id)).scalar_one())
         new_key = fork_key(fork_id, key)
