@@ -100,6 +100,19 @@ class DriverMissing(ConfigurationError):
         )
 
 
+class ExtraMissing(ConfigurationError):
+    """Raised when a feature that is switched on needs an optional extra of oncelery that is not installed."""
+
+    @classmethod
+    def of(cls, feature: str, package: str, extra: str) -> ExtraMissing:
+        """The one-line message: which feature needs which package, and the pip command that installs it."""
+        return cls(
+            f"{feature} needs {package}, which is not installed: pip install 'oncelery[{extra}]'",
+            package=package,
+            extra=extra,
+        )
+
+
 class UnknownOption(ConfigurationError):
     """Raised when a task or a call is given an option that looks like one of Oncelery's but is none of them."""
 

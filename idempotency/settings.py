@@ -186,6 +186,10 @@ DEFAULT_PRODUCER_TIMEOUT = 0.25
 # After a failed check, a producer publishes without asking for this long (seconds): a database that is down
 # must not add a timeout to every call.
 PRODUCER_COOLDOWN = 5.0
+# OpenTelemetry traces and metrics (the oncelery[otel] extra; oncelery.task.otel): off unless app.conf.oncelery_otel
+# is true, else $ONCELERY_OTEL is 1. Spans and points go to the process's global OpenTelemetry providers.
+CONF_OTEL = "oncelery_otel"
+ENV_OTEL = "ONCELERY_OTEL"
 # Every app.conf.oncelery_* setting there is: any other name is a typo, refused with its name.
 KNOWN_SETTINGS = frozenset(
     {
@@ -208,6 +212,7 @@ KNOWN_SETTINGS = frozenset(
         CONF_STARTUP_WAIT,
         CONF_PRODUCER_DEDUPE,
         CONF_PRODUCER_TIMEOUT,
+        CONF_OTEL,
     }
 )
 # The pass-through switch for plain unit tests (as Powertools' POWERTOOLS_IDEMPOTENCY_DISABLED): the body runs

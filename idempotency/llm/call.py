@@ -60,6 +60,7 @@ from oncelery.llm.errors import (
 )
 from oncelery.llm.intents import Intent, end_intent, end_intent_txn, latest_intent, mark_sent, prepare_intent
 from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, hold, limiters_for, penalize
+from oncelery.llm.observe import on_call
 from oncelery.llm.request import request_digest
 from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
 from oncelery.models.batches import ItemState
@@ -146,6 +147,7 @@ def call_model(
     latest = latest_intent(store, claim.run_id, position)
     _same_request(step, latest, digest)
     if latest is not None and latest.state is IntentState.SENT and latest.reference:
+        on_call(latest.mode, reattached=True, repeated=latest.repeat_reason and latest.repeat_reason.value)
         return _wait(step, latest, reattached=True)
     reason = _repeat_reason(step, latest)
     intent = _prepare(step, digest, latest, reason)
@@ -420,6 +422,7 @@ def _send(step: _Step, intent: Intent) -> Answered:
     """Create the call (the intent is already durable), record where it went, then wait for its end."""
     where = {"task": step.claim.task_name, "key": step.claim.key, "step": step.name}
     fault_point("llm_create", **where)
+    on_call(intent.mode, reattached=False, repeated=intent.repeat_reason and intent.repeat_reason.value)
     try:
         first = step.adapter.create(step.request, intent.public_id, background=intent.mode == "background")
     except ProviderUnavailable as exc:

@@ -21,6 +21,7 @@ from oncelery.runs.forks import apply_overrides
 from oncelery.settings import HEADER_WOKEN, require_database_url
 from oncelery.store.database import Database
 from oncelery.task.announce import Announcing
+from oncelery.task.otel import telemetry_of
 
 __all__ = [
     "RunBody",
@@ -44,6 +45,10 @@ class RunBody(Announcing):
     def attach(self, ctx: RunContext) -> None:
         """Make `ctx` the live run of this delivery (what step() and effects() use)."""
         setattr(self.request, _RUN_ATTR, ctx)
+        tel = telemetry_of(self)
+        if tel is not None:
+            claim = ctx.claim
+            tel.attached(claim.run_id, claim.attempts, claim.token, claim.takeover)
 
     def detach(self, ctx: RunContext) -> None:
         """Forget `ctx` once its delivery has ended."""
@@ -117,7 +122,14 @@ class RunBody(Announcing):
                 f"so run every step() first and open effects() last"
             )
         self._report_progress(ctx, name)
-        return ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
+        tel = telemetry_of(self)
+        if tel is None:
+            return ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
+        with tel.step(name, ctx.steps.position, ctx.claim.run_id, "step") as span:
+            replayed = len(ctx.steps.replayed)
+            value = ctx.steps.run(name, fn, args, kwargs, step_meta, rerun_on_change)
+            span.set_attribute("oncelery.step.replayed", len(ctx.steps.replayed) > replayed)
+            return value
 
     def llm(
         self,

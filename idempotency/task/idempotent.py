@@ -42,6 +42,7 @@ from oncelery.settings import (
 from oncelery.task.body import RunBody
 from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
+from oncelery.task.otel import key_digest, telemetry_of
 from oncelery.task.producer import answer_at_producer, producer_dedupe_on
 from oncelery.task.revoke import watch_revokes
 from oncelery.task.startup import watch_worker_start
@@ -199,7 +200,11 @@ class IdempotentTask(RunBody):
             policy=policy,
             waiting_since=_epoch_header(headers.get(HEADER_WAITING_SINCE)),
         )
-        return Delivery(self, call, self._send_again).run(args, kwargs)
+        tel = telemetry_of(self)
+        if tel is None:
+            return Delivery(self, call, self._send_again).run(args, kwargs)
+        with tel.run_attempt(self.name, key_digest(self.name, ident.key, self.app.conf), ident.tenant):
+            return Delivery(self, call, self._send_again).run(args, kwargs)
 
     def _identify(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any

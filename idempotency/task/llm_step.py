@@ -28,6 +28,8 @@ from oncelery.runs.encoding import canonical_json
 from oncelery.settings import CONF_BUDGETS, CONF_LIMITS, CONF_PRICES
 from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
+from oncelery.task.otel import telemetry_of
+from oncelery.task.otel_calls import CallLog, traced_llm_step
 
 __all__ = [
     "LedgerRecorder",
@@ -153,8 +155,9 @@ _PARSED_LIMITS: dict[int, tuple[Any, tuple[LimitRule, ...]]] = {}
 class LedgerRecorder:
     """Writes a call's ledger row (priced now) in the caller's transaction; the intent's id makes it once."""
 
-    def __init__(self, ctx: RunContext, request: Mapping[str, Any], conf: Any) -> None:
+    def __init__(self, ctx: RunContext, request: Mapping[str, Any], conf: Any, log: CallLog | None = None) -> None:
         self.ctx = ctx
+        self.log = log  # the rows this delivery wrote, for tracing (oncelery.task.otel_calls)
         self.model = str(request.get("model", ""))
         self.price = price_of(self.model, conf)
         self.started = time.perf_counter()
@@ -194,6 +197,8 @@ class LedgerRecorder:
         }
         if add_call(conn, self.ctx.steps.store.db.dialect, row):  # once per call id: so is its charge
             charge_txn(conn, intent.reservation, cost)
+            if self.log is not None:
+                self.log.rows.append(row)
 
 
 def run_llm_step(
@@ -214,16 +219,28 @@ def run_llm_step(
         # Only overridden steps (all at or after the from-step): a replayed step's meta stays the source's.
         meta["fork"] = {"id": ctx.fork.id, "overrides": ctx.fork.overrides_for(name)}
 
+    tel = telemetry_of(task)
+    log = None if tel is None else CallLog()
+
     def call() -> WithWrites:
         step = current_step()
         if step is None:  # StepRunner always runs `call` inside its step
             raise ConfigurationError(f"{task.name}: self.llm() ran outside its step")
-        recorder = LedgerRecorder(ctx, request, task.app.conf)
+        recorder = LedgerRecorder(ctx, request, task.app.conf, log)
+        if log is not None:
+            log.called = True
         where = (ctx.steps.store, ctx.claim, step.position, name, adapter, request, policy, recorder)
         answered = call_model(*where) if batch is None else call_batched(*where, batch)
+        if log is not None:
+            log.answered_at = len(log.rows)
         return WithWrites(dict(answered.response), answered.writes)
 
-    return ctx.steps.run(name, call, (), {}, meta, False, request_digest(request))
+    def run() -> Any:
+        return ctx.steps.run(name, call, (), {}, meta, False, request_digest(request))
+
+    if tel is None or log is None:
+        return run()
+    return traced_llm_step(tel, task, ctx, name, adapter, request, run, log)
 
 
 def call_unclaimed(adapter: Adapter, request: Mapping[str, Any], poll_s: float = 0.5) -> Any:

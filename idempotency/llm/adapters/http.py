@@ -18,6 +18,7 @@ from typing import Any, Self
 import httpx
 
 from oncelery.llm.errors import ProviderRateLimited, ProviderRejected, ProviderUnavailable, ResponseGone
+from oncelery.llm.observe import on_request
 
 DEFAULT_TIMEOUT_S = 60.0
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|h|m|s)")
@@ -103,6 +104,7 @@ class Transport:
 
     def send(self, method: str, path: str, body: Mapping[str, Any] | None = None, model: str = "") -> httpx.Response:
         """Send one request and return its 2xx response; map every other outcome to a typed error."""
+        on_request()
         try:
             response = self.client.request(method, path, json=body)
         except httpx.ConnectError as exc:
@@ -126,6 +128,7 @@ class Transport:
     ) -> Generator[dict[str, Any], None, None]:
         """Yield the JSON of each server-sent event of a streamed answer (POST with a body, GET without)."""
         method = "POST" if body is not None else "GET"
+        on_request()
         try:
             with self.client.stream(method, path, json=body) as response:
                 if not response.is_success:
