@@ -41,6 +41,7 @@ from oncelery.settings import (
 from oncelery.store.database import Database, is_unreachable
 from oncelery.store.schema import check_schema
 from oncelery.store.tables import SECRETS
+from oncelery.task.otel import Telemetry, otel_enabled
 from oncelery.task.visibility import settle_visibility
 
 __all__ = [
@@ -165,6 +166,8 @@ def _refuse_to_start_unless_ready(task_class: type, sender: Any) -> None:
     try:
         if app is not None:
             check_spending_settings(app, task_class)  # a bad limit or budget table refuses here, in one line
+            if otel_enabled(app.conf):
+                Telemetry.of_process()  # tracing on without oncelery[otel]: refused here, naming the extra
         revision = wait_for_database(app, task_class)
         passing = revision is not None and pass_through()
         if revision is not None and app is not None:

@@ -13,6 +13,8 @@ The test that starts a worker sets:
     ONCELERY_CRASH_MARKS               a folder: a job stopped at its fault point leaves a mark there (once only)
     ONCELERY_CRASH_RELEASE             a folder: a file named after a job's key there ends its work at once
     ONCELERY_CRASH_BUDGET_USD          if set, a global day budget (USD) the model calls reserve in
+    ONCELERY_CRASH_OTEL_DIR            if set, tracing is on, and each pool process exports its metrics there
+                                       (one JSON line per export, every ONCELERY_CRASH_OTEL_INTERVAL_MS)
 
 Delivery settings are oncelery.CELERY_DELIVERY_DEFAULTS (what celeryconfig.py deploys): late ack, reject on
 worker lost, prefetch 1, JSON only.
@@ -92,6 +94,10 @@ def create_app(environ: Mapping[str, str]) -> Celery:
 
 
 app = create_app(os.environ)
+if os.environ.get("ONCELERY_CRASH_OTEL_DIR"):
+    from tests.apps.otel_export import export_metrics_from_pool_processes
+
+    export_metrics_from_pool_processes(app, Path(os.environ["ONCELERY_CRASH_OTEL_DIR"]))
 DATABASE_URL = os.environ[ENV_DATABASE_URL]
 LEASE = float(os.environ.get(ENV_LEASE) or 60)
 
@@ -220,3 +226,20 @@ def crash_llm(self: IdempotentTask, key: str, text: str, at: str | None = None, 
     with self.effects() as session:
         session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
     return {"key": key, "text": output_text(response), "pid": os.getpid()}
+
+
+@app.task(
+    base=IdempotentTask, bind=True, name="oncelery.crash_llm_twice", idempotency_key="llm2:{key}",
+    fingerprint=("key", "text"), lease=LEASE, store_message=True,
+)  # fmt: skip
+def crash_llm_twice(self: IdempotentTask, key: str, text: str, at: str | None = None) -> dict[str, Any]:
+    """Two model calls; `at`: a fault point of the second where this process is SIGKILLed the first time (the
+    first call's ledger row is then committed, and its OpenTelemetry points may not have been exported)."""
+    record_execution(key)
+    with OpenAIResponses(os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1", "sk-crash") as adapter:
+        first = self.llm("summary", adapter=adapter, model="gpt-crash", input=text, max_output_tokens=40)
+        with _signal_once_at(at, key, signal.SIGKILL) if at else nullcontext():
+            title = self.llm("title", adapter=adapter, model="gpt-crash", input=output_text(first), max_output_tokens=9)
+    with self.effects() as session:
+        session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"key": key, "text": output_text(title), "pid": os.getpid()}
