@@ -35,6 +35,9 @@ producer's apply_async (graceful: a duplicate is dropped there) and released by 
 BENCH_BROKER_URL=embedded (bench/embedded.py) takes the broker of Oncelery's embedded default from
 oncelery.celeryconfig (kombu's filesystem transport, under $ONCELERY_DATA_DIR); BENCH_POLLING_INTERVAL
 overrides its polling interval.
+
+BENCH_OTEL=1 switches Oncelery's OpenTelemetry tracing on, with the SDK in each pool process
+(bench/support/otel_sdk.py).
 """
 
 from __future__ import annotations
@@ -132,6 +135,12 @@ app.conf.update(
 )
 
 
+if os.environ.get("BENCH_OTEL"):
+    from bench.support.otel_sdk import trace_in_pool_processes
+
+    trace_in_pool_processes(app)
+
+
 @app.task(name=PLAIN_TASK, ignore_result=True)
 def bench_plain(run: str, i: int) -> None:
     """A plain Celery no-op."""
@@ -148,6 +157,23 @@ def bench_plain(run: str, i: int) -> None:
 def bench_idem(self: IdempotentTask, run: str, i: int) -> None:
     """The same no-op, run at most once per key by Oncelery."""
     return None
+
+
+def _nothing(i: int) -> int:
+    return i
+
+
+@app.task(
+    base=IdempotentTask,
+    bind=True,
+    name="oncelery.bench_steps",
+    ignore_result=True,
+    idempotency_key="bench:{run}:{i}",
+)
+def bench_steps(self: IdempotentTask, run: str, i: int) -> None:
+    """The no-op in three checkpointed steps (bench/otel_overhead.py: a span per step when tracing is on)."""
+    for name in ("first", "second", "third"):
+        self.step(name, _nothing, i)
 
 
 try:
