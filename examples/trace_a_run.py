@@ -24,7 +24,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import func, select
 
-from oncelery import CELERY_DELIVERY_DEFAULTS, FakeProvider, IdempotentTask, OpenAIResponses, output_text, upgrade_schema
+from oncelery import (
+    CELERY_DELIVERY_DEFAULTS,
+    FakeProvider,
+    IdempotentTask,
+    OpenAIResponses,
+    output_text,
+    upgrade_schema,
+)
 from oncelery.models.ledger import ModelCall
 from oncelery.store.database import get_engine
 from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER
@@ -90,7 +97,8 @@ if __name__ == "__main__":
     upgrade_schema(DB)
     doc = f"doc-{time.time_ns()}"
     with in_process_worker(app, concurrency=1):
-        print("result:", article.delay(doc, "Celery delivers at least once; Oncelery makes effects happen once.").get(60))
+        text = "Celery delivers at least once; Oncelery makes effects happen once."
+        print("result:", article.delay(doc, text).get(timeout=60))
     for span in sorted(spans.get_finished_spans(), key=lambda s: s.start_time or 0):
         a = span.attributes or {}
         what = {k: a[k] for k in ("oncelery.step.name", "oncelery.step.replayed", "oncelery.run.attempt",
