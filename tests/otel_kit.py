@@ -82,10 +82,15 @@ def spans_named(spans: list[ReadableSpan], prefix: str) -> list[ReadableSpan]:
 
 
 class InstrumentedResponses(OpenAIResponses):
-    """The Responses adapter with a provider instrumentation around its client calls (a test-side OpenLLMetry)."""
+    """The Responses adapter with a provider instrumentation around its client calls (a test-side OpenLLMetry).
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    `sees_answers=False`: an instrumentation that wraps the calls but never sees an answer's usage (as one of only
+    the create of a background call would): its spans carry no `gen_ai.usage.*` and it records no tokens.
+    """
+
+    def __init__(self, *args: Any, sees_answers: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.sees_answers = sees_answers
         self.tracer = trace.get_tracer("tests.provider-instrumentation")
         self.usage_histogram = metrics.get_meter("tests.provider-instrumentation").create_histogram(
             TOKEN_USAGE, unit="{token}"
@@ -111,7 +116,7 @@ class InstrumentedResponses(OpenAIResponses):
         )
 
     def _seen(self, span: Any, model: str, look: Observed) -> Observed:
-        if look.state is CallState.DONE:
+        if look.state is CallState.DONE and self.sees_answers:
             usage = self.usage(look.response)
             span.set_attributes(
                 {"gen_ai.usage.input_tokens": usage.input_tokens, "gen_ai.usage.output_tokens": usage.output_tokens}

@@ -154,8 +154,8 @@ def check_spans(otel: Sdk, rows: list[dict[str, Any]]) -> list[Any]:
     run_of = {r["idempotency_key"]: r["run_id"] for r in rows}
     steps = [
         s for s in spans
-        if s.name == "oncelery.step" and s.attributes["oncelery.run_id"] == run_of["doc:replayed"]
-        and s.attributes["oncelery.step.kind"] == "llm"
+        if s.name == "oncelery.step" and s.attributes.get("oncelery.run_id") == run_of["doc:replayed"]
+        and s.attributes.get("oncelery.step.kind") == "llm"
     ]  # fmt: skip
     assert sorted((s.attributes["oncelery.step.name"], s.attributes["oncelery.step.replayed"]) for s in steps) == [
         ("summary", False), ("summary", True), ("title", False), ("title", True),
@@ -226,3 +226,21 @@ def test_with_a_provider_span_only_the_provider_records_the_calls(
     by_id = {s.context.span_id: s for s in spans}
     for run in spans_named(spans, "oncelery.run "):
         assert run.parent is not None and by_id[run.parent.span_id].name == "run/oncelery.t_otel"
+
+
+@ON_SQLITE
+def test_a_provider_span_that_saw_no_usage_leaves_the_tokens_to_oncelery(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, otel: Sdk
+) -> None:
+    before = sums(otel.reader)
+    with InstrumentedResponses(fake.openai_base_url, "sk", sees_answers=False) as adapter:
+        task = jobs(app, adapter, lambda: "")
+        with worker_factory(app):
+            task.delay("single", TEXT).get(timeout=JOB)
+    added = delta(sums(otel.reader), before)
+    [row] = ledger(db_url)
+    assert {k: added.get((TOKEN_USAGE, k), 0) for k in ("input", "output")} == tokens([row])
+    spans = list(otel.spans.get_finished_spans())
+    assert [s for s in spans if s.instrumentation_scope.name == "oncelery" and s.kind is SpanKind.CLIENT] == []
+    provider = [s for s in spans if s.instrumentation_scope.name == "tests.provider-instrumentation"]
+    assert provider and all(s.attributes["oncelery.run_id"] == row["run_id"] for s in provider)

@@ -3,7 +3,7 @@
     | what this delivery did for the step | spans                                  | token points                 |
     |-------------------------------------|----------------------------------------|------------------------------|
     | replayed it from its checkpoint     | step span, oncelery.step.replayed=true | oncelery.llm.token.saved     |
-    | a real call, a provider span seen   | the provider's span, enriched          | none (the provider's own)    |
+    | a real call, a provider span seen   | the provider's span, enriched          | the provider's (see below)   |
     | a real call, no provider span       | `chat {model}` CLIENT span of ours     | gen_ai.client.token.usage    |
     | a predecessor's outcome unknown     | counted on the step span               | oncelery.llm.token.estimated |
 
@@ -14,6 +14,8 @@ of the ledger rows that are not `unknown_outcome` estimates, and those estimates
 A provider span is a recording span with `gen_ai.operation.name` set to an inference operation: either live when
 `self.llm()` is called (the user wraps the step) or live as one of the step's requests leaves (an instrumentation
 of the provider's client, oncelery.llm.observe). Ours is made after the call, spanning it, so two never coexist.
+The provider's instrumentation is taken to have recorded the tokens when its span wraps the whole step, or when a
+span of one of the call's requests carries `gen_ai.usage.*`; else Oncelery records them (CallWatch).
 """
 
 from __future__ import annotations
@@ -71,9 +73,21 @@ class CallWatch:
 
     def __init__(self, tel: Telemetry, outside: Any, base: dict[str, Any]) -> None:
         self.tel = tel
+        self.outside = outside is not None
         self.spans: list[Any] = [outside] if outside is not None else []
         self.base = base
         self.notes: dict[str, Any] = {}
+
+    def provider_recorded(self) -> bool:
+        """Whether a provider span accounts for the call's tokens: one around the whole step (its maker records
+        them), or one around a request that carries `gen_ai.usage.*` (an instrumentation of the client's call that
+        only wrapped a background create, which returns no usage, did not record them)."""
+        if self.outside:
+            return True
+        return any(
+            "gen_ai.usage.input_tokens" in attributes or "gen_ai.usage.output_tokens" in attributes
+            for attributes in (getattr(span, "attributes", None) or {} for span in self.spans)
+        )
 
     def call(self, mode: str, reattached: bool, repeated: str | None) -> None:
         """Remember what the protocol does next, for the provider span of its requests."""
@@ -161,16 +175,17 @@ def _called(
     if not real:
         return
     step.set_attributes({**_row_attributes(real[-1]), "oncelery.llm.calls": len(real)})
-    if watch.spans:  # the provider's instrumentation recorded the call (and its tokens): only enrich its span
-        for span in watch.spans:
-            if span.is_recording():
-                span.set_attributes({**watch.base, **_row_attributes(real[-1])})
-        return
+    recorded = watch.provider_recorded()
     for row in real:
         usage = {"input": int(row["input_tokens"] or 0), "output": int(row["output_tokens"] or 0)}
-        for kind, tokens in usage.items():
-            tel.token_usage.record(tokens, {**labels, "gen_ai.token.type": kind})
-        _client_span(tel, labels, watch.base, row, usage, started)
+        if not recorded:
+            for kind, tokens in usage.items():
+                tel.token_usage.record(tokens, {**labels, "gen_ai.token.type": kind})
+        if not watch.spans:
+            _client_span(tel, labels, watch.base, row, usage, started)
+    for span in watch.spans:  # the provider's spans of the call: enriched, never doubled by one of ours
+        if span.is_recording():
+            span.set_attributes({**watch.base, **_row_attributes(real[-1])})
 
 
 def _client_span(
