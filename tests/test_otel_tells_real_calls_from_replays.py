@@ -168,6 +168,10 @@ def check_spans(otel: Sdk, rows: list[dict[str, Any]]) -> list[Any]:
     )
     assert attempts == sorted((run, n) for run in run_of.values() for n in (1, 2)), "each job's two attempts"
     assert all(r.status.status_code is StatusCode.UNSET for r in runs), "retries and re-sends are not errors"
+    finished = sorted(
+        r.attributes.get("oncelery.delivery.outcome", "") for r in runs if "oncelery.run_id" in r.attributes
+    )
+    assert finished == ["", "", "", "executed", "executed", "resumed"], "first attempts retried; the replay resumed"
     for span in spans:
         for value in (span.attributes or {}).values():
             assert "doc:" not in str(value) and TEXT[:20] not in str(value), (span.name, value)

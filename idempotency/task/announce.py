@@ -13,6 +13,7 @@ from oncelery.runs.keys import Identity
 from oncelery.settings import CONF_FLOWER_NAME_SUFFIX
 from oncelery.task.caller import tell_caller
 from oncelery.task.options import TaskOptions
+from oncelery.task.otel import telemetry_of
 
 __all__ = [
     "Announcing",
@@ -36,6 +37,9 @@ class Announcing(TaskOptions):
         Flower shows only Celery's standard fields, so its `kwargs` field also starts with a line saying what
         Oncelery decided (before the task's own kwargs): Flower's kwargs column and task page show the outcome.
         """
+        tel = telemetry_of(self)
+        if tel is not None:  # the run attempt's span says what the delivery decided (traced deliveries only)
+            tel.current().set_attribute("oncelery.delivery.outcome", outcome.value)
         req = self.request
         if getattr(req, "is_eager", False) or getattr(req, "called_directly", True):
             return
