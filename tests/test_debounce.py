@@ -1,0 +1,214 @@
+"""Debounce: a burst of edits of one key makes one run, on the latest edit; an older edit's message is acked
+`debounced`; a run in flight for an older edit is fenced out (`superseded`) and its effects never commit.
+
+Real in-process workers on the real Redis broker, the real relay loop (its dispatcher sends due bursts through
+the outbox), the fake provider whose creates and cancels are the oracle, both stores, compressed periods.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import select
+
+from oncelery import Debounce, DebouncedResult, IdempotentTask, output_text
+from oncelery.errors import ConfigurationError, UnknownOption
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.llm.fake import FakeProvider, Knobs
+from oncelery.models import OutboxStatus, RunStatus
+from oncelery.ops.debounce import dispatch_due
+from oncelery.runs.debounce import SUPERSEDED_LABEL, upsert_edit
+from oncelery.store.database import Database, get_engine
+from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, OUTBOX, RUNS
+from oncelery.testing import relay_running, wait_until
+from tests.conftest import ON_SQLITE
+from tests.services import effects_table
+
+JOB = 60.0
+PERIOD = 0.3  # compressed: production's would be tens of seconds
+STEPS = ("summarize", "score")
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    """A fake provider answering fast (each test slows it where it needs a call in flight)."""
+    with FakeProvider(Knobs(poll_after_ms=10, generation_s=0.01)) as provider:
+        yield provider
+
+
+@pytest.fixture
+def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
+    """An OpenAI Responses adapter on the fake (background mode)."""
+    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
+        yield adapter
+
+
+def scorer(app: Celery, adapter: Any, on_running: str = "supersede", **options: Any) -> Any:
+    """A two-call article scorer debounced per document; its effect row names the version it scored."""
+
+    @app.task(
+        shared=False, base=IdempotentTask, bind=True, name="oncelery.t_debounce", idempotency_key="doc:{doc}:v{version}",
+        debounce=Debounce(key="doc:{doc}", period=PERIOD, max_wait=10 * PERIOD, on_running=on_running),
+        llm_adapter=adapter, llm_inline_wait=None, **options,
+    )  # fmt: skip
+    def score(self: IdempotentTask, doc: str, version: int, text: str) -> dict[str, Any]:
+        for step in STEPS:
+            text = output_text(self.llm(step, adapter=adapter, model="gpt-a", input=text, max_output_tokens=40))
+        with self.effects() as session:
+            session.execute(effects_table.insert().values(key=f"{doc}:v{version}", pid=os.getpid()))
+        return {"doc": doc, "version": version, "text": text}
+
+    return score
+
+
+def rows(db_url: str, which: Any) -> list[dict[str, Any]]:
+    with get_engine(db_url).connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(select(which))]
+
+
+def effects(db_url: str) -> list[str]:
+    return sorted(r["key"] for r in rows(db_url, effects_table))
+
+
+def test_a_burst_of_edits_makes_one_run_per_document_on_its_latest_version(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses)
+    docs, edits = 10, 10
+    handles: dict[str, list[Any]] = {}
+    # All the edits before any dispatcher runs: one burst per document, however slow this machine is.
+    for version in range(1, edits + 1):
+        for d in range(docs):
+            handles.setdefault(f"d{d}", []).append(task.delay(f"d{d}", version, f"Article {d}, version {version}."))
+    for doc, hs in handles.items():
+        # Every call of one burst returns the handle of the one run that will carry its latest edit.
+        assert all(isinstance(h, DebouncedResult) for h in hs) and len({h.id for h in hs}) == 1, doc
+        assert [h.debounce_seq for h in hs] == list(range(1, edits + 1))
+    assert rows(db_url, OUTBOX) == []  # nothing published yet: no long countdown anywhere
+    with worker_factory(app, concurrency=4), relay_running(app, db_url):
+        got = {doc: hs[-1].get(timeout=JOB) for doc, hs in handles.items()}
+    assert {doc: (g["doc"], g["version"]) for doc, g in got.items()} == {f"d{d}": (f"d{d}", edits) for d in range(docs)}
+    assert effects(db_url) == sorted(f"d{d}:v{edits}" for d in range(docs))
+    runs = rows(db_url, RUNS)
+    assert len(runs) == docs and {r["status"] for r in runs} == {RunStatus.COMPLETED}
+    assert len(rows(db_url, CALLS)) == docs * len(STEPS)  # the ledger: calls = runs x steps
+    assert sum(fake.stats()["creates_by_intent"].values()) == docs * len(STEPS)
+    assert task.outcome_counts() == {"executed": docs}
+    for row in rows(db_url, DEBOUNCE):  # dispatched: the arguments are in the outbox row, not kept here
+        assert row["seq"] == row["dispatched_seq"] == edits and row["args"] is None and row["kwargs"] is None
+
+
+def test_a_sent_burst_overtaken_by_a_newer_edit_is_acked_as_debounced(
+    app: Celery, worker_factory: Any, db_url: str, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses)
+    first = task.delay("a", 1, "First version.")
+    db = Database(db_url)
+    # The dispatcher sends burst 1 (due after PERIOD) into the outbox; no worker runs yet.
+    wait_until(lambda: dispatch_due(app, db) == 1, timeout=JOB, what="burst 1 to be due and dispatched")
+    second = task.delay("a", 2, "Second version.")  # a new burst: a new handle
+    assert second.id != first.id and second.debounce_seq == 2
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        assert second.get(timeout=JOB)["version"] == 2
+        assert first.get(timeout=JOB) is None  # acked without a run: the newer handle carries the latest
+    assert effects(db_url) == ["a:v2"]
+    assert task.outcome_counts() == {"debounced": 1, "executed": 1}
+    [sent_first] = [r for r in rows(db_url, OUTBOX) if r["celery_task_id"] == first.id]
+    assert sent_first["status"] is OutboxStatus.DONE and sent_first["outcome"] == "debounced"
+
+
+def test_runs_superseded_mid_call_write_no_effects_and_their_spend_stays_labelled(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses, lease=0.6)  # renewed (and asked about newer edits) every 0.2 s
+    docs = 4
+    fake.set_knobs(generation_s=1.5)  # a call is in flight for 1.5 s: superseded well before it ends
+    with worker_factory(app, concurrency=docs), relay_running(app, db_url):
+        old = [task.delay(f"s{d}", 1, f"Old text {d}.") for d in range(docs)]
+        # Each old run has paid its first call (a ledger row) and is in its second when the new edits come.
+        wait_until(lambda: len(rows(db_url, CALLS)) == docs, timeout=JOB, what="each old run's first call paid")
+        new = [task.delay(f"s{d}", 2, f"New text {d}.") for d in range(docs)]
+        wait_until(lambda: task.outcome_counts().get("superseded") == docs, timeout=JOB, what="old runs superseded")
+        fake.set_knobs(generation_s=0.01)
+        got = [h.get(timeout=JOB) for h in new]
+        assert [h.get(timeout=JOB) for h in old] == [None] * docs
+    assert [g["version"] for g in got] == [2] * docs
+    assert effects(db_url) == sorted(f"s{d}:v2" for d in range(docs))  # 0 effect rows from superseded runs
+    assert task.outcome_counts() == {"superseded": docs, "executed": docs}
+    old_runs = {r["id"] for r in rows(db_url, RUNS) if r["idempotency_key"].endswith(":v1")}
+    assert len(old_runs) == docs
+    for run in rows(db_url, RUNS):
+        assert run["status"] is RunStatus.COMPLETED
+        if run["id"] in old_runs:
+            assert run["result"] is None and run["error"].startswith("superseded")
+    calls = rows(db_url, CALLS)
+    assert sorted(c["reason"] for c in calls if c["run_id"] in old_runs) == [SUPERSEDED_LABEL] * docs
+    assert [c["reason"] for c in calls if c["run_id"] not in old_runs] == [None] * docs * len(STEPS)
+    labels = {(r["label"], r["calls"]) for r in rows(db_url, LABEL_TOTALS)}
+    assert labels == {(SUPERSEDED_LABEL, docs)}
+    assert fake.stats()["cancels"] == docs, fake.stats()  # each old run's call in flight, cancelled
+
+
+def test_on_running_finish_lets_the_older_run_finish(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses, on_running="finish", lease=0.6)
+    fake.set_knobs(generation_s=0.8)
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        old = task.delay("f", 1, "Old.")
+        wait_until(lambda: len(rows(db_url, CALLS)) == 1, timeout=JOB, what="the old run's first call paid")
+        new = task.delay("f", 2, "New.")
+        assert old.get(timeout=JOB)["version"] == 1 and new.get(timeout=JOB)["version"] == 2
+    assert effects(db_url) == ["f:v1", "f:v2"]
+    assert task.outcome_counts() == {"executed": 2}
+
+
+def test_racing_producers_on_one_key_get_distinct_sequences_in_one_burst(db_url: str) -> None:
+    db = Database(db_url)
+    spec = Debounce(key="doc:{doc}", period=30, max_wait=300)
+    n = 8
+    barrier = threading.Barrier(n)
+    edits: list[tuple[int, Any]] = []
+
+    def edit(i: int) -> None:
+        barrier.wait()
+        edits.append((i, upsert_edit(db, "t", "", "doc:x", ([i], {}, {}), spec, f"task-{i}")))
+
+    threads = [threading.Thread(target=edit, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=JOB)
+    assert sorted(e.seq for _, e in edits) == list(range(1, n + 1))
+    [first] = [i for i, e in edits if e.seq == 1]
+    assert {e.task_id for _, e in edits} == {f"task-{first}"}  # one burst: the first edit's task id
+    [row] = rows(db_url, DEBOUNCE)
+    [latest] = [i for i, e in edits if e.seq == n]
+    assert row["seq"] == n and row["dispatched_seq"] == 0 and row["args"] == [latest]  # the last edit's arguments
+
+
+@ON_SQLITE  # no database involved: the option is checked where the task is defined
+def test_a_bad_debounce_option_fails_at_decoration_naming_the_fix(app: Celery) -> None:
+    def define(**options: Any) -> Any:
+        @app.task(shared=False, base=IdempotentTask, bind=True, name="oncelery.t_debounce_bad", **options)
+        def job(self: IdempotentTask, doc: str) -> str:
+            return doc
+
+        _ = job.name  # evaluates Celery's lazy proxy: the task class is made and checked here
+        return job
+
+    with pytest.raises(ConfigurationError, match="Debounce"):
+        define(debounce={"key": "doc:{doc}"})
+    with pytest.raises(ConfigurationError, match="max_wait >= period"):
+        define(debounce=Debounce(key="doc:{doc}", period=10, max_wait=5))
+    with pytest.raises(ConfigurationError, match="supersede, finish"):
+        define(debounce=Debounce(key="doc:{doc}", on_running="cancel"))
+    with pytest.raises(ConfigurationError, match="nope"):
+        define(debounce=Debounce(key="doc:{nope}"))
+    with pytest.raises(UnknownOption, match="debounce"):
+        define(debounse=Debounce(key="doc:{doc}"))
