@@ -52,7 +52,8 @@ def scorer(app: Celery, adapter: Any, on_running: str = "supersede", **options: 
     """A two-call article scorer debounced per document; its effect row names the version it scored."""
 
     @app.task(
-        shared=False, base=IdempotentTask, bind=True, name="oncelery.t_debounce", idempotency_key="doc:{doc}:v{version}",
+        shared=False, base=IdempotentTask, bind=True, name="oncelery.t_debounce",
+        idempotency_key="doc:{doc}:v{version}",
         debounce=Debounce(key="doc:{doc}", period=PERIOD, max_wait=10 * PERIOD, on_running=on_running),
         llm_adapter=adapter, llm_inline_wait=None, **options,
     )  # fmt: skip

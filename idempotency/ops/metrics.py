@@ -163,7 +163,8 @@ def outcome_families(conn: Connection, cap: TenantCap, tasks: Iterable[str] = ()
     )
     completed = CounterMetricFamily(
         f"{PREFIX}_runs_completed",
-        "Runs moved to COMPLETED (outcomes executed + resumed + stale + superseded; purging old runs does not lower it).",
+        "Runs moved to COMPLETED (outcomes executed + resumed + stale + superseded; purging old runs does not "
+        "lower it).",
         labels=["name", "tenant"],
     )
     per_task: dict[str, list[int]] = {}  # task -> [duplicates, all]
