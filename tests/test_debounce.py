@@ -26,7 +26,7 @@ from oncelery.runs.debounce import SUPERSEDED_LABEL, upsert_edit
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, OUTBOX, RUNS
 from oncelery.testing import relay_running, wait_until
-from tests.conftest import ON_SQLITE
+from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import effects_table
 
 JOB = 60.0
@@ -55,7 +55,7 @@ def scorer(app: Celery, adapter: Any, on_running: str = "supersede", **options: 
         shared=False, base=IdempotentTask, bind=True, name="oncelery.t_debounce",
         idempotency_key="doc:{doc}:v{version}",
         debounce=Debounce(key="doc:{doc}", period=PERIOD, max_wait=10 * PERIOD, on_running=on_running),
-        llm_adapter=adapter, llm_inline_wait=None, **options,
+        llm_adapter=adapter, **{"llm_inline_wait": None, **options},
     )  # fmt: skip
     def score(self: IdempotentTask, doc: str, version: int, text: str) -> dict[str, Any]:
         for step in STEPS:
@@ -155,6 +155,31 @@ def test_runs_superseded_mid_call_write_no_effects_and_their_spend_stays_labelle
     assert fake.stats()["cancels"] == docs, fake.stats()  # each old run's call in flight, cancelled
 
 
+@ON_SQLITE  # the same SQL as the test above; what differs is the parked run's wake
+def test_a_run_parked_waiting_is_superseded_at_its_wake_and_writes_no_effects(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses, lease=0.6, llm_inline_wait=0.1)  # a call past 0.1 s parks the run WAITING
+    fake.set_knobs(generation_s=1.5)
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        old = task.delay("w", 1, "Old.")
+        waiting = lambda: [r for r in rows(db_url, RUNS) if r["status"] is RunStatus.WAITING]  # noqa: E731
+        wait_until(lambda: len(waiting()) == 1, timeout=JOB, what="the old run parked")
+        new = task.delay("w", 2, "New.")
+        # No renewal runs while it waits: its wake finds the newer edit and fences it out.
+        wait_until(lambda: task.outcome_counts().get("superseded") == 1, timeout=JOB, what="the parked run superseded")
+        fake.set_knobs(generation_s=0.01)
+        assert new.get(timeout=JOB)["version"] == 2
+        assert old.get(timeout=JOB) is None
+    assert effects(db_url) == ["w:v2"]
+    assert fake.stats()["cancels"] == 1
+    counts = task.outcome_counts()
+    assert (
+        counts["superseded"] == 1 and counts["executed"] == 1 and set(counts) <= {"superseded", "executed", "waiting"}
+    )
+
+
+@ON_POSTGRESQL  # no store difference: only the option's meaning
 def test_on_running_finish_lets_the_older_run_finish(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:

@@ -3,6 +3,8 @@
 | what was found                           | function      | what the delivery does                  | outcome    |
 |------------------------------------------|---------------|-----------------------------------------|------------|
 | (before claiming) a newer edit, no run   | `debounced`   | ack without a run (its outbox row done) | debounced  |
+| (before claiming) a newer edit, the run  | `debounced`   | fence the parked run out, ack           | superseded |
+|   parked WAITING (on_running=supersede)  |               |                                         |            |
 | CLAIMED, a renewal found a newer edit    | `superseded`  | roll back, ack (fenced out: counted by  | superseded |
 |   (on_running="supersede")               |               | the transaction that fenced it)         |            |
 """
@@ -17,7 +19,7 @@ from typing import Any
 from oncelery.delivery.call import Call, RunContext
 from oncelery.llm.cancel import adapter_of, cancel_sent_calls
 from oncelery.models import Outcome
-from oncelery.runs.debounce import newer_edit, supersede_if_newer
+from oncelery.runs.debounce import newer_edit, supersede_if_newer, supersede_parked
 from oncelery.runs.decisions import Claim
 from oncelery.runs.faults import fault_point
 
@@ -27,20 +29,44 @@ logger = logging.getLogger("oncelery.delivery")
 
 
 def debounced(delivery: Any, call: Call) -> bool:
-    """Whether this message carries an edit a newer one replaced (and no run of it exists): then it is acked,
-    counted `debounced`, and its outbox row closed. Settled before counted, as a stale message."""
+    """Whether this message is settled by a newer edit of its key, before any claim: with no run yet, it is acked
+    `debounced` (its outbox row closed; settled before counted, as a stale message); a run of it parked WAITING is
+    superseded (on_running="supersede": nothing renews a parked run, so no renewal would ask). Else False: claim."""
     mark = call.debounce
     if mark is None:
         return False
     task, ident = delivery.task, delivery.ident
     fault_point("debounce_check", task=task.name, key=ident.key)
-    if not newer_edit(delivery.store.db, task.name, ident.tenant, mark.key, mark.seq, ident.key):
+    newer = newer_edit(delivery.store.db, task.name, ident.tenant, mark.key, mark.seq, ident.key)
+    if newer is None:
         return False
+    if newer.parked and mark.supersede:
+        cancel = _canceller(delivery, mark.key)
+        if supersede_parked(delivery.store.db, task.name, ident.tenant, ident.key, mark.key, mark.seq, cancel) is None:
+            return False  # woken or finished meanwhile: the claim decides
+        delivery.task.tell_caller(Outcome.SUPERSEDED, ident)
+        return True
+    if newer.has_run:
+        return False  # a redelivery or re-send of a run that exists: the claim decides it
     delivery.store.close_outbox_row(delivery.request.id, Outcome.DEBOUNCED)
     delivery._end_wait(Outcome.DEBOUNCED.value)
     delivery._count(Outcome.DEBOUNCED)
     logger.info("%s[%s]: edit %d of %s debounced: a newer edit replaced it", task.name, ident.key, mark.seq, mark.key)
     return True
+
+
+def _canceller(delivery: Any, debounce_key: str) -> Callable[[int], None]:
+    """Cancel a superseded run's calls in flight, best effort, off the calling thread (a renewal's, a delivery's):
+    a provider's cancel must not delay the process's other renewals."""
+    task, store = delivery.task, delivery.store
+    why = f"cancelled: its run was superseded by a newer edit of {debounce_key}"
+
+    def cancel(run_id: int) -> None:
+        threading.Thread(
+            target=_cancel, args=(store, run_id, task, why), name="oncelery-supersede", daemon=True
+        ).start()
+
+    return cancel
 
 
 def superseding_watch(delivery: Any, claim: Claim) -> Callable[[], bool] | None:
@@ -49,17 +75,11 @@ def superseding_watch(delivery: Any, claim: Claim) -> Callable[[], bool] | None:
     if mark is None or not mark.supersede:
         return None
     task, store, tenant = delivery.task, delivery.store, delivery.ident.tenant
-
-    def cancel_calls() -> None:
-        # Off the renewal thread: a provider's cancel must not delay the process's other renewals.
-        why = f"cancelled: its run was superseded by a newer edit of {mark.key}"
-        threading.Thread(
-            target=_cancel, args=(store, claim.run_id, task, why), name="oncelery-supersede", daemon=True
-        ).start()
+    cancel = _canceller(delivery, mark.key)
 
     def watch() -> bool:
         fault_point("supersede_check", task=task.name, key=claim.key)
-        return supersede_if_newer(store.db, claim, mark.key, mark.seq, tenant, cancel_calls)
+        return supersede_if_newer(store.db, claim, mark.key, mark.seq, tenant, cancel)
 
     return watch
 

@@ -369,6 +369,8 @@ class Delivery:
     def _parked(self, ctx: RunContext, parked: RunParked) -> Any:
         """The body parked the run (a model call still running): WAITING, no slot held, woken by the relay."""
         claim = ctx.claim
+        if ctx.heartbeat.superseded:  # fenced out by a newer edit: nothing to park
+            return superseded(self, ctx)
         ctx.effects.discard()
         if not ctx.parkable:  # the body asked anyway (it may not know): there is no broker to wake it through
             raise ConfigurationError(

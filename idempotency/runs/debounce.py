@@ -37,10 +37,12 @@ __all__ = [
     "DebounceMark",
     "DueBurst",
     "Edit",
+    "Newer",
     "any_due",
     "newer_edit",
     "purge_dispatched",
     "supersede_if_newer",
+    "supersede_parked",
     "take_due",
     "upsert_edit",
 ]
@@ -93,6 +95,14 @@ class DebounceMark:
     key: str
     seq: int
     supersede: bool
+
+
+@dataclass(frozen=True)
+class Newer:
+    """A newer edit exists: whether a run of the message's own key exists, and whether it is parked WAITING."""
+
+    has_run: bool
+    parked: bool
 
 
 @dataclass(frozen=True)
@@ -204,21 +214,29 @@ def take_due(conn: Connection, db: Database, limit: int) -> list[DueBurst]:
     return taken
 
 
-def newer_edit(db: Database, task_name: str, tenant: str, debounce_key: str, seq: int, key: str) -> bool:
-    """Whether an edit newer than `seq` exists for this debounce key while no run of `key` does (one read).
-
-    A message with a run already (a redelivery, a re-send) is the run's business: the claim decides it.
-    """
+def newer_edit(db: Database, task_name: str, tenant: str, debounce_key: str, seq: int, key: str) -> Newer | None:
+    """What a message of edit `seq` finds, if a newer edit of its debounce key exists (else None), in one read:
+    whether a run of `key` exists, and whether it is parked WAITING."""
     d, r = DEBOUNCE.c, RUNS.c
-    run = exists().where(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key)
-    query = select(d.seq, run.label("has_run")).where(_row_of(task_name, tenant, debounce_key))
+    run = (
+        select(r.status).where(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key).scalar_subquery()
+    )
+    query = select(d.seq, run.label("run_status")).where(_row_of(task_name, tenant, debounce_key))
     with db.read() as conn:
         row = conn.execute(query).first()
-    return row is not None and int(row.seq) > seq and not row.has_run
+    if row is None or int(row.seq) <= seq:
+        return None
+    status = None if row.run_status is None else RunStatus(row.run_status)
+    return Newer(has_run=status is not None, parked=status is RunStatus.WAITING)
 
 
 def supersede_if_newer(
-    db: Database, claim: Any, debounce_key: str, seq: int, tenant: str, on_superseded: Callable[[], None] | None = None
+    db: Database,
+    claim: Any,
+    debounce_key: str,
+    seq: int,
+    tenant: str,
+    on_superseded: Callable[[int], None] | None = None,
 ) -> bool:
     """If a newer edit exists, fence out the run `claim` holds (token + 1, COMPLETED with no result), count it
     `superseded` and label its ledger rows, in one transaction; return whether it did.
@@ -226,27 +244,57 @@ def supersede_if_newer(
     Guarded by the claim's token and RUNNING status: a run that completed first is left alone (its effects
     committed before the newer edit mattered), and its holder's every later write fails with LeaseLost.
     """
+    r = RUNS.c
+    held = and_(r.id == claim.run_id, r.fencing_token == claim.token, r.status == RunStatus.RUNNING)
+    done = _supersede(db, claim.task_name, tenant, held, debounce_key, seq, on_superseded)
+    if done is not None:
+        logger.info(
+            "superseded %s[%s] token=%d: a newer edit of %s", claim.task_name, claim.key, claim.token, debounce_key
+        )
+    return done is not None
+
+
+def supersede_parked(
+    db: Database, task_name: str, tenant: str, key: str, debounce_key: str, seq: int,
+    on_superseded: Callable[[int], None] | None = None,
+) -> int | None:  # fmt: skip
+    """Fence out the run of `key` parked WAITING (nothing renews it, so no renewal would ask) if a newer edit
+    exists, as `supersede_if_newer` does; return its id, or None if it was not parked or no newer edit exists."""
+    r = RUNS.c
+    parked = and_(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key, r.status == RunStatus.WAITING)
+    done = _supersede(db, task_name, tenant, parked, debounce_key, seq, on_superseded)
+    if done is not None:
+        logger.info("superseded %s[%s] while it waited: a newer edit of %s", task_name, key, debounce_key)
+    return done
+
+
+def _supersede(
+    db: Database, task_name: str, tenant: str, which: Any, debounce_key: str, seq: int,
+    on_superseded: Callable[[int], None] | None,
+) -> int | None:  # fmt: skip
+    """The one fencing statement (guarded by `which` and a newer edit), its count and labels; the run's id."""
     d, r = DEBOUNCE.c, RUNS.c
     now = db.dialect.now()
-    newer = exists().where(_row_of(claim.task_name, tenant, debounce_key), d.seq > seq)
+    newer = exists().where(_row_of(task_name, tenant, debounce_key), d.seq > seq)
     fence = (
         update(RUNS)
-        .where(r.id == claim.run_id, r.fencing_token == claim.token, r.status == RunStatus.RUNNING, newer)
+        .where(which, newer)
         .values(
             status=RunStatus.COMPLETED, fencing_token=r.fencing_token + 1, result=None, message=None,
             error=f"superseded: a newer edit of {debounce_key} replaced edit {seq}", finished_at=now, updated_at=now,
             lease_expires_at=None, not_before=None,
         )
+        .returning(r.id)
     )  # fmt: skip
     with db.begin() as conn:
-        if rowcount(conn.execute(fence)) != 1:
-            return False
-        record_outcome_txn(conn, db.dialect.name, claim.task_name, Outcome.SUPERSEDED, tenant)
-        _label_calls(conn, db, claim.run_id)
-    logger.info("superseded %s[%s] token=%d: a newer edit of %s", claim.task_name, claim.key, claim.token, debounce_key)
+        row = conn.execute(fence).first()
+        if row is None:
+            return None
+        record_outcome_txn(conn, db.dialect.name, task_name, Outcome.SUPERSEDED, tenant)
+        _label_calls(conn, db, int(row.id))
     if on_superseded is not None:
-        on_superseded()
-    return True
+        on_superseded(int(row.id))
+    return int(row.id)
 
 
 def _label_calls(conn: Connection, db: Database, run_id: int) -> None:
