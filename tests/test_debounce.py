@@ -8,6 +8,8 @@ the outbox), the fake provider whose creates and cancels are the oracle, both st
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,12 +24,13 @@ from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.debounce import dispatch_due
-from oncelery.runs.debounce import SUPERSEDED_LABEL, upsert_edit
+from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, upsert_edit
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, OUTBOX, RUNS
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
-from tests.services import effects_table
+from tests.services import effects_table, run_to_completion
+from tests.test_outbox import REPO, relay_env
 
 JOB = 60.0
 PERIOD = 0.3  # compressed: production's would be tens of seconds
@@ -238,3 +241,48 @@ def test_a_bad_debounce_option_fails_at_decoration_naming_the_fix(app: Celery) -
         define(debounce=Debounce(key="doc:{nope}"))
     with pytest.raises(UnknownOption, match="debounce"):
         define(debounse=Debounce(key="doc:{doc}"))
+
+
+@pytest.mark.parametrize(
+    ("db_url", "point"),
+    [("sqlite", "debounce_dispatched"), ("postgresql", "relay_published")],  # a kill point per store, alternating
+    indirect=["db_url"],
+)
+def test_a_dispatcher_killed_mid_dispatch_still_makes_one_run_per_document_on_its_latest_version(
+    app: Celery, worker_factory: Any, db_url: str, point: str, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses)
+    docs, edits = 10, 5
+    handles = [[task.delay(f"k{d}", v, f"Doc {d} v{v}.") for d in range(docs)] for v in range(1, edits + 1)]
+    db = Database(db_url)
+    wait_until(lambda: any_due(db) and not pending_not_due(db_url), timeout=JOB, what="every burst due")
+    code, out, err = run_to_completion(
+        [sys.executable, "-m", "tests.apps.debounce_relay", point],
+        cwd=REPO,
+        env=relay_env(db_url, str(app.conf.task_default_queue)),
+        timeout=JOB,
+        on_timeout=lambda _out: None,
+    )
+    assert code == -signal.SIGKILL, f"exit {code}\n--- stdout\n{out}\n--- stderr\n{err}"
+    dispatched = {r["dispatched_seq"] for r in rows(db_url, DEBOUNCE)}
+    sent = rows(db_url, OUTBOX)
+    if point == "debounce_dispatched":  # killed before its commit: nothing taken, nothing in the outbox
+        assert dispatched == {0} and sent == []
+    else:  # committed and published, not marked: the next round publishes every burst again
+        assert dispatched == {edits} and {r["status"] for r in sent} == {OutboxStatus.PENDING} and len(sent) == docs
+    with worker_factory(app, concurrency=4), relay_running(app, db_url):
+        got = [h.get(timeout=JOB) for h in handles[-1]]
+    assert [g["version"] for g in got] == [edits] * docs
+    assert effects(db_url) == sorted(f"k{d}:v{edits}" for d in range(docs))  # one run per document, the latest
+    assert len(rows(db_url, RUNS)) == docs
+    counts = task.outcome_counts()
+    assert counts["executed"] == docs and set(counts) <= {"executed", "replayed", "in_progress"}, counts
+
+
+def pending_not_due(db_url: str) -> bool:
+    """Whether a burst is still waiting for its due time (database clock)."""
+    db = Database(db_url)
+    d = DEBOUNCE.c
+    with db.read() as conn:
+        query = select(d.seq).where(d.seq > d.dispatched_seq, d.due_at > db.dialect.now()).limit(1)
+        return conn.execute(query).first() is not None
