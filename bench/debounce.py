@@ -8,7 +8,7 @@ on 127.0.0.1:6379, the fake provider, a two-call task debounced per document. Tw
 1. bursts: `--edits` edits per document, sent in interleaved rounds while the relay runs (period 2 s, max_wait
    30 s): printed are the runs, those on their document's latest version, the ledger's calls against runs x
    steps, the provider's creates, the outcomes, and the seconds from the last edit to the last result.
-2. supersede: one edit per document whose run is made to be mid-call (1.5 s calls), then a newer edit of each:
+2. supersede: one edit per document whose run is made to be mid-call (6 s calls), then a newer edit of each:
    printed are the runs superseded, the effect rows written by superseded runs (goal 0), their ledger rows
    labelled, and the calls cancelled at the provider.
 Goals (docs/benchmarks.md): runs = documents, each on its latest version; calls = documents x steps; 0 effect rows
@@ -79,6 +79,7 @@ def main() -> None:
     # Worker threads: one per document by default, so every run of phase 2 is in flight at once (mid-call).
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--phases", default="bursts,supersede")
+    parser.add_argument("--call-seconds", type=float, default=6.0)  # phase 2's calls in flight
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     url, drop = database(args.store, args.admin_url)
@@ -143,7 +144,9 @@ def bursts(task: Any, url: str, fake: Any, args: Any) -> None:
 
 def supersede(task: Any, url: str, fake: Any, args: Any) -> None:
     """Phase 2: a run per document mid-call, then a newer edit of each: superseded, 0 effect rows from them."""
-    fake.set_knobs(generation_s=1.5)
+    # Long enough that every old run has paid its first call while none has finished its second (the runs start
+    # spread over a few seconds when 100 are claimed at once).
+    fake.set_knobs(generation_s=args.call_seconds)
     old = [task.delay(f"s{d}", 1, f"Old document {d}.") for d in range(args.docs)]
     engine = get_engine(url)
 

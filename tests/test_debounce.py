@@ -24,7 +24,7 @@ from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.debounce import dispatch_due
-from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, upsert_edit
+from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, purge_dispatched, upsert_edit
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, OUTBOX, RUNS
 from oncelery.testing import relay_running, wait_until
@@ -286,3 +286,30 @@ def pending_not_due(db_url: str) -> bool:
     with db.read() as conn:
         query = select(d.seq).where(d.seq > d.dispatched_seq, d.due_at > db.dialect.now()).limit(1)
         return conn.execute(query).first() is not None
+
+
+@ON_SQLITE  # the interplay is the delivery's order of checks, the same SQL on both stores
+def test_with_entity_version_a_later_burst_carrying_an_older_version_ends_stale(
+    app: Celery, worker_factory: Any, db_url: str, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses, entity_version="version", concurrency_key="doc:{doc}")
+    first = [task.delay("e", v, f"Version {v}.") for v in (1, 3)]
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        assert first[-1].get(timeout=JOB)["version"] == 3
+        late = task.delay("e", 2, "Version 2, arriving last.")  # the latest edit to arrive, an older version
+        assert late.id != first[-1].id
+        assert late.get(timeout=JOB) is None
+    assert effects(db_url) == ["e:v3"]
+    assert task.outcome_counts() == {"executed": 1, "stale": 1}
+
+
+def test_retention_deletes_dispatched_rows_and_never_a_pending_burst(db_url: str) -> None:
+    db = Database(db_url)
+    spec = Debounce(key="doc:{doc}", period=0.2, max_wait=1.0)
+    for key in ("doc:sent", "doc:pending"):
+        upsert_edit(db, "t", "", key, (["x"], {}, {}), spec, f"id-{key}")
+    with db.begin() as conn:  # only doc:sent is dispatched: doc:pending's due time is pushed back
+        conn.execute(DEBOUNCE.update().where(DEBOUNCE.c.debounce_key == "doc:sent").values(dispatched_seq=1))
+    assert purge_dispatched(db, 3600.0) == 0  # idle for less than the retention
+    assert purge_dispatched(db, 0.0) == 1
+    assert [(r["debounce_key"], r["args"]) for r in rows(db_url, DEBOUNCE)] == [("doc:pending", ["x"])]
