@@ -354,7 +354,7 @@ class Delivery:
 
     def _lease_lost(self, ctx: RunContext) -> Any:
         """Lease lost while finishing: roll back; the next delivery replays the taker's result."""
-        if ctx.heartbeat.superseded:  # fenced out by a newer edit (counted `superseded` where it was fenced)
+        if ctx.heartbeat.was_superseded():  # fenced out by a newer edit (counted `superseded` where it was fenced)
             return superseded(self, ctx)
         claim = ctx.claim
         ctx.effects.discard()

@@ -52,6 +52,10 @@ class Heartbeat:
         # edit superseded it), which this holder then learns as a lost lease.
         self.watch = watch
         self.superseded = False
+        # Clear while the watch is being asked: its fence may commit before it returns, and a body that meets the
+        # fence (LeaseLost) in that moment must wait for the answer, or it would count a lease lost.
+        self._answered = threading.Event()
+        self._answered.set()
 
     def start(self) -> Heartbeat:
         """Register with this process's renewal thread (started on first use, again after a fork)."""
@@ -97,17 +101,26 @@ class Heartbeat:
         self.lost = True
         return False
 
+    def was_superseded(self, wait: float = 10.0) -> bool:
+        """Whether a newer edit fenced this run out, once a question in flight has its answer (at most `wait` s)."""
+        self._answered.wait(wait)
+        return self.superseded
+
     def _superseded(self) -> bool:
         """Ask the watch; if it fenced the run out, this holder has lost it (its writes fail with LeaseLost)."""
+        self._answered.clear()
         try:
-            fenced = bool(self.watch and self.watch())
-        except Exception as exc:  # a blip: the next renewal asks again
-            logger.warning("supersede check for %s failed: %s", self.claim.key, exc)
-            return False
-        if fenced:
-            logger.info("%s token=%d superseded by a newer edit", self.claim.key, self.claim.token)
-            self.superseded = self.lost = True
-        return fenced
+            try:
+                fenced = bool(self.watch and self.watch())
+            except Exception as exc:  # a blip: the next renewal asks again
+                logger.warning("supersede check for %s failed: %s", self.claim.key, exc)
+                return False
+            if fenced:
+                logger.info("%s token=%d superseded by a newer edit", self.claim.key, self.claim.token)
+                self.superseded = self.lost = True
+            return fenced
+        finally:
+            self._answered.set()  # after the flags: a waiting body reads the answer
 
 
 _COMPACT_AFTER = 64

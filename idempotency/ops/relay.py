@@ -151,7 +151,10 @@ class Relay:
     def run_once(self, republish: bool = True) -> RelayRound:
         """One round: publish pending rows, re-publish unfinished sent rows (if `republish`), sweep lost runs."""
         done = RelayRound()
-        done.debounced = dispatch_due(self.app, self.db, self.batch)  # due bursts: published just below
+        try:
+            done.debounced = dispatch_due(self.app, self.db, self.batch)  # due bursts: published just below
+        except Exception as exc:  # a burst that cannot be sent must not stop the outbox: it stays pending
+            logger.error("debounce dispatch failed (the bursts stay pending): %s", exc)
         self.publish_pending(done)
         if republish:
             self.republish_unfinished(done)

@@ -244,7 +244,12 @@ def supersede_if_newer(
     Guarded by the claim's token and RUNNING status: a run that completed first is left alone (its effects
     committed before the newer edit mattered), and its holder's every later write fails with LeaseLost.
     """
-    r = RUNS.c
+    d, r = DEBOUNCE.c, RUNS.c
+    # Read first: asked at every renewal, and a write transaction that changes nothing still takes SQLite's lock.
+    with db.read() as conn:
+        latest = conn.execute(select(d.seq).where(_row_of(claim.task_name, tenant, debounce_key))).scalar()
+    if latest is None or int(latest) <= seq:
+        return False
     held = and_(r.id == claim.run_id, r.fencing_token == claim.token, r.status == RunStatus.RUNNING)
     done = _supersede(db, claim.task_name, tenant, held, debounce_key, seq, on_superseded)
     if done is not None:
