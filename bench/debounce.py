@@ -8,7 +8,7 @@ on 127.0.0.1:6379, the fake provider, a two-call task debounced per document. Tw
 1. bursts: `--edits` edits per document, sent in interleaved rounds while the relay runs (period 2 s, max_wait
    30 s): printed are the runs, those on their document's latest version, the ledger's calls against runs x
    steps, the provider's creates, the outcomes, and the seconds from the last edit to the last result.
-2. supersede: one edit per document whose run is made to be mid-call (6 s calls, in waves of 25 runs in flight),
+2. supersede: one edit per document whose run is made to be mid-call (12 s calls, in waves of 25 runs in flight),
    and a newer edit of each as soon as its old run has paid its first call (its second is then in flight):
    printed are the runs superseded, the effect rows written by superseded runs (goal 0), their ledger rows
    labelled, and the calls cancelled at the provider.
@@ -41,7 +41,7 @@ from oncelery import (
     upgrade_schema,
 )
 from oncelery.store.database import dispose_engines, get_engine
-from oncelery.store.tables import CALLS, RUNS
+from oncelery.store.tables import CALLS, DEBOUNCE, RUNS
 from oncelery.testing import in_process_worker, relay_running
 from oncelery.testing.waiting import wait_until
 
@@ -80,7 +80,8 @@ def main() -> None:
     # Worker threads: one per run of a phase-2 wave by default, so every run of a wave is in flight at once.
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--phases", default="bursts,supersede")
-    parser.add_argument("--call-seconds", type=float, default=6.0)  # phase 2's calls in flight
+    # Phase 2's calls in flight: longer than the newer edit's way to its fencing (renewal interval + backlog).
+    parser.add_argument("--call-seconds", type=float, default=12.0)
     # Phase 2's runs in flight at once: the fake provider reset connections with 100 calls created at once.
     parser.add_argument("--wave", type=int, default=25)
     parser.add_argument("--timeout", type=float, default=300.0)
@@ -155,6 +156,23 @@ def paid_first(engine: Any, docs: list[str]) -> list[str]:
         return [keys[key] for key in conn.execute(query).scalars()]
 
 
+def fence_lags(engine: Any, period: float) -> list[float]:
+    """Seconds from each newer edit (its burst's due time - period) to its old run's fencing (finished_at), sorted."""
+    d, r = DEBOUNCE.c, RUNS.c
+    with engine.connect() as conn:
+        due = dict(conn.execute(select(d.debounce_key, d.due_at).where(d.debounce_key.like("doc:s%"))).all())
+        fenced = conn.execute(
+            select(r.idempotency_key, r.finished_at).where(
+                r.idempotency_key.like("doc:s%:v1"), r.error.like("superseded%")
+            )
+        ).all()
+    lags = []
+    for key, finished in fenced:
+        edit = due[key.removesuffix(":v1")]
+        lags.append((finished - edit).total_seconds() + period)
+    return sorted(lags)
+
+
 def supersede(task: Any, url: str, fake: Any, args: Any) -> None:
     """Phase 2: runs mid-call, then a newer edit of each: superseded, 0 effect rows from them (in waves)."""
     engine = get_engine(url)
@@ -195,6 +213,10 @@ def supersede(task: Any, url: str, fake: Any, args: Any) -> None:
     print(f"  edit of each; superseded: {task.outcome_counts().get('superseded', 0)}; effect rows from superseded")
     print(f"  runs: {n_old}; effect rows of the newer runs: {n_new}; ledger rows labelled: {n_labelled}")
     print(f"  calls cancelled at the provider: {fake.stats()['cancels'] - cancels_before}")
+    lags = fence_lags(engine, args.period)
+    if lags:
+        p50, p95 = lags[len(lags) // 2], lags[min(len(lags) - 1, int(len(lags) * 0.95))]
+        print(f"  newer edit to its old run fenced out: p50 {p50:.2f} s, p95 {p95:.2f} s, max {lags[-1]:.2f} s")
     took = time.perf_counter() - began
     print(f"  first newer edit of a wave to all superseded: max {max(superseded_s):.2f} s; phase {took:.1f} s")
 
