@@ -54,8 +54,10 @@ class Heartbeat:
         self.superseded = False
         # Clear while the watch is being asked: its fence may commit before it returns, and a body that meets the
         # fence (LeaseLost) in that moment must wait for the answer, or it would count a lease lost.
-        self._answered = threading.Event()
-        self._answered.set()
+        self._answered: threading.Event | None = None
+        if watch is not None:  # only a debounced run's: no Event per job on the hot path
+            self._answered = threading.Event()
+            self._answered.set()
 
     def start(self) -> Heartbeat:
         """Register with this process's renewal thread (started on first use, again after a fork)."""
@@ -103,12 +105,17 @@ class Heartbeat:
 
     def was_superseded(self, wait: float = 10.0) -> bool:
         """Whether a newer edit fenced this run out, once a question in flight has its answer (at most `wait` s)."""
+        if self._answered is None:
+            return False
         self._answered.wait(wait)
         return self.superseded
 
     def _superseded(self) -> bool:
         """Ask the watch; if it fenced the run out, this holder has lost it (its writes fail with LeaseLost)."""
-        self._answered.clear()
+        answered = self._answered
+        if answered is None:
+            return False
+        answered.clear()
         try:
             try:
                 fenced = bool(self.watch and self.watch())
@@ -120,7 +127,7 @@ class Heartbeat:
                 self.superseded = self.lost = True
             return fenced
         finally:
-            self._answered.set()  # after the flags: a waiting body reads the answer
+            answered.set()  # after the flags: a waiting body reads the answer
 
 
 _COMPACT_AFTER = 64
