@@ -313,3 +313,37 @@ def test_retention_deletes_dispatched_rows_and_never_a_pending_burst(db_url: str
     assert purge_dispatched(db, 3600.0) == 0  # idle for less than the retention
     assert purge_dispatched(db, 0.0) == 1
     assert [(r["debounce_key"], r["args"]) for r in rows(db_url, DEBOUNCE)] == [("doc:pending", ["x"])]
+
+
+def test_racing_dispatchers_send_each_due_burst_once(app: Celery, db_url: str, responses: OpenAIResponses) -> None:
+    task = scorer(app, responses)
+    for d in range(20):
+        task.delay(f"r{d}", 1, "Text.")
+    db = Database(db_url)
+    wait_until(lambda: any_due(db) and not pending_not_due(db_url), timeout=JOB, what="every burst due")
+    n = 4
+    barrier = threading.Barrier(n)
+    moved: list[int] = []
+
+    def dispatch() -> None:
+        barrier.wait()
+        moved.append(dispatch_due(app, Database(db_url)))
+
+    threads = [threading.Thread(target=dispatch) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=JOB)
+    assert sum(moved) == 20 and len(moved) == n
+    sent = rows(db_url, OUTBOX)
+    assert len(sent) == 20 and len({r["celery_task_id"] for r in sent}) == 20
+
+
+@ON_SQLITE  # the producer's own fallback: no worker, no broker message read
+def test_a_producer_whose_database_fails_publishes_the_edit_undebounced(
+    app: Celery, tmp_path: Any, published: list[str], responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses)
+    app.conf.oncelery_database_url = f"sqlite:///{tmp_path / 'missing' / 'claims.db'}"  # no such folder
+    handle = task.delay("x", 1, "Text.")
+    assert not isinstance(handle, DebouncedResult) and published == [task.name]
