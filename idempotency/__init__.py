@@ -53,6 +53,7 @@ from oncelery.ops.fork_cohort import CohortPlan, fork_cohort
 from oncelery.ops.fork_preview import ForkPreview, StepDiff, fork_diff
 from oncelery.ops.relay import Relay, RelayRound, install_relay_task
 from oncelery.ops.retention import PurgeReport, parse_age, purge
+from oncelery.runs.debounce import Debounce
 from oncelery.runs.kept import redact_arguments
 from oncelery.runs.keys import Identity, differing_fields
 from oncelery.runs.views import Runs, RunView, StepView
@@ -68,6 +69,7 @@ from oncelery.settings import (
 from oncelery.store.database import Database
 from oncelery.store.schema import check_schema, schema_revision, upgrade_schema
 from oncelery.task.caller import outcome_of
+from oncelery.task.debounce import DebouncedResult
 from oncelery.task.embedded_broker import is_embedded_broker
 from oncelery.task.idempotent import IdempotentTask
 from oncelery.task.metering import MeteredCall, Price, model_call, price_of
@@ -176,4 +178,7 @@ __all__ = [
     "fork_run",
     "preview_fork",
     "redact_arguments",
+    # Debounce: a burst of edits of one key makes one run, on the latest (docs/debounce.md)
+    "Debounce",
+    "DebouncedResult",
 ]

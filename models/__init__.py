@@ -9,6 +9,7 @@ user's database.
 from oncelery.models.base import Base
 from oncelery.models.batches import BatchState, ItemState, LlmBatch, LlmBatchItem, OnceleryLease
 from oncelery.models.budgets import CapChange, LlmBudget, OperatorCap
+from oncelery.models.debounce import DebounceRow
 from oncelery.models.forks import Fork, ForkEffects
 from oncelery.models.intents import IntentState, LlmIntent, LlmLimiter, RepeatReason
 from oncelery.models.ledger import LedgerLabelTotal, LedgerTotal, ModelCall
@@ -33,6 +34,7 @@ __all__ = [
     "BatchState",
     "CapChange",
     "DeadLetter",
+    "DebounceRow",
     "DeliveryOutcome",
     "EntityVersion",
     "Fork",

@@ -55,6 +55,10 @@ class Outcome(enum.Enum):
     FAILED = "failed"
     DEAD = "dead"
     WAITING = "waiting"  # the delivery parked its run (WAITING) and was acked: a later wake delivers it again
+    # Debounce (migration 0025): a message of an edit a newer one replaced, acked without a run; a run in flight
+    # for an older edit, fenced out at its lease renewal (its effects never commit).
+    DEBOUNCED = "debounced"
+    SUPERSEDED = "superseded"
 
 
 def _enum(cls: type[enum.Enum], name: str) -> Enum:

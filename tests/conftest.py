@@ -48,6 +48,7 @@ ORDERED_TABLES = [
     "step_results",
     "dead_letters",
     "outbox",
+    "oncelery_debounce",
     "entity_versions",
     "delivery_outcomes",
     "task_runs",

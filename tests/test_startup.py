@@ -43,6 +43,7 @@ FRAMEWORK_TABLES = {
     "llm_batch_items",
     "oncelery_leases",
     "oncelery_forks",
+    "oncelery_debounce",
     "oncelery_alembic_version",
 }
 JOBS_TABLES = {"article_scores", "oncelery_jobs_alembic_version"}

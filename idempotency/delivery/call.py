@@ -17,6 +17,7 @@ from oncelery.errors import ConfigurationError, ResultNotJSON, StepMismatch
 from oncelery.llm.errors import BudgetExceeded, CallOutcomeUnknown, ProviderRejected, ResponseLost
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
+from oncelery.runs.debounce import DebounceMark
 from oncelery.runs.decisions import Claim, EntityVersionOf
 from oncelery.runs.forks import ForkSpec
 from oncelery.runs.keys import Identity
@@ -74,6 +75,8 @@ class Call:
     policy: str = "retry"  # on_in_progress, resolved the same way
     # When this message first found its key held (database clock, epoch seconds; runs/waits.py), else None.
     waiting_since: float | None = None
+    # A debounced burst's message (runs/debounce.py): acked `debounced` if a newer edit exists, else run.
+    debounce: DebounceMark | None = None
 
 
 class DeliveredTask(Protocol):

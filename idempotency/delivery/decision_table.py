@@ -2,6 +2,7 @@
 
 | what was found           | method             | what the delivery does                        | outcome           |
 |--------------------------|--------------------|-----------------------------------------------|-------------------|
+| (before claiming) newer  | `debounced`        | a newer edit replaced it (delivery/debounce)  | debounced         |
 | (before claiming) stale  | `_stale`           | not newer than the applied version: ack       | stale             |
 | (before claiming) cached | `_replay_cached`   | replay cache on: the stored answer from Redis | replayed          |
 | CLAIMED                  | `_execute`         | run the body, complete fenced                 | executed, resumed |
@@ -9,6 +10,7 @@
 |   the body raised        | `_failed`          | record FAILED (or DEAD), raise                | failed, dead      |
 |   the body asked a retry | `_retry_requested` | record the wait for the retry, raise          | (retry pending)   |
 |   lease lost finishing   | `_lease_lost`      | roll back, re-send (the taker's result)       | lease_lost        |
+|   superseded (renewal)   | `superseded`       | roll back, ack: a newer edit replaced it      | superseded        |
 | COMPLETED                | `_replay`          | the stored result; the body is not called     | replayed          |
 | CONFLICT                 | `_conflict`        | dead-letter, raise IdempotencyConflict        | conflict          |
 | IN_PROGRESS, ENTITY_BUSY | `_busy`            | on_in_progress: re-send, skip or raise        | in_progress (1st) |
@@ -34,6 +36,7 @@ from typing import Any
 from celery.exceptions import Ignore, Retry
 
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call, DeliveredTask, RunContext, max_retries
+from oncelery.delivery.debounce import debounced, superseded, superseding_watch
 from oncelery.delivery.effects import EffectsScope
 from oncelery.delivery.renewal import Heartbeat
 from oncelery.delivery.replay_cache import ReplayCache
@@ -101,6 +104,8 @@ class Delivery:
         deadline = time.monotonic() + DIRECT_WAIT_TIMEOUT
         waited = 0
         try:
+            if self.call.debounce is not None and debounced(self, self.call):
+                return None
             if self.version is not None and self._stale(self.version):
                 return None
         except StoreError as exc:
@@ -303,7 +308,7 @@ class Delivery:
         return sorted(own + replayed, key=lambda c: c.position)
 
     def _attach(self, claim: Claim, checkpoints: list[Any], fork: ForkSpec | None = None) -> RunContext:
-        hb = Heartbeat(self.store, claim, self.task.max_lease_seconds()).start()
+        hb = Heartbeat(self.store, claim, self.task.max_lease_seconds(), superseding_watch(self, claim)).start()
         ctx = RunContext(
             claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store, fork), parkable=self.resend,
             fork=fork,
@@ -349,6 +354,8 @@ class Delivery:
 
     def _lease_lost(self, ctx: RunContext) -> Any:
         """Lease lost while finishing: roll back; the next delivery replays the taker's result."""
+        if ctx.heartbeat.was_superseded():  # fenced out by a newer edit (counted `superseded` where it was fenced)
+            return superseded(self, ctx)
         claim = ctx.claim
         ctx.effects.discard()
         self._count(Outcome.LEASE_LOST)
@@ -362,6 +369,8 @@ class Delivery:
     def _parked(self, ctx: RunContext, parked: RunParked) -> Any:
         """The body parked the run (a model call still running): WAITING, no slot held, woken by the relay."""
         claim = ctx.claim
+        if ctx.heartbeat.superseded:  # fenced out by a newer edit: nothing to park
+            return superseded(self, ctx)
         ctx.effects.discard()
         if not ctx.parkable:  # the body asked anyway (it may not know): there is no broker to wake it through
             raise ConfigurationError(

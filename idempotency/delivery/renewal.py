@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from oncelery.errors import LeaseLost
@@ -35,7 +36,9 @@ logger = logging.getLogger("oncelery.leases")  # a stable name (users filter on 
 class Heartbeat:
     """Renews `claim`'s lease every lease/3 seconds until stopped; `check()` raises LeaseLost after a takeover."""
 
-    def __init__(self, store: RunStore, claim: Claim, max_lease: float | None = None) -> None:
+    def __init__(
+        self, store: RunStore, claim: Claim, max_lease: float | None = None, watch: Callable[[], bool] | None = None
+    ) -> None:
         self.store = store
         self.claim = claim
         self.interval = claim.lease / HEARTBEATS_PER_LEASE
@@ -45,6 +48,16 @@ class Heartbeat:
         self.renew_until = time.monotonic() + max_lease if max_lease is not None else None
         self.lost = False
         self.stopped = False
+        # Asked after each renewal (a debounced run: runs/debounce.py): True when it fenced this run out (a newer
+        # edit superseded it), which this holder then learns as a lost lease.
+        self.watch = watch
+        self.superseded = False
+        # Clear while the watch is being asked: its fence may commit before it returns, and a body that meets the
+        # fence (LeaseLost) in that moment must wait for the answer, or it would count a lease lost.
+        self._answered: threading.Event | None = None
+        if watch is not None:  # only a debounced run's: no Event per job on the hot path
+            self._answered = threading.Event()
+            self._answered.set()
 
     def start(self) -> Heartbeat:
         """Register with this process's renewal thread (started on first use, again after a fork)."""
@@ -82,11 +95,39 @@ class Heartbeat:
             # A database blip is not a takeover: keep trying; the fenced completion decides.
             logger.warning("heartbeat for %s failed: %s", self.claim.key, exc)
             return not self.stopped
+        if ok and self.watch is not None and not self.stopped and self._superseded():
+            return False
         if ok or self.stopped:
             return not self.stopped  # a renewal racing the run's own completion is not a takeover
         logger.warning("lease lost for %s token=%d", self.claim.key, self.claim.token)
         self.lost = True
         return False
+
+    def was_superseded(self, wait: float = 10.0) -> bool:
+        """Whether a newer edit fenced this run out, once a question in flight has its answer (at most `wait` s)."""
+        if self._answered is None:
+            return False
+        self._answered.wait(wait)
+        return self.superseded
+
+    def _superseded(self) -> bool:
+        """Ask the watch; if it fenced the run out, this holder has lost it (its writes fail with LeaseLost)."""
+        answered = self._answered
+        if answered is None:
+            return False
+        answered.clear()
+        try:
+            try:
+                fenced = bool(self.watch and self.watch())
+            except Exception as exc:  # a blip: the next renewal asks again
+                logger.warning("supersede check for %s failed: %s", self.claim.key, exc)
+                return False
+            if fenced:
+                logger.info("%s token=%d superseded by a newer edit", self.claim.key, self.claim.token)
+                self.superseded = self.lost = True
+            return fenced
+        finally:
+            answered.set()  # after the flags: a waiting body reads the answer
 
 
 _COMPACT_AFTER = 64

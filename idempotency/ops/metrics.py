@@ -61,7 +61,8 @@ FRAMEWORK_VERSION_TABLE = "oncelery_alembic_version"
 # definition (docs/metrics.md, the alert): a conflict is a client's error, never a duplicate.
 DUPLICATE_OUTCOMES = (Outcome.REPLAYED.value, Outcome.IN_PROGRESS.value)
 # Deliveries that moved a run to COMPLETED (a COMPLETED run is final: each completes one run, once).
-COMPLETING_OUTCOMES = (Outcome.EXECUTED.value, Outcome.RESUMED.value, Outcome.STALE.value)
+# A superseded run moves to COMPLETED too (with no result), fenced out by a newer edit (runs/debounce.py).
+COMPLETING_OUTCOMES = (Outcome.EXECUTED.value, Outcome.RESUMED.value, Outcome.STALE.value, Outcome.SUPERSEDED.value)
 
 
 class ClaimsCollector(Collector):
@@ -162,7 +163,8 @@ def outcome_families(conn: Connection, cap: TenantCap, tasks: Iterable[str] = ()
     )
     completed = CounterMetricFamily(
         f"{PREFIX}_runs_completed",
-        "Runs moved to COMPLETED (outcomes executed + resumed + stale; purging old runs does not lower it).",
+        "Runs moved to COMPLETED (outcomes executed + resumed + stale + superseded; purging old runs does not "
+        "lower it).",
         labels=["name", "tenant"],
     )
     per_task: dict[str, list[int]] = {}  # task -> [duplicates, all]

@@ -20,6 +20,7 @@ from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
+from oncelery.ops.debounce import dispatch_due
 from oncelery.ops.outbox import send_keyed
 from oncelery.ops.retention import kept_arguments_age, purge
 from oncelery.ops.sweeper import sweep_lost_runs, wake_waiting_runs
@@ -66,11 +67,13 @@ class RelayRound:
     batches_submitted: int = 0  # provider batches the batcher created (batch steps)
     batch_items_applied: int = 0  # batch items whose results were applied (done or failed): their runs woken
     purged: int = 0
+    debounced: int = 0  # due debounce bursts moved into the outbox (ops/debounce.py)
 
     def busy(self) -> bool:
         """Whether the round moved anything (the loop then goes again without sleeping)."""
         batched = self.batches_submitted or self.batch_items_applied
-        return bool(self.published or self.republished or self.swept or self.woken or self.done or batched)
+        moved = self.published or self.republished or self.swept or self.woken or self.done or self.debounced
+        return bool(moved or batched)
 
 
 class Relay:
@@ -148,6 +151,10 @@ class Relay:
     def run_once(self, republish: bool = True) -> RelayRound:
         """One round: publish pending rows, re-publish unfinished sent rows (if `republish`), sweep lost runs."""
         done = RelayRound()
+        try:
+            done.debounced = dispatch_due(self.app, self.db, self.batch)  # due bursts: published just below
+        except Exception as exc:  # a burst that cannot be sent must not stop the outbox: it stays pending
+            logger.error("debounce dispatch failed (the bursts stay pending): %s", exc)
         self.publish_pending(done)
         if republish:
             self.republish_unfinished(done)

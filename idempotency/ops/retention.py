@@ -22,6 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import OutboxStatus, RunStatus
+from oncelery.runs.debounce import purge_dispatched
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_KEPT_ARGUMENTS_RETENTION, DEFAULT_KEPT_ARGUMENTS_RETENTION
 from oncelery.store.clock import stored_message
@@ -74,6 +75,7 @@ class PurgeReport:
     kept_referenced: int = 0
     batches: int = 0
     kept_arguments: int = 0  # completed runs whose kept arguments were cleared (runs/kept.py)
+    debounce_rows: int = 0  # dispatched debounce rows idle past the kept-arguments retention (runs/debounce.py)
 
 
 def kept_arguments_age(conf: Any = None) -> float:
@@ -149,9 +151,11 @@ def purge(
         if on_batch is not None:
             on_batch(report)
     _purge_runless(db, cutoff, params, report)
-    report.kept_arguments = clear_kept_arguments(
-        db, kept_arguments_age() if kept_older_than is None else kept_older_than
-    )
+    kept_age = kept_arguments_age() if kept_older_than is None else kept_older_than
+    report.kept_arguments = clear_kept_arguments(db, kept_age)
+    # A pending burst is never deleted (it is a job not yet sent); a dispatched row holds no arguments, only the
+    # sequence an older message is compared with, so it goes with the kept arguments' retention.
+    report.debounce_rows = purge_dispatched(db, kept_age)
     return report
 
 

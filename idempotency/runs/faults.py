@@ -23,6 +23,7 @@ __all__ = [
 POINTS = (
     "producer_find",  # before a producer's check reads the call's run (and answers a duplicate) at .delay()
     "producer_count",  # SQLite: before a producer counts the duplicate it answers (its own write transaction)
+    "debounce_check",  # before a debounced burst's message reads its key's latest edit
     "version_check",  # before a versioned event reads its entity's applied version
     "claim",  # before the claim statement
     "conflict_read",  # before a conflicting payload's claim reads the run's field digests (PostgreSQL)
@@ -47,6 +48,8 @@ POINTS = (
     "flush_replays",  # inside the transaction that writes the replay cache's counted replays, before its writes
     "publish",  # before a stored job is sent to the broker (relay, sweeper, dead-letter replay): a broker refusal
     "relay_published",  # after the relay published a batch, before it marks the rows sent
+    "debounce_dispatched",  # after the dispatcher wrote due bursts' outbox rows, before its transaction commits
+    "supersede_check",  # before a debounced run's renewal asks whether a newer edit supersedes it
     "purge_batch",  # inside a purge batch's transaction, after its deletes, before it commits
     # The batcher (oncelery.llm.batcher, in the relay): each crash point of a provider batch's life.
     "batch_claimed",  # its items are claimed under the batch row; nothing uploaded

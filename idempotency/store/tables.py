@@ -9,6 +9,7 @@ from sqlalchemy import Table
 from oncelery.models import (
     CapChange,
     DeadLetter,
+    DebounceRow,
     DeliveryOutcome,
     EntityVersion,
     Fork,
@@ -38,6 +39,7 @@ __all__ = [
     "CALLS",
     "CAPS",
     "CAP_CHANGES",
+    "DEBOUNCE",
     "FORKS",
     "HISTOGRAM_BUCKETS",
     "INTENTS",
@@ -84,6 +86,8 @@ LEASES = cast(Table, OnceleryLease.__table__)
 BUDGETS = cast(Table, LlmBudget.__table__)
 CAPS = cast(Table, OperatorCap.__table__)
 CAP_CHANGES = cast(Table, CapChange.__table__)
+# Debounce rows (models/debounce.py): the pending burst of edits per debounce key.
+DEBOUNCE = cast(Table, DebounceRow.__table__)
 # Forks of past runs (ops/fork.py): where each came from, its overrides and its effects mode.
 FORKS = cast(Table, Fork.__table__)
 # Kept by triggers (models/totals.py): runs FAILED/DEAD and dead letters, per task.

@@ -22,12 +22,15 @@ from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.errors import ConfigurationError, OnceleryError, PayloadTooLarge, StoreError
+from oncelery.runs.debounce import DebounceMark
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
 from oncelery.runs.forks import fork_id_of
 from oncelery.runs.keys import Identity, validate_key
 from oncelery.settings import (
     HEADER_ABANDONED,
+    HEADER_DEBOUNCE_KEY,
+    HEADER_DEBOUNCE_SEQ,
     HEADER_KEY,
     HEADER_LEASE,
     HEADER_ON_IN_PROGRESS,
@@ -40,6 +43,7 @@ from oncelery.settings import (
     payload_limits,
 )
 from oncelery.task.body import RunBody
+from oncelery.task.debounce import send_debounced
 from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
 from oncelery.task.otel import key_digest, telemetry_of
@@ -54,7 +58,14 @@ __all__ = [
 logger = logging.getLogger("oncelery.task")  # a stable name (users filter on it)
 
 # Headers a call's options travel in, kept with a run's message so a replay or a sweep sends them again.
-_CALL_HEADERS = (HEADER_KEY, HEADER_TENANT, HEADER_ON_IN_PROGRESS, HEADER_LEASE)
+_CALL_HEADERS = (
+    HEADER_KEY,
+    HEADER_TENANT,
+    HEADER_ON_IN_PROGRESS,
+    HEADER_LEASE,
+    HEADER_DEBOUNCE_KEY,
+    HEADER_DEBOUNCE_SEQ,
+)
 
 
 class IdempotentTask(RunBody):
@@ -90,6 +101,11 @@ class IdempotentTask(RunBody):
         if headers:
             options["headers"] = headers
         seen = self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
+        if seen is not None and not a and self.debounce is not None:
+            # An edit of a debounced key: recorded, not published; the burst's handle (oncelery.task.debounce).
+            handle = send_debounced(self, seen[0], seen[1], headers, options)
+            if handle is not None:
+                return handle
         if seen is not None and not a and producer_dedupe_on(self, dedupe):
             # A duplicate the claims database answers is never published (oncelery.task.producer).
             answered = answer_at_producer(self, seen[0], seen[1], headers, options)
@@ -199,12 +215,20 @@ class IdempotentTask(RunBody):
             lease=lease,
             policy=policy,
             waiting_since=_epoch_header(headers.get(HEADER_WAITING_SINCE)),
+            debounce=self._debounce_mark(explicit),
         )
         tel = telemetry_of(self)
         if tel is None:
             return Delivery(self, call, self._send_again).run(args, kwargs)
         with tel.run_attempt(self.name, key_digest(self.name, ident.key, self.app.conf), ident.tenant):
             return Delivery(self, call, self._send_again).run(args, kwargs)
+
+    def _debounce_mark(self, headers: dict[str, Any]) -> DebounceMark | None:
+        """The edit a debounced burst's message carries (its key and sequence), or None (any other message)."""
+        key, seq = headers.get(HEADER_DEBOUNCE_KEY), headers.get(HEADER_DEBOUNCE_SEQ)
+        if self.debounce is None or key is None or not isinstance(seq, int) or isinstance(seq, bool):
+            return None
+        return DebounceMark(str(key), seq, self.debounce.on_running == "supersede")
 
     def _identify(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any

@@ -37,6 +37,7 @@ from oncelery.settings import (
     digest_secret,
     require_database_url,
 )
+from oncelery.task.debounce import check_debounce, debounce_keys
 from oncelery.task.embedded_broker import is_embedded_broker
 
 __all__ = [
@@ -129,6 +130,10 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: The provider's batch API the relay's batcher submits this task's batch items to (an adapter, or a
     #: zero-argument callable making one), e.g. oncelery.llm.adapters.batch.OpenAIBatches(base_url, api_key).
     llm_batch_adapter: Any = None
+    #: oncelery.Debounce(key="doc:{doc_id}", period=30, max_wait=300, on_running="supersede"): the calls of one key
+    #: within `period` s of each other make one run, on the latest call's arguments (docs/debounce.md). Needs the
+    #: claims database at the producer (else its calls publish undebounced).
+    debounce: Any = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,6 +159,8 @@ class TaskOptions(Task):  # type: ignore[misc]
             raise ConfigurationError(f"{self.name}: dead_on={self.dead_on!r}; give a tuple of exception classes")
         self._check_versioning()
         self._check_budget_options()
+        if self.debounce is not None:
+            check_debounce(self)
         if self.name and (self.name.startswith("tasks.") or "." not in self.name):
             logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
         _ = self._keys, self._concurrency_keys
@@ -186,6 +193,10 @@ class TaskOptions(Task):  # type: ignore[misc]
         if self.concurrency_key is None:
             return None
         return KeyBuilder(self.run, self.name or "", self._option("concurrency_key"), None, what="concurrency_key")
+
+    @cached_property
+    def _debounce_keys(self) -> KeyBuilder:
+        return debounce_keys(self)
 
     def _check_versioning(self) -> None:
         if self.entity_version is None:

@@ -23,9 +23,7 @@ from typing import Any
 from celery import signals
 
 from oncelery.errors import OnceleryError
-from oncelery.llm.errors import ProviderError
-from oncelery.llm.intents import end_unheld_intent, sent_calls
-from oncelery.models import IntentState
+from oncelery.llm.cancel import adapter_of, cancel_sent_calls
 from oncelery.runs.letters import cancel_revoked
 
 __all__ = ["cancel_on_revoke", "watch_revokes"]
@@ -63,17 +61,6 @@ def cancel_on_revoke(task: Any, task_id: str, terminated: bool = False) -> bool:
         return False
     run_id, _token = cancelled
     logger.warning("%s: run %d cancelled: its message %s was revoked", task.name, run_id, task_id)
-    adapter = getattr(task, "llm_adapter", None)
-    if adapter is not None and not hasattr(adapter, "create") and callable(adapter):
-        adapter = adapter()
-    if adapter is None or not hasattr(adapter, "cancel"):
-        return True  # nothing to cancel its calls with: they stay `sent`, and a replay re-attaches to them
-    # Only the calls made through this adapter's provider (a call made with another adapter= stays `sent`).
-    for intent in sent_calls(task.store, run_id, provider=str(getattr(adapter, "provider", ""))):
-        try:
-            adapter.cancel(intent.reference or "")
-        except ProviderError as exc:
-            logger.warning("%s: call %s of run %d not cancelled: %s", task.name, intent.reference, run_id, exc)
-            continue
-        end_unheld_intent(task.store, intent, IntentState.CANCELLED, "cancelled: its run was revoked")
+    # Only the calls made through the task adapter's provider (a call made with another adapter= stays `sent`).
+    cancel_sent_calls(task.store, run_id, adapter_of(task), "cancelled: its run was revoked")
     return True
