@@ -27,6 +27,7 @@ from oncelery.ops.debounce import dispatch_due
 from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, purge_dispatched, upsert_edit
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, OUTBOX, RUNS
+from oncelery.task import producer
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import effects_table, run_to_completion
@@ -347,3 +348,32 @@ def test_a_producer_whose_database_fails_publishes_the_edit_undebounced(
     app.conf.oncelery_database_url = f"sqlite:///{tmp_path / 'missing' / 'claims.db'}"  # no such folder
     handle = task.delay("x", 1, "Text.")
     assert not isinstance(handle, DebouncedResult) and published == [task.name]
+
+
+@ON_POSTGRESQL  # a row lock another transaction holds: the producer's bound, not the driver's, decides
+def test_a_producer_blocked_on_a_held_debounce_row_publishes_the_edit_undebounced_within_its_bound(
+    app: Celery, worker_factory: Any, db_url: str, published: list[str], responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses)
+    app.conf.oncelery_producer_timeout = 0.2
+    first = task.delay("held", 1, "First version.")
+    assert isinstance(first, DebouncedResult) and published == []
+    holder = get_engine(db_url).connect()
+    try:
+        tx = holder.begin()
+        holder.execute(select(DEBOUNCE.c.seq).where(DEBOUNCE.c.debounce_key == "doc:held").with_for_update())
+        second = task.delay("held", 2, "Second version.")  # blocked on the row: fails open after 0.2 s
+        assert not isinstance(second, DebouncedResult) and published == [task.name]
+        third = task.delay("held", 3, "Third version.")  # cooling down: published at once, no second wait
+        assert not isinstance(third, DebouncedResult) and published == [task.name, task.name]
+        tx.rollback()
+    finally:
+        holder.close()
+        producer._cooldown.clear()  # the session's database must not stay "down" for the next test
+    # Nothing is lost: the edits published undebounced run as they are, the recorded one runs when due.
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        assert second.get(timeout=JOB)["version"] == 2 and third.get(timeout=JOB)["version"] == 3
+        assert first.get(timeout=JOB)["version"] == 1
+    assert effects(db_url) == ["held:v1", "held:v2", "held:v3"]
+    [row] = rows(db_url, DEBOUNCE)
+    assert row["seq"] == row["dispatched_seq"] == 1  # the blocked edits never reached the row

@@ -135,12 +135,14 @@ def upsert_edit(
     call: tuple[list[Any], dict[str, Any], dict[str, Any]],
     spec: Debounce,
     new_task_id: str,
+    bound_ms: int | None = None,
 ) -> Edit:
     """Record one edit in one atomic statement; return its sequence and its burst's task id.
 
     `call`: (args, kwargs, headers) of the edit. The first edit after a dispatch (seq == dispatched_seq) starts a
     new burst under `new_task_id`; any other keeps the burst's task id, and its due time is capped by the burst's
-    deadline (first edit + max_wait).
+    deadline (first edit + max_wait). `bound_ms`: the statement's bound (a producer's; a blocked row or a slow
+    server then raises a store error instead of holding `.delay()`); the commit stays durable.
     """
     dia = db.dialect
     d = DEBOUNCE.c
@@ -170,6 +172,8 @@ def upsert_edit(
     ).returning(d.seq, d.task_id)
     params = {"p_period": dia.lease_param(spec.period), "p_max": dia.lease_param(spec.max_wait)}
     with db.begin() as conn:
+        if bound_ms is not None:
+            dia.bound_statements(conn, bound_ms)
         row = conn.execute(stmt, params).one()
     return Edit(int(row.seq), str(row.task_id))
 

@@ -93,6 +93,12 @@ class Dialect:
     def commit_durably(self, conn: Connection) -> None:
         """Make the caller's open transaction commit durably whatever the server's default (SQLite always does)."""
 
+    def bound_statements(self, conn: Connection, ms: int) -> None:
+        """Bound each later statement of the caller's open transaction (lock waits included) by `ms`.
+
+        SQLite: nothing here; its connection's busy_timeout bounds a lock wait, and a local file has no network.
+        """
+
     def past(self, seconds: float) -> str:
         """SQL text for the database clock `seconds` ago (tests and tools that expire a lease)."""
         raise NotImplementedError
@@ -183,6 +189,10 @@ class PostgreSQL(Dialect):
     def commit_durably(self, conn: Connection) -> None:
         # A server (or role) set to commit asynchronously would acknowledge before the WAL reaches the disk.
         conn.exec_driver_sql("SET LOCAL synchronous_commit = on")
+
+    def bound_statements(self, conn: Connection, ms: int) -> None:
+        # SET LOCAL: the bound ends with this transaction, so the pooled connection keeps its own setting.
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {max(1, int(ms))}")
 
     def past(self, seconds: float) -> str:
         return f"clock_timestamp() - interval '{float(seconds)} seconds'"

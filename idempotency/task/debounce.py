@@ -7,7 +7,10 @@ returns the same handle, the handle of the one run that will carry the burst's l
 dispatcher (ops/debounce.py) sends that run through the outbox once the burst is due.
 
 Fails open, as every producer check: with no claims database configured, on a store error or a canvas call
-(link, chain, a chosen task id, a countdown), the call publishes as an undebounced call does (logged).
+(link, chain, a chosen task id, a countdown), the call publishes as an undebounced call does (logged). The upsert
+is bounded by `oncelery_producer_timeout` (PostgreSQL's statement_timeout, lock waits included; its commit stays
+durable); past it, the producer publishes undebounced and skips its database work for a few seconds, as the
+producer's dedupe check does (task/producer.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from oncelery.errors import ConfigurationError, StoreError
 from oncelery.runs.debounce import Debounce, upsert_edit
 from oncelery.runs.keys import KeyBuilder
 from oncelery.settings import HEADER_KEY, HEADER_TENANT, configured_database_url, pass_through
+from oncelery.task.producer import cooling_down, fail_open, producer_timeout
 
 __all__ = ["DebouncedResult", "debounce_keys", "send_debounced"]
 
@@ -71,13 +75,18 @@ def send_debounced(
         return None
     if any(options.get(name) is not None for name in _PUBLISHED_AS_EVER):
         return None
+    if cooling_down(url):
+        return None  # its database failed moments ago: publish at once rather than wait out the bound again
+    bound_ms = max(1, round(producer_timeout(conf) * 1000))
     spec: Debounce = task.debounce
     key = task._debounce_keys.named(args, kwargs)[0]
     tenant = task.key_of(args, kwargs, headers.get(HEADER_KEY), headers.get(HEADER_TENANT)).tenant
     try:
-        edit = upsert_edit(task.store.db, task.name, tenant, key, (args, kwargs, headers), spec, str(uuid.uuid4()))
+        call = (args, kwargs, headers)
+        edit = upsert_edit(task.store.db, task.name, tenant, key, call, spec, str(uuid.uuid4()), bound_ms)
     except (StoreError, SQLAlchemyError, OSError) as exc:
         logger.warning("%s[%s]: the debounce row was not written (%s): published without debounce", task.name, key, exc)
+        fail_open(url, task.name, exc)
         return None
     logger.debug("%s[%s]: edit %d of burst %s", task.name, key, edit.seq, edit.task_id)
     handle = DebouncedResult(edit.task_id, backend=task.backend, task_name=task.name, app=task.app)

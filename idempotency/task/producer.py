@@ -51,7 +51,14 @@ from oncelery.settings import (
 from oncelery.store.dialects import producer_mode
 from oncelery.task.caller import store_answer
 
-__all__ = ["ProducerReplay", "answer_at_producer", "producer_dedupe_on"]
+__all__ = [
+    "ProducerReplay",
+    "answer_at_producer",
+    "cooling_down",
+    "fail_open",
+    "producer_dedupe_on",
+    "producer_timeout",
+]
 
 logger = logging.getLogger("oncelery.producer")  # a stable name (users filter on it)
 
@@ -106,9 +113,9 @@ def answer_at_producer(
         return None
     if any(options.get(name) is not None for name in _PUBLISHED_AS_EVER):
         return None
-    if _cooldown.get(url, 0.0) > time.monotonic():
+    if cooling_down(url):
         return None
-    timeout = _timeout(conf)
+    timeout = producer_timeout(conf)
     try:
         store = task.store
         if store.legacy.possible():
@@ -118,7 +125,7 @@ def answer_at_producer(
         )
         found = store.producer_find(task.name, ident, producer_mode(timeout))
     except (StoreError, SQLAlchemyError, OSError) as exc:
-        _fail_open(url, task.name, exc)
+        fail_open(url, task.name, exc)
         return None
     if found is None:
         return None
@@ -188,7 +195,8 @@ def _ignores_result(task: Any, options: dict[str, Any]) -> bool:
     return bool(task.ignore_result if ignore is None else ignore)
 
 
-def _timeout(conf: Any) -> float:
+def producer_timeout(conf: Any) -> float:
+    """The bound in seconds of a producer's database work (`oncelery_producer_timeout`, validated)."""
     value = conf.get(CONF_PRODUCER_TIMEOUT)
     if value is None:
         return DEFAULT_PRODUCER_TIMEOUT
@@ -199,7 +207,12 @@ def _timeout(conf: Any) -> float:
     return float(value)
 
 
-def _fail_open(url: str, task_name: str, exc: BaseException) -> None:
+def cooling_down(url: str) -> bool:
+    """Whether producer work on `url` is skipped for now (its database failed a check moments ago)."""
+    return _cooldown.get(url, 0.0) > time.monotonic()
+
+
+def fail_open(url: str, task_name: str, exc: BaseException) -> None:
     """Publish as without the check, and skip checks for a while: a database that is down costs one timeout."""
     if _cooldown.get(url, 0.0) <= time.monotonic():
         logger.warning(
