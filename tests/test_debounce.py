@@ -151,12 +151,18 @@ def test_runs_superseded_mid_call_write_no_effects_and_their_spend_stays_labelle
         assert run["status"] is RunStatus.COMPLETED
         if run["id"] in old_runs:
             assert run["result"] is None and run["error"].startswith("superseded")
+    # Each old run's call in flight is cancelled, and (a cancel being best effort) gets its own ledger row.
+    wait_until(lambda: len(rows(db_url, CALLS)) == 2 * docs + docs * len(STEPS), timeout=JOB, what="cancel rows")
     calls = rows(db_url, CALLS)
-    assert sorted(c["reason"] for c in calls if c["run_id"] in old_runs) == [SUPERSEDED_LABEL] * docs
+    old_calls = [c for c in calls if c["run_id"] in old_runs]
+    assert sorted(c["reason"] for c in old_calls) == [SUPERSEDED_LABEL] * 2 * docs  # paid + cancelled
+    assert sum(1 for c in old_calls if c["meta"].get("cancelled") and not c["ok"]) == docs
     assert [c["reason"] for c in calls if c["run_id"] not in old_runs] == [None] * docs * len(STEPS)
     labels = {(r["label"], r["calls"]) for r in rows(db_url, LABEL_TOTALS)}
-    assert labels == {(SUPERSEDED_LABEL, docs)}
-    assert fake.stats()["cancels"] == docs, fake.stats()  # each old run's call in flight, cancelled
+    assert labels == {(SUPERSEDED_LABEL, 2 * docs)}
+    stats = fake.stats()
+    assert stats["cancels"] == docs, stats  # each old run's call in flight, cancelled
+    assert sum(stats["creates"].values()) <= len(calls), stats  # no hidden spend: creates <= ledger rows
 
 
 @ON_SQLITE  # the same SQL as the test above; what differs is the parked run's wake

@@ -237,6 +237,10 @@ def test_revoking_a_parked_run_cancels_it_and_its_call_at_the_provider(
     [letter] = table(db_url, LETTERS)
     assert letter["reason"] == "revoked" and letter["run_id"] == run["id"]
     assert sum(fake.stats()["creates_by_intent"].values()) == 1
+    # The cancelled call may still be billed (a cancel is best effort): its row is in the ledger, labelled.
+    [row] = table(db_url, CALLS)
+    assert row["reason"] == "run_revoked" and not row["ok"] and row["run_id"] == run["id"]
+    assert row["call_id"] == table(db_url, INTENTS)[0]["public_id"]
     assert task.outcome_counts()["dead"] == 1
 
 

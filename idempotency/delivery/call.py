@@ -110,6 +110,9 @@ class DeliveredTask(Protocol):
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The task's body."""
 
+    def cancel_calls(self, run_id: int, why: str, label: str) -> int:
+        """Cancel a run's calls in flight at the provider, best effort, each with its ledger row (`label`)."""
+
 
 def max_retries(task: DeliveredTask) -> int | None:
     """The retry limit Celery enforces: autoretry's retry_kwargs["max_retries"] wins over the task's."""

@@ -17,9 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from oncelery.delivery.call import Call, RunContext
-from oncelery.llm.cancel import adapter_of, cancel_sent_calls
 from oncelery.models import Outcome
-from oncelery.runs.debounce import newer_edit, supersede_if_newer, supersede_parked
+from oncelery.runs.debounce import SUPERSEDED_LABEL, newer_edit, supersede_if_newer, supersede_parked
 from oncelery.runs.decisions import Claim
 from oncelery.runs.faults import fault_point
 
@@ -86,7 +85,7 @@ def superseding_watch(delivery: Any, claim: Claim) -> Callable[[], bool] | None:
 
 def _cancel(store: Any, run_id: int, task: Any, why: str) -> None:
     try:
-        cancel_sent_calls(store, run_id, adapter_of(task), why)
+        task.cancel_calls(run_id, why, SUPERSEDED_LABEL)
     except Exception as exc:  # best effort: the run is fenced out whatever its calls do
         logger.warning("%s: calls of superseded run %d not cancelled: %s", task.name, run_id, exc)
 

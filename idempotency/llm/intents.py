@@ -206,8 +206,15 @@ def end_intent_txn(
         release_txn(conn, store.db.dialect, intent.public_id, intent.reservation)
 
 
-def end_unheld_intent(store: RunStore, intent: Intent, state: IntentState, error: str) -> bool:
-    """End an open intent of a run no holder has (a revoked, parked run); return whether it was still open."""
+def end_unheld_intent(
+    store: RunStore,
+    intent: Intent,
+    state: IntentState,
+    error: str,
+    also: Callable[[Connection], None] | None = None,
+) -> bool:
+    """End an open intent of a run no holder has (a revoked, parked or superseded run), with `also` (its ledger
+    row) in the same transaction; return whether it was still open (only then is `also` run)."""
     with store.db.begin() as conn:
         before = conn.execute(
             select(INTENTS.c.id).where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state.in_(_OPEN))
@@ -215,6 +222,8 @@ def end_unheld_intent(store: RunStore, intent: Intent, state: IntentState, error
         if before is None:
             return False
         end_intent_txn(conn, store, intent, state, error=error)
+        if also is not None:
+            also(conn)
     return True
 
 

@@ -48,7 +48,7 @@ from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
 from oncelery.task.otel import key_digest, telemetry_of
 from oncelery.task.producer import answer_at_producer, producer_dedupe_on
-from oncelery.task.revoke import watch_revokes
+from oncelery.task.revoke import cancel_run_calls, watch_revokes
 from oncelery.task.startup import watch_worker_start
 
 __all__ = [
@@ -319,6 +319,10 @@ class IdempotentTask(RunBody):
         if exc is not None and isinstance(exc, UNFIXABLE_ERRORS + tuple(self.dead_on)):
             raise_with_context(exc)
         return super().retry(args, kwargs, exc, *a, **kw)
+
+    def cancel_calls(self, run_id: int, why: str, label: str) -> int:
+        """Cancel the run's calls in flight at the provider, best effort, each with its ledger row (`label`)."""
+        return cancel_run_calls(self, run_id, why, label)
 
     def outcome_counts(self) -> dict[str, int]:
         """Return this task's exact delivery outcome counts across all processes."""
