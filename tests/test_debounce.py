@@ -7,6 +7,7 @@ the outbox), the fake provider whose creates and cancels are the oracle, both st
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -16,9 +17,11 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import select
 
 from oncelery import Debounce, DebouncedResult, IdempotentTask, output_text
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs
@@ -383,3 +386,28 @@ def test_a_producer_blocked_on_a_held_debounce_row_publishes_the_edit_undebounce
     assert effects(db_url) == ["held:v1", "held:v2", "held:v3"]
     [row] = rows(db_url, DEBOUNCE)
     assert row["seq"] == row["dispatched_seq"] == 1  # the blocked edits never reached the row
+
+
+def test_the_cli_lists_pending_bursts_with_their_arguments_redacted_unless_asked(db_url: str) -> None:
+    db = Database(db_url)
+    spec = Debounce(key="doc:{doc}", period=60, max_wait=300)
+    secret = "patient Jane Roe, card 4111-1111"
+    for n in (1, 2):
+        upsert_edit(db, "oncelery.t_cli", "", "doc:p", (["p", n], {"text": secret}, {}), spec, "burst-1")
+    cli = CliRunner()
+
+    def listing(*argv: str) -> dict[str, Any]:
+        done = cli.invoke(oncelery_cli, ["--database-url", db_url, "debounce", "--json", *argv])
+        assert done.exit_code == 0, done.output
+        return dict(json.loads(done.output))
+
+    [row] = listing("--pending")["rows"]
+    assert (row["debounce_key"], row["seq"], row["dispatched_seq"], row["state"]) == ("doc:p", 2, 0, "pending")
+    assert row["task_id"] == "burst-1" and 0 < row["due_in_s"] <= 60
+    assert row["arguments"]["kept"] is True and secret not in json.dumps(row)  # described, never printed
+    assert row["arguments"]["kwargs"]["text"]["bytes"] == len(json.dumps(secret))
+    shown = listing("--show-arguments")["rows"][0]["arguments"]
+    assert shown == {"args": ["p", 2], "kwargs": {"text": secret}}  # the latest edit's, when asked
+    assert listing("--task", "oncelery.other")["count"] == 0
+    table = cli.invoke(oncelery_cli, ["--database-url", db_url, "debounce"])
+    assert "doc:p" in table.output and "pending" in table.output and secret not in table.output

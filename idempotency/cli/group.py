@@ -26,6 +26,7 @@ from oncelery.cli.context import (
     resolve_database_url,
 )
 from oncelery.cli.costs import costs
+from oncelery.cli.debounce import debounce
 from oncelery.cli.dlq import dlq
 from oncelery.cli.fork import fork
 from oncelery.cli.format import echo_json, format_table, json_option
@@ -128,7 +129,7 @@ def build_group() -> OnceleryGroup:
         """Oncelery: exactly-once effects for Celery tasks: inspect and operate the claims database, run the demo."""
         ctx.meta[URL_META] = database_url
 
-    _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets, batches))
+    _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets, batches, debounce))
     _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics, fork))
     return group
 
