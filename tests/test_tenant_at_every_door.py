@@ -166,7 +166,15 @@ def test_re_sends_carry_the_resolved_tenant_and_never_ask_the_resolver_again(
         assert [letter.tenant for letter in letters] == [""]
         with as_customer("mallory"):  # the operator's own context must not leak into the replayed job
             assert len(DeadLetters(db_url).replay(app, letters).replayed) == 1
-        wait_for(lambda: len(tries) == 3, timeout=TIMEOUT, what="the replayed job")
+        # Until the replayed run's completion committed, not just its body called: the worker stops below.
+        wait_for(
+            lambda: (
+                len(tries) == 3
+                and [r.status for r in Runs(db_url).list(task_name=public.name)] == [RunStatus.COMPLETED]
+            ),
+            timeout=TIMEOUT,
+            what="the replayed job completed",
+        )
     assert resolved == [(public.name, None)], f"a re-send asked the resolver again: {resolved[1:]}"
     runs = Runs(db_url).list(task_name=public.name)
     assert [(r.tenant, r.status) for r in runs] == [("", RunStatus.COMPLETED)], runs
