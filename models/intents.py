@@ -6,6 +6,11 @@ An intent is how a model call outlives the worker that made it. Its life:
         |                           |
         |                           +--provider forgot it (404, retention)--> lost
         +--next holder finds it prepared (create window: never answered)--> lost, and a new attempt
+    prepared | sent --its run ended (dead, revoked, superseded, stale)--> abandoned (--cancel answered--> cancelled)
+
+Every end but `done` of an intent that may have been created (`prepared` or `sent`) writes its ledger row in the
+same transaction, at the estimate kept here (`estimated_*`) unless the provider reported its usage, labelled, and
+charges its budgets (oncelery.ledger.unknown): provider creates never exceed ledger rows.
 
 `prepared` is committed durably (synchronous commit) before the create, `sent` records the provider's
 reference fenced by the run's token, and `done` commits in the same transaction as the step's checkpoint and the
@@ -33,6 +38,9 @@ class IntentState(enum.Enum):
     FAILED = "failed"  # the provider refused or failed it (a later attempt is a new intent)
     LOST = "lost"  # its outcome cannot be known (never answered, or forgotten by the provider)
     CANCELLED = "cancelled"
+    # Its run ended (dead, revoked, superseded, stale) while the call was open: the outcome is unknown, and its
+    # ledger row carries the estimate (migration 0026). A cancel that succeeds afterwards makes it `cancelled`.
+    ABANDONED = "abandoned"
 
     @property
     def terminal(self) -> bool:
@@ -90,6 +98,12 @@ class LlmIntent(Base):
     # reservation was released (once: by the intent's end, or by the sweeper for one left prepared too long).
     reserved: Mapped[dict[str, object] | None] = mapped_column(Json)
     released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # What the call may cost, kept when it is prepared (0026): its input's conservative token estimate, its output
+    # limit, and that usage's price in micro-USD (None: no price). An unknown outcome's ledger row is written from
+    # these wherever the intent ends (a dead run, a sweep), with no request and no price table at hand.
+    estimated_input_tokens: Mapped[int | None] = mapped_column(Integer)
+    estimated_output_tokens: Mapped[int | None] = mapped_column(Integer)
+    estimated_cost_micros: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         # One row per attempt of a step: the next holder finds the latest by (run, position).

@@ -28,7 +28,7 @@ from oncelery.runs.outcomes import record_outcome
 from oncelery.settings import CONF_LEDGER_SPOOL_DIR
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, HISTOGRAM_BUCKETS, RUN_STATUS_TOTALS, RUNS, TOTALS
-from oncelery.task.ledger_rows import add_call, write_call
+from oncelery.ledger.rows import add_call, write_call
 from oncelery.task.ledger_spool import flush_spools, spool_row
 from tests.test_metrics import migrated_database, scrape
 

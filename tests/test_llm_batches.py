@@ -34,7 +34,7 @@ from oncelery.ops.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, LABEL_TOTALS, RUNS
-from oncelery.task.ledger_rows import add_call
+from oncelery.ledger.rows import add_call
 from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import stop_sessions

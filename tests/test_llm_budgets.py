@@ -143,7 +143,8 @@ def test_a_model_without_a_price_is_refused_at_worker_start(app: Celery) -> None
 RACER = r"""
 import json, random, sys, uuid
 from sqlalchemy import select
-from oncelery.llm.budgets import BudgetPlan, BudgetRule, Reservation, charge_txn, release_txn, reserve_txn
+from oncelery.ledger.settle import Reservation, charge_txn, release_txn
+from oncelery.llm.budgets import BudgetPlan, BudgetRule, reserve_txn
 from oncelery.errors import OnceleryError
 from oncelery.store.database import Database
 from oncelery.store.tables import BUDGETS, INTENTS

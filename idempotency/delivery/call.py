@@ -107,6 +107,9 @@ class DeliveredTask(Protocol):
     def detach(self, ctx: RunContext) -> None:
         """Undo `attach`."""
 
+    def stop_calls_later(self, run_id: int, why: str) -> None:
+        """Ask the provider to stop an ended run's calls, off the delivery's thread (best effort)."""
+
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The task's body."""
 

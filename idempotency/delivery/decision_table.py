@@ -158,7 +158,9 @@ class Delivery:
         if applied is None or version.version > applied:
             return False
         # Settled before it is counted: a fault between them re-sends the job, which then counts it once.
-        self.store.settle_stale(self.task.name, self.ident)
+        settled = self.store.settle_stale(self.task.name, self.ident)
+        if settled is not None:  # a parked run's call may still run at the provider (it is on the books): stop it
+            self.task.stop_calls_later(settled, "cancelled: its run was settled stale")
         self.store.close_outbox_row(self.request.id, Outcome.STALE)
         self._end_wait(Outcome.STALE.value)
         self._count(Outcome.STALE)

@@ -32,7 +32,7 @@ from sqlalchemy import Connection, select, update
 
 from oncelery.errors import ConfigurationError
 from oncelery.llm.budgets import BudgetPlan, reserve_txn
-from oncelery.llm.intents import Intent, _fenced
+from oncelery.llm.intents import Intent, fenced_write
 from oncelery.models.batches import ItemState
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
@@ -163,7 +163,7 @@ def queue_item(
             )
         )  # fmt: skip
 
-    _fenced(store, claim, f"the batch item of step {step_name!r} was not queued", write)
+    fenced_write(store, claim, f"the batch item of step {step_name!r} was not queued", write)
     return Intent(
         0, public_id, attempt, claim.token, "batch", str(row["request_digest"]), IntentState.SENT, public_id, None,
         reason, None, reserved[0], str(row["endpoint"]),

@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, and_, bindparam, case, literal, or_, select, update
 
 from oncelery.errors import ConfigurationError
+from oncelery.ledger.settle import Reservation, release_txn
 from oncelery.llm.errors import BudgetExceeded
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.money import as_decimal, micros_up, usd
@@ -50,15 +51,12 @@ __all__ = [
     "PERIODS",
     "BudgetPlan",
     "BudgetRule",
-    "Reservation",
     "cap_name",
-    "charge_txn",
     "count_refused",
     "estimate_micros",
     "parse_budgets",
     "parse_usd",
     "release_stale",
-    "release_txn",
     "reserve_txn",
     "set_cap",
     "window_of",
@@ -98,26 +96,6 @@ class BudgetPlan:
             bool(self.rules) or self.job_limit_micros is not None or self.call_limit_micros is not None
             or bool(self.shared)
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What one call reserved: {budget row: micro-USD}, and the price it was estimated at (settlement uses it)."""
-
-    budgets: dict[str, int]
-    price: tuple[str, str]
-
-    def as_json(self) -> dict[str, Any]:
-        """The JSON `llm_intents.reserved` keeps."""
-        return {"budgets": dict(self.budgets), "price": list(self.price)}
-
-    @classmethod
-    def of(cls, value: Any) -> Reservation | None:
-        """Read `llm_intents.reserved` back (None: the call reserved nothing)."""
-        if not isinstance(value, Mapping) or not value.get("budgets"):
-            return None
-        price = value.get("price") or ["0", "0"]
-        return cls({str(k): int(v) for k, v in value["budgets"].items()}, (str(price[0]), str(price[1])))
 
 
 def parse_usd(value: Any, where: str) -> int:
@@ -279,29 +257,6 @@ def count_refused(conn: Connection, name: str) -> None:
     conn.execute(update(BUDGETS).where(c.name == name).values(refused=c.refused + 1))
 
 
-def release_txn(conn: Connection, dialect: Dialect, public_id: str, reservation: Reservation | None) -> bool:
-    """Release the call's reservation in the caller's transaction, once (whoever comes first); return whether."""
-    if reservation is None:
-        return False
-    i = INTENTS.c
-    first = conn.execute(
-        update(INTENTS)
-        .where(i.public_id == public_id, i.released_at.is_(None), i.reserved.is_not(None))
-        .values(released_at=dialect.now())
-    )
-    if first.rowcount != 1:
-        return False
-    c = BUDGETS.c
-    for name, amount in reservation.budgets.items():
-        back = literal(int(amount), BigInteger)
-        conn.execute(
-            update(BUDGETS)
-            .where(c.name == name)
-            .values(reserved_micros=case((c.reserved_micros > back, c.reserved_micros - back), else_=0))
-        )
-    return True
-
-
 DEFAULT_RELEASE_S = 900.0  # past the longest synchronous call and a lease: its holder is surely gone
 
 
@@ -336,30 +291,6 @@ def release_stale(db: Database, older_than_s: float = DEFAULT_RELEASE_S, batch: 
         with db.begin() as conn:
             released += release_txn(conn, db.dialect, public_id, Reservation.of(reserved))
     return released
-
-
-def charge_txn(conn: Connection, reservation: Reservation | None, cost_micros: int | None) -> None:
-    """Add a call's actual cost to `spent` of the budgets it reserved in, with its ledger row (once per call).
-
-    Never above the limit: a cost over what is left (an estimate's error) is counted in `overrun_micros`.
-    """
-    if reservation is None or not cost_micros:
-        return
-    c = BUDGETS.c
-    cost = literal(int(cost_micros), BigInteger)
-    fits = c.spent_micros + c.reserved_micros + cost <= c.limit_micros
-    for name in reservation.budgets:
-        conn.execute(
-            update(BUDGETS)
-            .where(c.name == name)
-            .values(
-                spent_micros=case((fits, c.spent_micros + cost), else_=c.limit_micros - c.reserved_micros),
-                overrun_micros=case(
-                    (fits, c.overrun_micros),
-                    else_=c.overrun_micros + c.spent_micros + c.reserved_micros + cost - c.limit_micros,
-                ),
-            )
-        )
 
 
 def remaining_micros(conn: Connection, name: str) -> int | None:

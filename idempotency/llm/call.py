@@ -14,10 +14,16 @@ decides what this holder does:
     | prepared, sync                   | lost, re-send labelled sync_unknown                   | 1 (labelled)|
     | lost (provider forgot), recall   | re-send labelled lost                                 | 1 (labelled)|
     | lost, on_lost="dead_letter"      | ResponseLost, dead-lettered                           | 0           |
+    | lost with no reference           | (its successor parked before sending) re-send labelled| 1 (labelled)|
+    |                                  | create_window / sync_unknown, as it was               |             |
     | failed / cancelled / done        | a new attempt labelled failed / cancelled / superseded| 1           |
+    | abandoned (its run had ended)    | a new attempt (a replayed dead letter) superseded     | 1 (labelled)|
 
-A re-sent call's predecessor, whose outcome cannot be known, gets a ledger row of its own with estimated usage
-and the reason `unknown_outcome`: provider creates never exceed ledger rows.
+The ledger rule (oncelery.ledger.unknown): a predecessor whose outcome cannot be known is ended `lost` with its
+ledger row at the estimate kept on its intent, labelled `unknown_outcome`, its budgets charged, in one fenced
+transaction committed BEFORE the new attempt is prepared: a new attempt refused by a budget or parked by a
+limiter leaves the predecessor on the books. So do a lost response dead-lettered and an at-most-once call whose
+outcome is unknown: provider creates never exceed ledger rows.
 
 When the call ends `done`, the intent, the ledger row and the step's checkpoint commit in one transaction, fenced
 by the run's token (`Answered.writes`, run by the step's checkpoint write): a zombie that polled the same
@@ -34,6 +40,7 @@ from typing import Any, Protocol
 from sqlalchemy import Connection
 
 from oncelery.errors import ConfigurationError, RunParked, StepMismatch
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
 from oncelery.llm.batches import (
@@ -58,7 +65,15 @@ from oncelery.llm.errors import (
     ResponseGone,
     ResponseLost,
 )
-from oncelery.llm.intents import Intent, end_intent, end_intent_txn, latest_intent, mark_sent, prepare_intent
+from oncelery.llm.intents import (
+    Intent,
+    end_intent,
+    end_intent_txn,
+    fenced_write,
+    latest_intent,
+    mark_sent,
+    prepare_intent,
+)
 from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, hold, limiters_for, penalize
 from oncelery.llm.observe import on_call
 from oncelery.llm.request import request_digest
@@ -98,6 +113,10 @@ class Recorder(Protocol):
         self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
         error: str | None,
     ) -> None: ...  # fmt: skip
+
+    def cost_of(self, usage: Usage, mode: str) -> int | None:
+        """What `usage` costs in micro-USD for a call in `mode` (a batch item at the batch price); None: no price."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -150,9 +169,9 @@ def call_model(
         on_call(latest.mode, reattached=True, repeated=latest.repeat_reason and latest.repeat_reason.value)
         return _wait(step, latest, reattached=True)
     reason = _repeat_reason(step, latest)
-    intent = _prepare(step, digest, latest, reason)
     if latest is not None and latest.state is IntentState.PREPARED:
-        _record_unknown(step, latest)
+        _record_unknown(step, latest)  # before the new attempt: a refusal or a park must not leave it off the books
+    intent = _prepare(step, digest, latest, reason)
     try:
         return _send_admitted(step, intent)
     except ProviderError as exc:
@@ -227,7 +246,7 @@ def call_batched(
     )
     budget = None if policy.budgets is None else (policy.budgets, step.estimate_micros)
     queue_item(
-        store, claim, position=position, step_name=name, row={**_row(step, digest), "mode": "batch"},
+        store, claim, position=position, step_name=name, row=_row(step, digest, "batch"),
         request=request, policy=batch, supersedes=latest, reason=reason,
         budget=budget,
     )  # fmt: skip
@@ -328,9 +347,11 @@ def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: Repeat
                 step.store, step.claim, position=step.position, step_name=step.name, request=_row(step, digest),
                 supersedes=supersedes, reason=reason, admissions=step.admissions, budget=budget,
             )  # fmt: skip
-        except BudgetExceeded as over:
+        except BudgetExceeded as refused:
             with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
-                count_refused(conn, over.budget)
+                count_refused(conn, refused.budget)
+            unknown = supersedes is not None and reason in _UNKNOWN_BEFORE
+            over = refused.after_unknown(supersedes.attempt) if unknown and supersedes is not None else refused
             plan = step.policy.budgets
             if (
                 plan is not None
@@ -339,13 +360,19 @@ def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: Repeat
                 and step.policy.inline_wait_s is not None
             ):
                 raise RunParked(over.waits_s, f"{over}; deferred until the window resets (on_budget='defer')") from None
-            raise
+            if over is refused:
+                raise
+            raise over from None
         except Throttled as throttled:
             if waited == 0.0:  # a call that waits is counted once, however many slots it misses
                 with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
                     count_throttled(conn, throttled.limiter)
             _wait_or_park(step, throttled.wait_s, waited, f"rate limit {throttled.limiter}")
             waited += throttled.wait_s
+
+
+# A new attempt after one of these may follow a call that was made: a refusal says the earlier one is on the books.
+_UNKNOWN_BEFORE = (RepeatReason.CREATE_WINDOW, RepeatReason.SYNC_UNKNOWN, RepeatReason.LOST)
 
 
 def _wait_or_park(step: _Step, wait_s: float, waited: float, why: str) -> None:
@@ -388,12 +415,13 @@ def _repeat_reason(step: _Step, latest: Intent | None) -> RepeatReason | None:
     """Why this call is sent again (None: the first attempt), or raise when policy says not to."""
     if latest is None:
         return None
-    if latest.state is IntentState.PREPARED:
-        if latest.mode == "background":
-            return RepeatReason.CREATE_WINDOW
-        if step.policy.at_most_once:
-            end_intent(step.store, step.claim, latest, IntentState.LOST, error="outcome unknown (at_most_once)")
-            raise CallOutcomeUnknown.of(step.claim.task_name, step.claim.key, step.name)
+    unanswered = latest.state is IntentState.PREPARED or (latest.state is IntentState.LOST and not latest.reference)
+    if unanswered and latest.mode == "background":
+        return RepeatReason.CREATE_WINDOW
+    if latest.state is IntentState.PREPARED and step.policy.at_most_once:
+        _record_unknown(step, latest, "outcome unknown (at_most_once)")  # it may have been made: on the books
+        raise CallOutcomeUnknown.of(step.claim.task_name, step.claim.key, step.name)
+    if unanswered:
         return RepeatReason.SYNC_UNKNOWN
     if latest.state is IntentState.LOST:
         if step.policy.on_lost == "dead_letter":
@@ -405,16 +433,22 @@ def _repeat_reason(step: _Step, latest: Intent | None) -> RepeatReason | None:
     }.get(latest.state, RepeatReason.SUPERSEDED)
 
 
-def _row(step: _Step, digest: str) -> dict[str, Any]:
+def _row(step: _Step, digest: str, mode: str | None = None) -> dict[str, Any]:
+    """The intent's columns: where the call goes, how, and what it may cost (the ledger rule's estimate)."""
     capabilities = step.adapter.capabilities(step.request)
     background = capabilities.background and step.policy.background
+    mode = mode or ("background" if background else "sync")
+    estimate = estimate_usage(step.request)
     return {
         "provider": step.adapter.provider,
         "endpoint": step.adapter.endpoint,
         "model": str(step.request.get("model", "")),
-        "mode": "background" if background else "sync",
+        "mode": mode,
         "request_digest": digest,
         "retention_s": capabilities.retention_s,
+        "estimated_input_tokens": estimate.input_tokens,
+        "estimated_output_tokens": estimate.output_tokens,
+        "estimated_cost_micros": step.record.cost_of(estimate, mode),
     }
 
 
@@ -539,24 +573,26 @@ def _ended(step: _Step, intent: Intent, look: Observed, *, reattached: bool) -> 
 
 def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
     """The provider forgot a sent call: by policy, dead-letter it or send it again (labelled `lost`)."""
+    # It was made, and may have been billed: its answer is gone with it, so it goes on the books at its estimate
+    # (before any new attempt is prepared, which a budget may refuse).
+    _record_unknown(step, intent, f"response lost: {exc}")
     if step.policy.on_lost == "dead_letter" or intent.repeat_reason is RepeatReason.LOST:
         # Lost twice in a row: the provider keeps nothing long enough for this step; re-calling again would
         # pay for ever, so a person decides.
-        end_intent(step.store, step.claim, intent, IntentState.LOST, error=str(exc))
         raise ResponseLost.of(step.claim.task_name, step.claim.key, step.name) from exc
     again = _prepare(step, intent.request_digest, intent, RepeatReason.LOST)
-    _record_unknown(step, intent)  # it may have been billed: the provider's answer is gone with it
     return _send_admitted(step, again)
 
 
-def _record_unknown(step: _Step, lost: Intent) -> None:
-    """A ledger row for a call whose outcome cannot be known, with estimated usage (provider creates <= rows)."""
-    estimate = estimate_usage(step.request)
+def _record_unknown(step: _Step, unanswered: Intent, why: str = "outcome unknown") -> None:
+    """End a call whose outcome cannot be known `lost`, with its ledger row at its estimate and its budgets
+    charged, in one fenced transaction (oncelery.ledger.unknown: provider creates <= ledger rows)."""
+    dialect = step.store.db.dialect
 
     def write(conn: Connection) -> None:
-        step.record(conn, lost, estimate, ok=False, reason="unknown_outcome", reattached=False, error="outcome unknown")
+        end_unanswered_txn(conn, dialect, unanswered.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
 
-    end_intent(step.store, step.claim, lost, IntentState.LOST, write)
+    fenced_write(step.store, step.claim, "the unknown outcome of the call was not recorded", write)
 
 
 def estimate_usage(request: Mapping[str, Any]) -> Usage:

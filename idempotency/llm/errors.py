@@ -102,7 +102,10 @@ class ResponseLost(ProviderError):
 
 
 class BudgetExceeded(OnceleryError):
-    """Raised before a call is sent when its estimated cost does not fit a budget: nothing was sent or paid.
+    """Raised before a call is sent when its estimated cost does not fit a budget: this call was not sent.
+
+    An earlier attempt of the same step whose outcome is unknown (a create window, a lost response) is already
+    in the ledger at its estimate and charged to the budgets, and the message says so (`after_unknown`).
 
     Never retried (the same call would not fit again): the run is dead-lettered with the budget's name. Raise the
     cap (`oncelery budgets set`) or wait for the window, then `oncelery dlq replay`. `on_budget="defer"` parks
@@ -127,7 +130,16 @@ class BudgetExceeded(OnceleryError):
         )
         return cls(
             f"budget {budget}: this call's estimate {money['e']} does not fit (spent {money['s']} + reserved "
-            f"{money['r']} of {money['l']}); nothing was sent: {fix}, then `oncelery dlq replay`",
+            f"{money['r']} of {money['l']}); this call was not sent: {fix}, then `oncelery dlq replay`",
             budget=budget,
             waits_s=waits_s,
         )
+
+    def after_unknown(self, attempt: int) -> BudgetExceeded:
+        """The same refusal of a step whose earlier `attempt` may have been made: its message says it is on the
+        books (in the ledger at its estimate, charged), so nobody reads "nothing was sent" as "nothing was paid"."""
+        note = (
+            f" (attempt {attempt} of this step may have been made: its outcome is unknown, and it is in the ledger "
+            "at its estimate, labelled unknown_outcome, and charged to the budgets)"
+        )
+        return BudgetExceeded(self.message + note, budget=self.budget, waits_s=self.waits_s)

@@ -14,7 +14,9 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
-from oncelery.llm.budgets import BudgetPlan, Reservation, release_txn, reserve_txn
+from oncelery.ledger.settle import Reservation, release_txn
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
+from oncelery.llm.budgets import BudgetPlan, reserve_txn
 from oncelery.llm.limits import OUTPUT_RETURNED_ENDPOINTS, Admission, admit_txn, settle_txn, used_by
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
@@ -26,11 +28,10 @@ __all__ = [
     "Intent",
     "end_intent",
     "end_intent_txn",
-    "end_unheld_intent",
+    "fenced_write",
     "latest_intent",
     "mark_sent",
     "prepare_intent",
-    "sent_calls",
 ]
 
 _OPEN = (IntentState.PREPARED, IntentState.SENT)
@@ -72,18 +73,9 @@ def latest_intent(store: RunStore, run_id: int, position: int) -> Intent | None:
     return None if row is None else Intent(*row)
 
 
-def sent_calls(store: RunStore, run_id: int, provider: str) -> list[Intent]:
-    """Return the run's calls to `provider` sent and not yet ended (the provider may still be working on them)."""
-    c = INTENTS.c
-    stmt = select(*_COLUMNS).where(
-        c.run_id == run_id, c.provider == provider, c.state == IntentState.SENT, c.reference.is_not(None)
-    )
-    with store.db.read() as conn:
-        return [Intent(*row) for row in conn.execute(stmt)]
-
-
-def _fenced(store: RunStore, claim: Claim, what: str, body: Callable[[Connection], None]) -> None:
-    """Run `body` in one transaction iff `claim` still holds the run (renewing its lease), else LeaseLost."""
+def fenced_write(store: RunStore, claim: Claim, what: str, body: Callable[[Connection], None]) -> None:
+    """Run `body` in one durable transaction iff `claim` still holds the run (renewing its lease), else
+    LeaseLost naming `what` (nothing written)."""
     with store.transaction() as conn:
         # Durable whatever the server's default: an intent forgotten by a crash after its create was sent would
         # be paid again with no label (claims may commit asynchronously; intents never do).
@@ -109,7 +101,8 @@ def prepare_intent(
     """Commit a new `prepared` intent (durably, fenced) before any byte of the call leaves this process.
 
     `request` holds the fields the row keeps (provider, endpoint, model, mode, request_digest, retention_s).
-    A `supersedes` intent still open is closed as `lost` in the same transaction: its outcome is unknown.
+    A `supersedes` intent still open is ended `lost` in the same transaction, with its ledger row at its estimate
+    (oncelery.ledger.unknown): its outcome is unknown.
     `admissions`: the shared limiters the call goes through, admitted in the same transaction, or Throttled
     is raised and nothing is written. `budget`: (the call's budgets, its estimated cost in micro-USD), reserved
     in the same transaction, or BudgetExceeded is raised and nothing is written.
@@ -128,12 +121,8 @@ def prepare_intent(
             plan, estimate = budget
             reserved[0] = reserve_txn(conn, dialect, plan, claim.tenant, claim.run_id, estimate).as_json()
         if supersedes is not None:
-            conn.execute(
-                update(INTENTS)
-                .where(INTENTS.c.public_id == supersedes.public_id, INTENTS.c.state.in_(_OPEN))
-                .values(state=IntentState.LOST, ended_at=now)
-            )
-            release_txn(conn, dialect, supersedes.public_id, supersedes.reservation)
+            why = f"outcome unknown: attempt {attempt} of step {step_name!r} replaced it"
+            end_unanswered_txn(conn, dialect, supersedes.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
         conn.execute(
             INTENTS.insert().values(
                 public_id=public_id,
@@ -151,7 +140,7 @@ def prepare_intent(
             )
         )
 
-    _fenced(store, claim, f"the call of step {step_name!r} was not prepared", write)
+    fenced_write(store, claim, f"the call of step {step_name!r} was not prepared", write)
     return Intent(
         0, public_id, attempt, claim.token, str(request["mode"]), str(request["request_digest"]),
         IntentState.PREPARED, None, None, reason, kept[0], reserved[0], str(request["endpoint"]),
@@ -169,7 +158,7 @@ def mark_sent(store: RunStore, claim: Claim, intent: Intent, reference: str, cur
     def write(conn: Connection) -> None:
         conn.execute(stmt)
 
-    _fenced(store, claim, "the call's reference was not saved", write)
+    fenced_write(store, claim, "the call's reference was not saved", write)
     return replace(intent, state=IntentState.SENT, reference=reference, cursor=cursor)
 
 
@@ -206,27 +195,6 @@ def end_intent_txn(
         release_txn(conn, store.db.dialect, intent.public_id, intent.reservation)
 
 
-def end_unheld_intent(
-    store: RunStore,
-    intent: Intent,
-    state: IntentState,
-    error: str,
-    also: Callable[[Connection], None] | None = None,
-) -> bool:
-    """End an open intent of a run no holder has (a revoked, parked or superseded run), with `also` (its ledger
-    row) in the same transaction; return whether it was still open (only then is `also` run)."""
-    with store.db.begin() as conn:
-        before = conn.execute(
-            select(INTENTS.c.id).where(INTENTS.c.public_id == intent.public_id, INTENTS.c.state.in_(_OPEN))
-        ).first()
-        if before is None:
-            return False
-        end_intent_txn(conn, store, intent, state, error=error)
-        if also is not None:
-            also(conn)
-    return True
-
-
 def end_intent(
     store: RunStore,
     claim: Claim,
@@ -242,4 +210,4 @@ def end_intent(
         if also is not None:
             also(conn)
 
-    _fenced(store, claim, f"the call's end ({state.value}) was not recorded", write)
+    fenced_write(store, claim, f"the call's end ({state.value}) was not recorded", write)

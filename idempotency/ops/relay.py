@@ -17,6 +17,8 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
+from oncelery.ledger.rows import add_call
+from oncelery.ledger.unknown import abandon_finished
 from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
@@ -30,7 +32,6 @@ from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 from oncelery.task.heartbeat import heartbeat_file
-from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
 
 __all__ = [
@@ -64,6 +65,7 @@ class RelayRound:
     swept: int = 0
     woken: int = 0  # WAITING runs whose wake came: their messages re-sent
     released: int = 0  # budget reservations of calls left prepared by a dead holder, released
+    abandoned: int = 0  # calls left open by finished runs, ended with their estimated ledger rows
     batches_submitted: int = 0  # provider batches the batcher created (batch steps)
     batch_items_applied: int = 0  # batch items whose results were applied (done or failed): their runs woken
     purged: int = 0
@@ -163,6 +165,8 @@ class Relay:
         # Always on: a parked run has no other way back (its delivery was acked).
         done.woken = wake_waiting_runs(self.app, self.db, self.rewake_after, self.batch)
         done.released = release_stale(self.db, self.release_after, self.batch)
+        # Calls finished runs left open (a body that caught its call's error, a crash): on the books, at estimate.
+        done.abandoned = abandon_finished(self.db, self.batch)
         if self.batcher is not None:
             batched = self.last_batch_round = self.batcher.run_once()
             done.batches_submitted = batched.submitted

@@ -21,6 +21,7 @@ from sqlalchemy import Connection, and_, column, delete, func, inspect, or_, sel
 from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME, abandon_runs_intents_txn
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.runs.debounce import purge_dispatched
 from oncelery.runs.faults import fault_point
@@ -141,6 +142,8 @@ def purge(
                 break
             ids = [row.id for row in found]
             last_id = ids[-1]
+            # A call a finished run left open goes on the books before its intent is deleted (the ledger rule).
+            abandon_runs_intents_txn(conn, dia, ids, UNKNOWN_OUTCOME, "its run was purged while the call was open")
             _delete_runs(conn, ids, ledgers, report)
             fault_point("purge_batch", runs=len(ids))
         size = next_batch_size(size, batch, time.monotonic() - started)

@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from oncelery.errors import StaleVersion, StoreError
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME, abandon_run_intents_txn
 from oncelery.models import Outcome, RunStatus
 from oncelery.runs.decisions import (
     Claim,
@@ -61,7 +62,7 @@ from oncelery.runs.views import Runs, RunView, run_view
 from oncelery.store.database import rowcount, translated
 from oncelery.store.driver import DriverTransaction
 from oncelery.store.statements import Statements, statements
-from oncelery.store.tables import VERSIONS
+from oncelery.store.tables import RUNS, VERSIONS
 
 __all__ = ["RunStore"]
 
@@ -320,11 +321,20 @@ class RunStore:
             value = conn.execute(stmt).scalar_one_or_none()
         return None if value is None else int(value)
 
-    def settle_stale(self, task_name: str, ident: Identity) -> int:
+    def settle_stale(self, task_name: str, ident: Identity) -> int | None:
         """Complete with no result the run of a stale delivery that waits to be run again (a retry due, or an
-        expired holder), so nothing re-sends it for ever; return how many runs were settled (0 or 1)."""
+        expired holder, or parked), so nothing re-sends it for ever; its calls still open end with their ledger
+        rows in the same transaction (oncelery.ledger.unknown). Return the settled run's id (None: none was)."""
         params = {"p_task": task_name, "p_tenant": ident.tenant, "p_key": ident.key}
-        return int(self.db.one(self.sql.settle_stale, params)[1])
+        r = RUNS.c
+        find = select(r.id).where(r.task_name == task_name, r.tenant == ident.tenant, r.idempotency_key == ident.key)
+        with self.db.begin() as conn:
+            if rowcount(conn.execute(self.sql.settle_stale, params)) != 1:
+                return None
+            run_id = int(conn.execute(find).scalar_one())
+            why = "its run was settled stale (a newer version of its entity was applied)"
+            abandon_run_intents_txn(conn, self.db.dialect, run_id, UNKNOWN_OUTCOME, why)
+        return run_id
 
     def close_outbox_row(self, celery_task_id: str | None, outcome: Outcome) -> None:
         """Close the outbox row that published this delivery (if any) with the outcome that settled it without
@@ -386,6 +396,12 @@ class RunStore:
         keep_arguments: bool = False,
     ) -> None:
         """Commit the run's completion (and the open `effects` transaction) atomically, fenced by the token."""
+        if effects is None and outcome is Outcome.STALE:
+            with self.db.begin() as conn:  # rare: a stale completion ends its calls still open (the ledger rule)
+                self.complete_txn(conn, claim, result, outcome, version, steps, keep_arguments)
+                why = "its run completed stale (a newer version of its entity was applied)"
+                abandon_run_intents_txn(conn, self.db.dialect, claim.run_id, UNKNOWN_OUTCOME, why)
+            return
         if effects is None:
             sql = self.sql
             if sql.complete_and_count is not None and version is None and not keep_arguments:
@@ -450,6 +466,9 @@ class RunStore:
             ok = rowcount(conn.execute(stmt, params)) == 1
             if ok and death is not None:
                 write_letter(conn, self.sql, claim.run_id, error, death)
+                # A dead run is held by nobody: its calls still open go on the books now (the ledger rule).
+                why = f"its run went dead ({death.reason})"
+                abandon_run_intents_txn(conn, self.db.dialect, claim.run_id, UNKNOWN_OUTCOME, why)
             counted = outcome if ok else Outcome.LEASE_LOST
             record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
         return ok

@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, delete, exists, func, select, update
 
 from oncelery.errors import ConfigurationError
+from oncelery.ledger.unknown import SUPERSEDED_LABEL, abandon_run_intents_txn
 from oncelery.models import Outcome, RunStatus
 from oncelery.runs.outcomes import record_outcome_txn
 from oncelery.store.database import Database, rowcount
@@ -51,9 +52,8 @@ logger = logging.getLogger("oncelery.debounce")  # a stable name (users filter o
 
 #: What a newer edit does to a run already in flight for an older one.
 ON_RUNNING = ("supersede", "finish")
-#: The ledger label of the model calls a superseded run made (their spend stays in the ledger, labelled). Not
-#: "superseded": that label already means a call re-sent after its step's earlier attempt ended (RepeatReason).
-SUPERSEDED_LABEL = "run_superseded"
+# SUPERSEDED_LABEL (oncelery.ledger.unknown), "run_superseded": the ledger label of the model calls a superseded
+# run made. Not "superseded": that label already means a call re-sent after its step's earlier attempt ended.
 
 
 @dataclass(frozen=True)
@@ -301,6 +301,9 @@ def _supersede(
             return None
         record_outcome_txn(conn, db.dialect.name, task_name, Outcome.SUPERSEDED, tenant)
         _label_calls(conn, db, int(row.id))
+        # Its calls still open go on the books now, labelled; the canceller then stops them at the provider.
+        why = f"cancelled: its run was superseded by a newer edit of {debounce_key}"
+        abandon_run_intents_txn(conn, db.dialect, int(row.id), SUPERSEDED_LABEL, why)
     if on_superseded is not None:
         on_superseded(int(row.id))
     return int(row.id)

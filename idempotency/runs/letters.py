@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from oncelery.ledger.unknown import REVOKED_LABEL, UNKNOWN_OUTCOME, abandon_run_intents_txn
 from oncelery.models import Outcome, RunStatus
 from oncelery.runs.decisions import REASON_CONFLICT, REASON_MAX_DELIVERIES, REASON_REVOKED, Death, clean_error
 from oncelery.runs.faults import fault_point
@@ -58,6 +59,8 @@ def kill_lost(db: Database, sql: Statements, run: RunView, max_deliveries: int, 
         if rowcount(conn.execute(sql.kill_lost, params)) != 1:
             return False
         write_letter(conn, sql, run.run_id, error, Death(REASON_MAX_DELIVERIES, None, letter))
+        why = "its run went dead (its worker was lost too often)"
+        abandon_run_intents_txn(conn, db.dialect, run.run_id, UNKNOWN_OUTCOME, why)
     return True
 
 
@@ -141,5 +144,7 @@ def cancel_revoked(db: Database, task_name: str, celery_task_id: str, terminated
         if rowcount(done) != 1:
             return None
         write_letter(conn, statements(db.dialect.name), row.id, error, Death(REASON_REVOKED, None, row.message))
+        # Its calls still open go on the books now, labelled; the canceller then stops them at the provider.
+        abandon_run_intents_txn(conn, db.dialect, row.id, REVOKED_LABEL, "cancelled: its run was revoked")
         record_outcome_txn(conn, db.dialect.name, task_name, Outcome.DEAD, row.tenant)
     return int(row.id), int(row.fencing_token)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any
 
 from celery._state import _task_stack
@@ -22,6 +23,7 @@ from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.errors import ConfigurationError, OnceleryError, PayloadTooLarge, StoreError
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME
 from oncelery.runs.debounce import DebounceMark
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
@@ -321,8 +323,20 @@ class IdempotentTask(RunBody):
         return super().retry(args, kwargs, exc, *a, **kw)
 
     def cancel_calls(self, run_id: int, why: str, label: str) -> int:
-        """Cancel the run's calls in flight at the provider, best effort, each with its ledger row (`label`)."""
+        """Ask the provider to stop the ended run's calls in flight, best effort (each is on the books, `label`)."""
         return cancel_run_calls(self, run_id, why, label)
+
+    def stop_calls_later(self, run_id: int, why: str) -> None:
+        """Ask the provider to stop the ended run's calls off this thread: a provider's cancel never delays a
+        delivery, and its failure changes nothing (the calls are on the books already)."""
+
+        def stop() -> None:
+            try:
+                self.cancel_calls(run_id, why, UNKNOWN_OUTCOME)
+            except Exception as exc:  # best effort: the run has ended whatever its calls do
+                logger.warning("%s: calls of ended run %d not cancelled: %s", self.name, run_id, exc)
+
+        threading.Thread(target=stop, name="oncelery-cancel", daemon=True).start()
 
     def outcome_counts(self) -> dict[str, int]:
         """Return this task's exact delivery outcome counts across all processes."""

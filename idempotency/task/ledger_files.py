@@ -23,6 +23,7 @@ from typing import Any
 from celery import signals
 
 from oncelery.errors import StoreError
+from oncelery.ledger.rows import write_call
 from oncelery.models.money import micros_up
 from oncelery.settings import (
     CONF_LEDGER_SPOOL_DIR,
@@ -33,7 +34,6 @@ from oncelery.settings import (
     configured_database_url,
 )
 from oncelery.store.database import Database, safe_url
-from oncelery.task.ledger_rows import write_call
 
 __all__ = [
     "FORMAT",

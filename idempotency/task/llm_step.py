@@ -17,16 +17,17 @@ from sqlalchemy import Connection
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
+from oncelery.ledger.rows import add_call
+from oncelery.ledger.settle import charge_txn
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
 from oncelery.llm.batches import BatchPolicy, batch_micros
-from oncelery.llm.budgets import BudgetPlan, BudgetRule, charge_txn, parse_budgets, parse_usd
+from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, parse_usd
 from oncelery.llm.call import CallPolicy, call_batched, call_model
 from oncelery.llm.intents import Intent
 from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
 from oncelery.runs.encoding import canonical_json
 from oncelery.settings import CONF_BUDGETS, CONF_LIMITS, CONF_PRICES
-from oncelery.task.ledger_rows import add_call
 from oncelery.task.metering import price_of
 from oncelery.task.otel import telemetry_of
 from oncelery.task.otel_calls import CallLog, traced_llm_step
@@ -170,10 +171,9 @@ class LedgerRecorder:
     ) -> None:  # fmt: skip
         """Add the row (and the running totals, once) for `intent`'s call."""
         claim, step = self.ctx.claim, self.step
-        cost = None if self.price is None else self.price.cost_micros(usage.input_tokens, usage.output_tokens)
-        saved = None
-        if cost is not None and intent.mode == "batch":  # a batch item is billed at the batch price
-            cost, saved = batch_micros(cost), cost - batch_micros(cost)
+        cost = self.cost_of(usage, intent.mode)
+        full = None if self.price is None else self.price.cost_micros(usage.input_tokens, usage.output_tokens)
+        saved = None if cost is None or full is None or intent.mode != "batch" else full - cost
         row = {
             "call_id": intent.public_id,
             "task_name": claim.task_name,
@@ -199,6 +199,13 @@ class LedgerRecorder:
             charge_txn(conn, intent.reservation, cost)
             if self.log is not None:
                 self.log.rows.append(row)
+
+    def cost_of(self, usage: Usage, mode: str) -> int | None:
+        """What `usage` costs in micro-USD at this model's price (a batch item at the batch price); None: no price."""
+        if self.price is None:
+            return None
+        cost = self.price.cost_micros(usage.input_tokens, usage.output_tokens)
+        return batch_micros(cost) if mode == "batch" else cost
 
 
 def run_llm_step(

@@ -35,12 +35,12 @@ from celery._state import get_current_task
 
 from oncelery.delivery.steps import current_step
 from oncelery.errors import ConfigurationError, StoreUnavailable
+from oncelery.ledger.rows import write_call
 from oncelery.models.money import as_decimal, micros_up, usd
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.store.database import Database
 from oncelery.task.idempotent import IdempotentTask
-from oncelery.task.ledger_rows import write_call
 from oncelery.task.ledger_spool import after_write, spool_row
 
 __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_of"]

@@ -6,10 +6,11 @@ the `task_revoked` signal then fires in the worker's main process, and this modu
 
 - the run goes DEAD with a dead letter of reason `revoked` (so `oncelery dlq replay` can run it again), counted
   `dead`, guarded by its status and token (a run taken over meanwhile is left alone);
-- each call it had sent and not ended is cancelled at the provider where the task's adapter (`llm_adapter`)
-  can cancel (OpenAI Responses), and its intent ends `cancelled` with a ledger row labelled `run_revoked` (a
-  cancel is best effort, so the call may be billed: llm/cancel.py). A call that cannot be cancelled stays `sent`:
-  a replay re-attaches to it and pays nothing.
+- in the same transaction, each call it had open ends `abandoned` with its ledger row at its estimate, labelled
+  `run_revoked`, and its budgets charged (the ledger rule: oncelery.ledger.unknown);
+- then each of those calls is cancelled at the provider where the task's adapter (`llm_adapter`) can cancel
+  (OpenAI Responses), and its intent becomes `cancelled` (a cancel is best effort, so the call may still be
+  billed: its row stays). A cancel that fails changes nothing: the call is on the books already.
 
 A revoke with `terminate=True` cancels a RUNNING run the same way (its holder is being killed). Losing a lease
 never cancels anything.
@@ -24,13 +25,11 @@ from typing import Any
 from celery import signals
 
 from oncelery.errors import OnceleryError
-from oncelery.llm.cancel import CancelLedger, adapter_of, cancel_sent_calls
+from oncelery.ledger.unknown import REVOKED_LABEL
+from oncelery.llm.cancel import adapter_of, cancel_sent_calls
 from oncelery.runs.letters import cancel_revoked
-from oncelery.task.ledger_rows import add_call
 
 __all__ = ["REVOKED_LABEL", "cancel_on_revoke", "cancel_run_calls", "watch_revokes"]
-
-REVOKED_LABEL = "run_revoked"  # the ledger label of a call cancelled because its run was revoked
 
 logger = logging.getLogger("oncelery.task")
 
@@ -71,18 +70,6 @@ def cancel_on_revoke(task: Any, task_id: str, terminated: bool = False) -> bool:
 
 
 def cancel_run_calls(task: Any, run_id: int, why: str, label: str) -> int:
-    """Cancel the run's calls in flight at the provider, best effort, each with its ledger row labelled `label`;
-    return how many were cancelled."""
-    # Imported here: metering imports IdempotentTask, which imports this module.
-    from oncelery.task.metering import price_of
-
-    conf, dialect = task.app.conf, task.store.db.dialect
-
-    def price(model: str, input_tokens: int, output_tokens: int) -> int | None:
-        found = price_of(model, conf)
-        return None if found is None else found.cost_micros(input_tokens, output_tokens)
-
-    def write(conn: Any, row: Any) -> bool:
-        return add_call(conn, dialect, row)
-
-    return cancel_sent_calls(task.store, run_id, adapter_of(task), why, CancelLedger(write, price, label))
+    """Ask the provider to stop the ended run's calls in flight, best effort (each is already on the books,
+    labelled `label`: oncelery.ledger.unknown); return how many it cancelled."""
+    return cancel_sent_calls(task.store, run_id, adapter_of(task), why, label)

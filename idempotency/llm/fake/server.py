@@ -409,6 +409,12 @@ class _Handler(BaseHTTPRequestHandler):
         if not call.background:
             self._json(400, wire.openai_error(400, "Only responses created with background=true can be cancelled."))
             return
+        failing = state.knobs.cancel_status
+        if failing:  # a provider whose cancel fails (an outage, a response it no longer finds): nothing is cancelled
+            with state.lock:
+                state.stats.cancels_refused += 1
+            self._json(failing, wire.openai_error(failing, f"The cancel failed ({failing})."))
+            return
         state.cancel(call)
         self._json(200, wire.response_object(call, call.status(state.now())))
 

@@ -43,6 +43,7 @@ class Knobs:
     stored_retention_s: float = 30 * 86400.0  # a stored response (store=true, the foreground default)
     stuck_queued: bool = False  # new background responses stay `queued` for ever
     complete_after_cancel: bool = False  # a cancelled response still ends `completed` (seen at OpenAI)
+    cancel_status: int = 0  # non-zero: every cancel is answered with this HTTP status (500, 404) and cancels nothing
     hold_creates: int = 0  # accept the next N creates but hold their answers until `release`
     hold_timeout_s: float = 60.0
     fail_next: int = 0  # answer the next N model requests with `fail_status` (nothing is created)
@@ -138,6 +139,7 @@ class Stats:
     polls: int = 0
     stream_resumes: int = 0
     cancels: int = 0
+    cancels_refused: int = 0  # cancels answered with `cancel_status` (nothing cancelled)
     errors_served: Counter[str] = field(default_factory=Counter)  # per HTTP status, as strings (JSON keys)
     rate_limited: int = 0  # 429s served by the rate-limit windows (not by `fail_next`)
     held: int = 0  # answers held right now

@@ -11,15 +11,15 @@ older edit that a renewal fences out counts `superseded`: two new values of a VA
 new outcomes starts at zero (the exporter lists every outcome of the enum, counted or not).
 
 SQLite cannot alter a CHECK in place; as in 0016, the IN list is edited in sqlite_master (widening only admits
-more rows), never by a batch rebuild that would drop the table.
+more rows), never by a batch rebuild that would drop the table (models/migrations/checks.py).
 """
 
 from __future__ import annotations
 
-import re
-
 import sqlalchemy as sa
 from alembic import op
+
+from oncelery.models.migrations.checks import set_in_check
 
 revision = "0025"
 down_revision = "0024"
@@ -33,33 +33,8 @@ _ADDED = ("debounced", "superseded")
 _TABLE, _NAME, _COLUMN = "delivery_outcomes", "ck_delivery_outcomes_outcome", "outcome"
 
 
-def _in_list(values: tuple[str, ...]) -> str:
-    return f"{_COLUMN} IN (" + ", ".join(f"'{v}'" for v in values) + ")"
-
-
 def _set_check(values: tuple[str, ...]) -> None:
-    bind = op.get_bind()
-    if bind.dialect.name != "sqlite":
-        op.drop_constraint(op.f(_NAME), _TABLE, type_="check")
-        op.create_check_constraint(op.f(_NAME), _TABLE, _in_list(values))
-        return
-    version = bind.exec_driver_sql("PRAGMA schema_version").scalar_one()
-    bind.exec_driver_sql("PRAGMA writable_schema=ON")
-    try:
-        sql = bind.exec_driver_sql(
-            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (_TABLE,)
-        ).scalar_one()
-        pattern = re.compile(rf"CONSTRAINT {_NAME} CHECK \({_COLUMN} IN \([^)]*\)\)")
-        new, count = pattern.subn(f"CONSTRAINT {_NAME} CHECK ({_in_list(values)})", sql)
-        if count != 1:
-            raise RuntimeError(f"{_TABLE}: constraint {_NAME} not found as expected in its schema: {sql}")
-        bind.exec_driver_sql("UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = ?", (new, _TABLE))
-        bind.exec_driver_sql(f"PRAGMA schema_version={int(version) + 1}")
-    finally:
-        bind.exec_driver_sql("PRAGMA writable_schema=OFF")
-    problems = bind.exec_driver_sql("PRAGMA quick_check").scalars().all()
-    if problems != ["ok"]:
-        raise RuntimeError(f"SQLite schema check failed after the CHECK change: {problems}")
+    set_in_check(_TABLE, _NAME, _COLUMN, values)
 
 
 def upgrade() -> None:

@@ -1,0 +1,9 @@
+"""The cost ledger's writes (below the call layer, beside the run protocol): rows, settlement, unknown outcomes.
+
+Reading order: `rows` (one model call's row, written once per call id, with the running totals), `settle` (a
+call's budget reservation released and its cost charged, once), `unknown` (an intent that may have been created
+and will never be answered ends with a row at its estimate: provider creates never exceed ledger rows).
+Imports no celery, kombu, redis or click.
+"""
+
+__all__: list[str] = []  # a room: its modules are imported by their own paths
