@@ -60,16 +60,17 @@ _FIELDS = (
 
 def end_unanswered_txn(
     conn: Connection, dialect: Dialect, public_id: str, state: IntentState, label: str, why: str
-) -> bool:
+) -> dict[str, Any] | None:
     """End the open intent `public_id` as `state` with its ledger row at its estimate (labelled `label`) and its
-    budgets charged, in the caller's transaction; return whether it was open (only then is anything written)."""
+    budgets charged, in the caller's transaction; return the row written (None: it was not open, or it never
+    reached a provider and has no row)."""
     found = conn.execute(
         select(*_FIELDS)
         .select_from(INTENTS.outerjoin(RUNS, _r.id == _i.run_id))
         .where(_i.public_id == public_id, _i.state.in_(OPEN_STATES))
     ).first()
     if found is None:
-        return False
+        return None
     if found.mode == "batch" and _unqueued(conn, public_id):
         # A batch item never submitted reached no provider: it ends cancelled, its money released, with no row.
         state, label = IntentState.CANCELLED, ""
@@ -79,15 +80,17 @@ def end_unanswered_txn(
         .values(state=state, ended_at=dialect.now(), error=why[:1000])
     )
     if rowcount(ended) != 1:
-        return False  # ended by another writer between the two statements: its row is that writer's
+        return None  # ended by another writer between the two statements: its row is that writer's
     reservation = Reservation.of(found.reserved)
     release_txn(conn, dialect, public_id, reservation)
     if not label:
-        return True
+        return None
     cost = _estimated_cost(found, reservation)
-    if add_call(conn, dialect, _row(found, label, why, cost)):
-        charge_txn(conn, reservation, cost)
-    return True
+    row = _row(found, label, why, cost)
+    if not add_call(conn, dialect, row):
+        return None
+    charge_txn(conn, reservation, cost)
+    return row
 
 
 def abandon_run_intents_txn(conn: Connection, dialect: Dialect, run_id: int, label: str, why: str) -> int:
@@ -101,7 +104,8 @@ def abandon_runs_intents_txn(conn: Connection, dialect: Dialect, run_ids: list[i
     open_ones = conn.execute(
         select(_i.public_id).where(_i.run_id.in_(run_ids), _i.state.in_(OPEN_STATES)).order_by(_i.id)
     ).scalars()
-    return sum(end_unanswered_txn(conn, dialect, pid, IntentState.ABANDONED, label, why) for pid in list(open_ones))
+    ended = (end_unanswered_txn(conn, dialect, pid, IntentState.ABANDONED, label, why) for pid in list(open_ones))
+    return sum(1 for row in ended if row is not None)
 
 
 def abandon_finished(db: Database, batch: int = 100) -> int:
@@ -115,7 +119,8 @@ def abandon_finished(db: Database, batch: int = 100) -> int:
     why = "its run finished while the call was open: outcome unknown"
     for public_id in found:  # one transaction each: a fault leaves the rest for the next round
         with db.begin() as conn:
-            ended += end_unanswered_txn(conn, db.dialect, public_id, IntentState.ABANDONED, UNKNOWN_OUTCOME, why)
+            row = end_unanswered_txn(conn, db.dialect, public_id, IntentState.ABANDONED, UNKNOWN_OUTCOME, why)
+            ended += row is not None
     return ended
 
 

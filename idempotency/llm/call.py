@@ -118,6 +118,10 @@ class Recorder(Protocol):
         """What `usage` costs in micro-USD for a call in `mode` (a batch item at the batch price); None: no price."""
         ...
 
+    def wrote(self, row: Mapping[str, Any]) -> None:
+        """Learn of a row the call layer wrote itself (an unknown outcome's), once its transaction committed."""
+        ...
+
 
 @dataclass(frozen=True)
 class Answered:
@@ -588,11 +592,16 @@ def _record_unknown(step: _Step, unanswered: Intent, why: str = "outcome unknown
     """End a call whose outcome cannot be known `lost`, with its ledger row at its estimate and its budgets
     charged, in one fenced transaction (oncelery.ledger.unknown: provider creates <= ledger rows)."""
     dialect = step.store.db.dialect
+    written: list[Mapping[str, Any]] = []
 
     def write(conn: Connection) -> None:
-        end_unanswered_txn(conn, dialect, unanswered.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
+        written.clear()  # a retried transaction writes it afresh
+        row = end_unanswered_txn(conn, dialect, unanswered.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
+        written.extend([row] if row is not None else [])
 
     fenced_write(step.store, step.claim, "the unknown outcome of the call was not recorded", write)
+    for row in written:
+        step.record.wrote(row)
 
 
 def estimate_usage(request: Mapping[str, Any]) -> Usage:

@@ -200,6 +200,11 @@ class LedgerRecorder:
             if self.log is not None:
                 self.log.rows.append(row)
 
+    def wrote(self, row: Mapping[str, Any]) -> None:
+        """Note a row the call layer wrote (an unknown outcome's), for tracing."""
+        if self.log is not None:
+            self.log.rows.append(dict(row))
+
     def cost_of(self, usage: Usage, mode: str) -> int | None:
         """What `usage` costs in micro-USD at this model's price (a batch item at the batch price); None: no price."""
         if self.price is None:
