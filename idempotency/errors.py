@@ -280,5 +280,4 @@ class StoreUnavailable(StoreError):
 
 
 class ModelCallNotBudgeted(UserWarning):
-    """Warned (once per task and process) when `model_call` records a call of a task that budgets or shared limits
-    apply to: they admit and reserve `self.llm()` calls only, so this call was neither admitted nor reserved."""
+    """Warned once per task and process: budgets or limits apply, and `model_call` is neither admitted nor reserved."""

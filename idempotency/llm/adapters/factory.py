@@ -26,17 +26,16 @@ _MAKING = threading.Lock()  # two worker threads' first calls make one adapter, 
 
 
 def is_factory(value: Any) -> bool:
-    """Whether an adapter option holds a factory (a function, method, class, partial, or a callable that is not
-    an adapter) rather than an adapter."""
+    """Whether an adapter option holds a factory (a function, method, class, or callable without `create`)."""
     if inspect.isclass(value) or inspect.isroutine(value) or isinstance(value, functools.partial):
         return True
     return callable(value) and not hasattr(value, "create")
 
 
 def as_factory(owner: Any, factory: Callable[..., Any]) -> Callable[[], Any]:
-    """`factory` as a callable of no argument: unbound from `owner` when it comes back bound to it, and given
-    `owner` when it takes one argument. The result is never itself taken for an adapter (it has no `create`)."""
+    """`factory` callable with no argument: unbound from `owner` if bound to it, given `owner` if it takes one."""
     func = factory.__func__ if inspect.ismethod(factory) and factory.__self__ is owner else factory
+    # A partial, never the class itself: code that tells an adapter by its attributes never takes it for one.
     return functools.partial(func) if _takes_no_argument(func) else functools.partial(func, owner)
 
 
