@@ -1,4 +1,4 @@
-"""Oncelery's exceptions: one root, typed subtrees, every one picklable with its extra fields."""
+"""Oncelery's exceptions: one root, typed subtrees, every one picklable with its extra fields; and its warning."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ __all__ = [
     "InProgress",
     "InvalidKey",
     "LeaseLost",
+    "ModelCallNotBudgeted",
     "OnceleryError",
     "PayloadError",
     "PayloadNotJSON",
@@ -276,3 +277,7 @@ class SchemaMissing(StoreError):
 
 class StoreUnavailable(StoreError):
     """Raised when the claims database cannot be reached; the job is retried, never dropped."""
+
+
+class ModelCallNotBudgeted(UserWarning):
+    """Warned once per task and process: budgets or limits apply, and `model_call` is neither admitted nor reserved."""

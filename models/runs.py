@@ -267,7 +267,7 @@ class DeadLetter(Base):
     task_name: Mapped[str] = mapped_column(String(255), nullable=False)
     tenant: Mapped[str] = mapped_column(String(255), nullable=False, default="", server_default="")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
-    # retries_exhausted | never_succeeds | max_deliveries | conflict | bad_message | republish_cap
+    # one of oncelery.runs.decisions.LETTER_REASONS (retries_exhausted, revoked, budget_exceeded, ...)
     reason: Mapped[str] = mapped_column(String(32), nullable=False)
     error: Mapped[str | None] = mapped_column(Text)
     traceback: Mapped[str | None] = mapped_column(Text)

@@ -12,6 +12,7 @@ from oncelery.cli.context import APP_HELP, resolve_database_url, resolve_publish
 from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayState
 from oncelery.ops.reach import check_app
+from oncelery.runs.decisions import LETTER_REASONS
 
 __all__ = ["dlq"]
 
@@ -35,11 +36,7 @@ def _filters(func: Any) -> Any:
     for option in (
         click.option("--task", "task_name", metavar="NAME", default=None, help="Only this task's letters."),
         click.option("--tenant", default=None, help="Only this tenant's letters."),
-        click.option(
-            "--reason",
-            type=click.Choice(["retries_exhausted", "never_succeeds", "max_deliveries", "conflict", "bad_message"]),
-            default=None,
-        ),
+        click.option("--reason", type=click.Choice(LETTER_REASONS), default=None, help="Only letters of this reason."),
     ):
         func = option(func)
     return func

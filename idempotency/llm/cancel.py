@@ -35,11 +35,10 @@ _ASKED = (IntentState.SENT, IntentState.ABANDONED)
 
 
 def adapter_of(task: Any) -> Any:
-    """The task's `llm_adapter` (made if it is a factory), or None."""
-    adapter = getattr(task, "llm_adapter", None)
-    if adapter is not None and not hasattr(adapter, "create") and callable(adapter):
-        adapter = adapter()
-    return adapter
+    """The task's `llm_adapter` (made if it is a factory, once per task and process), or None."""
+    from oncelery.llm.adapters.factory import task_adapter
+
+    return task_adapter(task)
 
 
 def cancel_sent_calls(store: RunStore, run_id: int, adapter: Any, why: str, label: str) -> int:

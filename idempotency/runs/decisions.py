@@ -19,6 +19,7 @@ from oncelery.runs.outcomes import counter_shard, outcome_params
 from oncelery.runs.views import RunView
 
 __all__ = [
+    "LETTER_REASONS",
     "MAX_ERROR_CHARS",
     "REASON_BAD_MESSAGE",
     "REASON_BUDGET",
@@ -208,6 +209,18 @@ REASON_BAD_MESSAGE = "bad_message"
 REASON_REVOKED = "revoked"  # Celery revoked the message of a parked (or terminated) run: cancelled by a person
 REASON_BUDGET = "budget_exceeded"  # a model call's estimate did not fit a budget: replay after raising the cap
 REASON_REPUBLISH_CAP = "republish_cap"  # an outbox row published too often with no run finishing
+#: Every reason a dead letter is written with: the one list the CLI's `--reason` choices (and any reader) take.
+#: A new reason is a REASON_* above AND an entry here (tests/test_dead_letter_reasons.py checks both ways).
+LETTER_REASONS: tuple[str, ...] = (
+    REASON_RETRIES_EXHAUSTED,
+    REASON_NEVER_SUCCEEDS,
+    REASON_MAX_DELIVERIES,
+    REASON_CONFLICT,
+    REASON_BAD_MESSAGE,
+    REASON_REVOKED,
+    REASON_BUDGET,
+    REASON_REPUBLISH_CAP,
+)
 
 
 def encode_result(value: Any, what: str) -> Any:

@@ -64,9 +64,9 @@ ON_LOST = ("recall", "dead_letter")
 
 def resolve_adapter(task: Any, adapter: Any) -> Adapter:
     """Return the call's adapter: `adapter=`, else the task's `llm_adapter` (an adapter or a factory of one)."""
-    chosen = adapter if adapter is not None else getattr(task, "llm_adapter", None)
-    if chosen is not None and not hasattr(chosen, "create") and callable(chosen):
-        chosen = chosen()
+    from oncelery.llm.adapters.factory import made_adapter, task_adapter
+
+    chosen = task_adapter(task) if adapter is None else made_adapter(task, adapter)
     if chosen is None or not all(hasattr(chosen, name) for name in ("create", "poll", "capabilities", "usage")):
         raise ConfigurationError(
             f"{task.name}: self.llm() needs a provider adapter: set llm_adapter on the task, or pass adapter=, "

@@ -11,6 +11,8 @@ Guarantees:
   answers again (oncelery.task.ledger_spool); each row's `call_id` makes every write of it count once;
 - a step replayed from its checkpoint never runs its body, so it makes no call and writes no row;
 - the block's error is re-raised as it was; a ledger that cannot be written is logged, never raised;
+- record-only: budgets and shared limits govern `self.llm()` calls, not these (a task they apply to warns once:
+  oncelery.task.unbudgeted);
 - the cost is computed when the row is written, at that day's price (`app.conf.oncelery_prices`), exactly
   (Decimal), and stored as integer micro-USD rounded up (oncelery.models.money).
 """
@@ -42,6 +44,7 @@ from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database
 from oncelery.store.database import Database
 from oncelery.task.idempotent import IdempotentTask
 from oncelery.task.ledger_spool import after_write, spool_row
+from oncelery.task.unbudgeted import warn_if_governed
 
 __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_of"]
 
@@ -258,6 +261,7 @@ class Meter:
             raise ConfigurationError("model_call(...) measures one call at a time: call model_call() for each `with`")
         origin = _origin(self.model)
         price = price_of(self.model, origin.conf)  # a bad price table fails here, before the call is paid for
+        warn_if_governed(origin.conf, get_current_task(), origin.task_name, origin.tenant, self.model)
         call = MeteredCall(self.model, self.prompt, self.meta)
         self._active = (call, origin, price, time.perf_counter())
         return call
@@ -324,7 +328,9 @@ def model_call(
     JSON details kept with the row. As a decorator, the tokens are read from the result's `.usage` (OpenAI,
     Anthropic), or from what `usage(result)` returns (a usage object or dict, or an (input, output) pair).
     Inside a task or step the row carries its task, tenant, key, step, run id and fencing token and goes to the
-    run's database; outside any task, to $ONCELERY_DATABASE_URL if set, else nowhere.
+    run's database; outside any task, to $ONCELERY_DATABASE_URL if set, else nowhere. Record-only: no budget
+    reserves and no shared limit admits the call (use `self.llm()` for that); where one applies to the task, its
+    first call in the process warns `ModelCallNotBudgeted`.
     """
     return Meter(model, prompt, meta, usage)
 

@@ -17,6 +17,7 @@ from celery import Task
 
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
 from oncelery.errors import ConfigurationError, UnknownOption
+from oncelery.llm.adapters.factory import unbind_factories
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import EntityVersionOf
 from oncelery.runs.keys import CallKey, FingerprintSpec, Identity, KeyBuilder, KeySpec
@@ -99,7 +100,8 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: Template or callable naming the entity that entity_version orders; default: concurrency_key.
     entity: KeySpec = None
     #: The provider adapter `self.llm()` calls (oncelery.llm: OpenAIResponses, OpenAIChat, AnthropicMessages),
-    #: or a zero-argument callable making one; per call: self.llm(..., adapter=...).
+    #: or a factory making one once per worker process: a zero-argument callable (`lambda: OpenAIResponses()`,
+    #: or the class), or one taking the task; per call: self.llm(..., adapter=...).
     llm_adapter: Any = None
     #: A synchronous model call whose holder died mid-call may have been made: False sends it again (labelled
     #: sync_unknown in the ledger); True dead-letters the run for a person (CallOutcomeUnknown). Per call too.
@@ -127,8 +129,8 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: configured (oncelery.task.producer). None: app.conf.oncelery_producer_dedupe, else True. Per call too:
     #: apply_async(..., producer_dedupe=False).
     producer_dedupe: bool | None = None
-    #: The provider's batch API the relay's batcher submits this task's batch items to (an adapter, or a
-    #: zero-argument callable making one), e.g. oncelery.llm.adapters.batch.OpenAIBatches(base_url, api_key).
+    #: The provider's batch API the relay's batcher submits this task's batch items to (an adapter, or a factory
+    #: as for llm_adapter), e.g. oncelery.llm.adapters.batch.OpenAIBatches(base_url, api_key).
     llm_batch_adapter: Any = None
     #: oncelery.Debounce(key="doc:{doc_id}", period=30, max_wait=300, on_running="supersede"): the calls of one key
     #: within `period` s of each other make one run, on the latest call's arguments (docs/debounce.md). Needs the
@@ -139,6 +141,8 @@ class TaskOptions(Task):  # type: ignore[misc]
         super().__init__()
         if type(self).run is not Task.run:
             self._validate_options()
+            # Celery hands a function given as an option back bound to the task: a factory must not get the task.
+            unbind_factories(self)
 
     # -- configuration ---------------------------------------------------------------------------
 
