@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 
 from oncelery import BatchPolicy, GeminiBatches, GeminiGenerateContent, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
+from oncelery.ledger.rows import add_call
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
@@ -34,7 +35,6 @@ from oncelery.ops.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, LABEL_TOTALS, RUNS
-from oncelery.ledger.rows import add_call
 from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import stop_sessions

@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from oncelery.ledger.unknown import end_unanswered_txn
+from oncelery.llm.adapters.factory import task_adapter
 from oncelery.llm.errors import ProviderError
 from oncelery.models import IntentState
 from oncelery.runs.claims import RunStore
@@ -36,8 +37,6 @@ _ASKED = (IntentState.SENT, IntentState.ABANDONED)
 
 def adapter_of(task: Any) -> Any:
     """The task's `llm_adapter` (made if it is a factory, once per task and process), or None."""
-    from oncelery.llm.adapters.factory import task_adapter
-
     return task_adapter(task)
 
 
