@@ -19,10 +19,10 @@ triggers and indexes untouched, O(1) on a table of any size.
 
 from __future__ import annotations
 
-import re
-
 import sqlalchemy as sa
 from alembic import op
+
+from oncelery.models.migrations.checks import set_in_check
 
 revision = "0016"
 down_revision = "0015"
@@ -39,42 +39,10 @@ _CHECKS = (
 )
 
 
-def _in_list(column: str, values: tuple[str, ...]) -> str:
-    return f"{column} IN (" + ", ".join(f"'{v}'" for v in values) + ")"
-
-
 def _set_checks(widen: bool) -> None:
-    bind = op.get_bind()
-    if bind.dialect.name == "sqlite":
-        _sqlite_set_checks(bind, widen)
-        return
+    # One CHECK at a time, each in place (models/migrations/checks.py; see the module's docstring for why).
     for table, name, column, before, added in _CHECKS:
-        values = (*before, added) if widen else before
-        op.drop_constraint(op.f(name), table, type_="check")
-        op.create_check_constraint(op.f(name), table, _in_list(column, values))
-
-
-def _sqlite_set_checks(bind: sa.Connection, widen: bool) -> None:
-    """Rewrite each CHECK's IN list in sqlite_master (see the module's docstring for why not a rebuild)."""
-    version = bind.exec_driver_sql("PRAGMA schema_version").scalar_one()
-    bind.exec_driver_sql("PRAGMA writable_schema=ON")
-    try:
-        for table, name, column, before, added in _CHECKS:
-            sql = bind.exec_driver_sql(
-                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
-            ).scalar_one()
-            values = (*before, added) if widen else before
-            pattern = re.compile(rf"CONSTRAINT {name} CHECK \({column} IN \([^)]*\)\)")
-            new, count = pattern.subn(f"CONSTRAINT {name} CHECK ({_in_list(column, values)})", sql)
-            if count != 1:
-                raise RuntimeError(f"{table}: constraint {name} not found as expected in its schema: {sql}")
-            bind.exec_driver_sql("UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = ?", (new, table))
-        bind.exec_driver_sql(f"PRAGMA schema_version={int(version) + 1}")
-    finally:
-        bind.exec_driver_sql("PRAGMA writable_schema=OFF")
-    problems = bind.exec_driver_sql("PRAGMA quick_check").scalars().all()
-    if problems != ["ok"]:
-        raise RuntimeError(f"SQLite schema check failed after the CHECK change: {problems}")
+        set_in_check(table, name, column, (*before, added) if widen else before)
 
 
 def upgrade() -> None:
