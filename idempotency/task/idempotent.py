@@ -8,6 +8,7 @@ Flower) <- `body` (the API a body calls on `self`) <- `idempotent` (this one).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -17,6 +18,7 @@ from celery.exceptions import Ignore, Retry
 from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
+from kombu.utils import json as kombu_json
 
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
@@ -253,7 +255,7 @@ class IdempotentTask(RunBody):
             logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
             fault_point("dead_letter", task=self.name, key=None)
             self.store.letter_without_run(
-                self.name, explicit.get(HEADER_TENANT, ""), REASON_BAD_MESSAGE, str(exc), message
+                self.name, explicit.get(HEADER_TENANT, ""), REASON_BAD_MESSAGE, str(exc), _storable(message)
             )
             raise
         return ident, entity, version
@@ -327,6 +329,15 @@ class IdempotentTask(RunBody):
     def outcome_counts(self) -> dict[str, int]:
         """Return this task's exact delivery outcome counts across all processes."""
         return self.store.outcome_counts(self.name)
+
+
+def _storable(message: dict[str, Any]) -> Any:
+    """`message` as JSON a letter can store, even when a producer without Oncelery's checks sent a datetime, a
+    UUID or a Decimal: in kombu's JSON form, which a replay sends again as the same value (else their repr)."""
+    try:
+        return json.loads(kombu_json.dumps(message))
+    except (TypeError, ValueError):  # not even kombu's JSON (a pickled object): a letter that says what it was
+        return json.loads(json.dumps(message, default=repr))
 
 
 def _epoch_header(value: Any) -> float | None:
