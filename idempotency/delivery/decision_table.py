@@ -67,7 +67,7 @@ from oncelery.runs.decisions import (
     encode_result,
 )
 from oncelery.runs.faults import fault_point
-from oncelery.runs.forks import ForkSpec, fork_id_of, load_fork
+from oncelery.runs.forks import ForkSpec
 from oncelery.runs.keys import Identity, differing_fields, digest_key_rotated
 from oncelery.runs.waits import record_wait, wait_started
 from oncelery.settings import DIRECT_WAIT_TIMEOUT, HEADER_WAITING_SINCE
@@ -262,7 +262,7 @@ class Delivery:
             raise StoreError(f"{self.task.name}[{self.ident.key}]: a claim was decided without a claim")
         logger.info("claimed %s[%s] token=%d attempt=%d", self.task.name, claim.key, claim.token, claim.attempts)
         try:
-            fork = self._fork(claim)
+            fork = self.call.fork  # read and checked against this call before the claim (task/idempotent.py)
             checkpoints = self._checkpoints(claim, fork)
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")
@@ -285,13 +285,6 @@ class Delivery:
         finally:
             ctx.effects.close()
             self.task.detach(ctx)
-
-    def _fork(self, claim: Claim) -> ForkSpec | None:
-        # Only a fork's key (fork:<id>:...) is looked up: a production run makes no query here.
-        if fork_id_of(claim.key) is None:
-            return None
-        fault_point("fork_load", task=self.task.name, key=claim.key)
-        return load_fork(self.store.db, claim.task_name, claim.key)
 
     def _checkpoints(self, claim: Claim, fork: ForkSpec | None = None) -> list[Any]:
         # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
