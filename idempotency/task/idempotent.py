@@ -275,8 +275,8 @@ class IdempotentTask(RunBody):
         it would share a fork's run (its checkpoints, its source's steps) without being that fork."""
         if header is None:
             if fork_id_of(ident.key) is not None:
-                why = "its key names a fork, without the fork command's header"
-                raise ForkRefused.not_sent_as_fork(self.name, ident.key, why)
+                unsent = "its key names a fork, without the fork command's header"
+                raise ForkRefused.not_sent_as_fork(self.name, ident.key, unsent)
             return None
         if isinstance(header, bool) or not isinstance(header, int):
             raise ForkRefused.not_sent_as_fork(self.name, ident.key, f"its fork header is {header!r}, not a fork id")
