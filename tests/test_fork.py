@@ -154,7 +154,9 @@ def test_a_fork_key_from_a_producer_never_gets_another_tenants_step_results(
         # Tenant B names A's fork in its own call's key (the same arguments: A's steps would replay for B).
         with pytest.raises(ForkRefused, match="only `oncelery fork` sends"):
             task.apply_async(("a1", TEXT), idempotency_key=fork.key, tenant="B")
-        assert published == []  # refused at the call: nothing sent
+        with pytest.raises(ForkRefused, match="only `oncelery fork` sends"), Database(db_url).begin() as conn:
+            enqueue(conn, task.s("a1", TEXT).set(idempotency_key=fork.key, tenant="B"))  # nor through the outbox
+        assert published == [] and rows(db_url, OUTBOX) == 1  # refused at the call: nothing sent (the source's row)
         # Sent around the producer's checks: the key alone, or the fork command's header forged as well.
         forged = {HEADER_KEY: fork.key, HEADER_TENANT: "B"}
         for headers, why in (
