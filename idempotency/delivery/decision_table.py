@@ -111,7 +111,12 @@ class Delivery:
         except StoreError as exc:
             return self._store_failed(exc, "checking the version of")
         self.cache = self.task.replay_cache()  # resolved once per delivery: _remember writes to it
-        if self.cache is not None and (cached := self.cache.lookup(self.task.name, self.ident)) is not None:
+        # Not for a debounced edit: its key's run may have been superseded (and just reopened), and the empty
+        # answer a redelivery of that run cached must not answer an edit that is to run it again.
+        cached = None
+        if self.cache is not None and self.call.debounce is None:
+            cached = self.cache.lookup(self.task.name, self.ident)
+        if self.cache is not None and cached is not None:
             self._end_wait(Outcome.REPLAYED.value)
             return self._replay_cached(self.cache, cached.run_id, cached.token, cached.result)
         while True:
