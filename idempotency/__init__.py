@@ -10,6 +10,7 @@ from oncelery.delivery.steps import StepInfo, current_step, step_seed
 from oncelery.errors import (
     ClaimError,
     ConfigurationError,
+    ForkRefused,
     IdempotencyConflict,
     InProgress,
     InvalidKey,
@@ -94,6 +95,7 @@ __all__ = [
     # Errors
     "ClaimError",
     "ConfigurationError",
+    "ForkRefused",
     "IdempotencyConflict",
     "InProgress",
     "InvalidKey",

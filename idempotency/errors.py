@@ -10,6 +10,7 @@ __all__ = [
     "ClaimError",
     "ConfigurationError",
     "DriverMissing",
+    "ForkRefused",
     "IdempotencyConflict",
     "InProgress",
     "InvalidKey",
@@ -162,6 +163,31 @@ class PlaceholderSecret(ConfigurationError):
 
 class InvalidKey(ConfigurationError):
     """Raised when an idempotency key is empty, longer than 255 characters, or has control characters."""
+
+
+class ForkRefused(InvalidKey):
+    """Raised when a call names a fork's run without being that fork: a producer's `fork:` key (only the fork
+    command sends one), or a fork's message whose fork row is another tenant's, task's or key's."""
+
+    @classmethod
+    def reserved(cls, task_name: str, key: str) -> ForkRefused:
+        """The message for a producer's key in the fork namespace: give the call a key of its own."""
+        return cls(
+            f"{task_name}: the key {key[:80]!r} starts with 'fork:', the namespace of forked runs, which only "
+            f"`oncelery fork` sends (oncelery.fork_run); nothing was sent: give this call a key of its own",
+            task_name=task_name,
+            key=key,
+        )
+
+    @classmethod
+    def not_sent_as_fork(cls, task_name: str, key: str, why: str) -> ForkRefused:
+        """The message for a worker's delivery that is not the fork its key names, and `why`."""
+        return cls(
+            f"{task_name}[{key[:80]}]: refused: {why}; a fork's run is sent only by `oncelery fork` (fork_run), under "
+            f"its source run's tenant: fork the run with `oncelery fork KEY --task {task_name} --tenant TENANT`",
+            task_name=task_name,
+            key=key,
+        )
 
 
 class PayloadError(ConfigurationError):

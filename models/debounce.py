@@ -35,6 +35,10 @@ class DebounceRow(Base):
     # The Celery task id of the pending burst's run, chosen at the burst's first edit: every .delay() of the
     # burst returns AsyncResult(task_id), and the dispatcher publishes under it.
     task_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    # The idempotency key of the latest edit (migration 0026; NULL in rows written before it): a run in flight is
+    # superseded only by a newer edit of another key, and a later edit of a superseded run's key runs it again.
+    # Kept after dispatch, as a run keeps its key: it is what a run in flight is compared with.
+    edit_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     # The latest edit's arguments and call headers (key, tenant, lease...): NULL once dispatched (the outbox row
     # then holds them), so a burst's payload is at rest only while it waits.
     args: Mapped[Any] = mapped_column(Json, nullable=True)

@@ -170,6 +170,45 @@ def test_runs_superseded_mid_call_write_no_effects_and_their_spend_stays_labelle
     assert sum(stats["creates"].values()) <= len(calls), stats  # no hidden spend: creates <= ledger rows
 
 
+def test_an_identical_edit_of_a_running_run_is_answered_by_that_run_not_superseding_it(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses, lease=0.6)  # asked about newer edits every 0.2 s
+    fake.set_knobs(generation_s=0.6)  # each call in flight for 0.6 s: several renewals ask while the run runs
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        first = task.delay("i", 1, "Same text.")
+        wait_until(lambda: len(rows(db_url, CALLS)) == 1, timeout=JOB, what="the run's first call paid")
+        again = task.delay("i", 1, "Same text.")  # the same edit again: the same key, a new burst
+        assert again.id != first.id and again.debounce_seq == 2
+        # The second burst's message finds the run in flight and waits for it; the run is never fenced out.
+        got = first.get(timeout=JOB)
+        assert got is not None and got["version"] == 1, "the run was superseded by its own edit"
+        assert again.get(timeout=JOB) == got
+    assert effects(db_url) == ["i:v1"]
+    counts = task.outcome_counts()
+    assert "superseded" not in counts and counts["executed"] == 1 and counts.get("replayed") == 1, counts
+    assert sum(fake.stats()["creates_by_intent"].values()) == len(STEPS), "the edit paid nothing again"
+
+
+def test_a_later_edit_with_the_key_of_a_superseded_run_runs_it_again_instead_of_replaying_none(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = scorer(app, responses, lease=0.6)
+    fake.set_knobs(generation_s=0.6)
+    with worker_factory(app, concurrency=2), relay_running(app, db_url):
+        old = task.delay("u", 1, "Version one.")
+        wait_until(lambda: len(rows(db_url, CALLS)) == 1, timeout=JOB, what="the v1 run's first call paid")
+        task.delay("u", 2, "Version two.")
+        wait_until(lambda: task.outcome_counts().get("superseded") == 1, timeout=JOB, what="the v1 run superseded")
+        back = task.delay("u", 1, "Version one.")  # back to v1: its key is the superseded run's
+        got = back.get(timeout=JOB)
+        assert got is not None and got["version"] == 1, "the superseded run's empty result was replayed"
+        assert old.get(timeout=JOB) is None  # the superseded delivery itself answered nothing
+    assert effects(db_url) == ["u:v1"]  # v2 was superseded (or never ran); v1 ran to completion, once
+    [v1] = [r for r in rows(db_url, RUNS) if r["idempotency_key"].endswith(":v1")]
+    assert v1["status"] is RunStatus.COMPLETED and v1["result"]["version"] == 1 and v1["error"] is None
+
+
 @ON_SQLITE  # the same SQL as the test above; what differs is the parked run's wake
 def test_a_run_parked_waiting_is_superseded_at_its_wake_and_writes_no_effects(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses

@@ -20,17 +20,19 @@ from sqlalchemy import func, select
 
 from oncelery import IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
-from oncelery.errors import ConfigurationError, StoreUnavailable
+from oncelery.errors import ConfigurationError, ForkRefused, StoreUnavailable
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.ops.fork import fork_run, preview_fork
 from oncelery.ops.fork_preview import fork_diff
 from oncelery.ops.retention import purge
 from oncelery.outbox import enqueue
+from oncelery.runs.decisions import REASON_BAD_MESSAGE
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.kept import redact_arguments
+from oncelery.settings import HEADER_FORK, HEADER_KEY, HEADER_TENANT
 from oncelery.store.database import Database, get_engine
-from oncelery.store.tables import BUDGETS, CALLS, OUTBOX, RUNS, STEPS
+from oncelery.store.tables import BUDGETS, CALLS, LETTERS, OUTBOX, RUNS, STEPS
 from oncelery.testing.waiting import poll
 from tests.conftest import ON_SQLITE, migrated
 from tests.services import count_rows, effects_table
@@ -138,6 +140,36 @@ def test_a_fork_from_step_3_pays_one_call_and_writes_no_production_effect(
     diff = {d.step: d for d in fork_diff(Database(db_url), dry.id, lambda a, b: float(a == b))}
     assert diff["summarize"].replayed and not diff["summarize"].diff and diff["keywords"].cost_delta_micros == 0
     assert diff["quality"].diff and diff["quality"].score == 0.0 and diff["quality"].cost_delta_micros > 0
+
+
+def test_a_fork_key_from_a_producer_never_gets_another_tenants_step_results(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses, published: list[str]
+) -> None:
+    task = article(app, responses, keep_arguments=True)
+    with worker_factory(app):
+        source = task.apply_async(("a1", TEXT), tenant="A").get(timeout=JOB)
+        fork = fork_run(app, task, "doc:a1", from_step="quality", tenant="A")  # a real fork of tenant A's run
+        assert fork.get(timeout=JOB)["keywords"] == source["keywords"] and creates(fake) == 4
+        published.clear()
+        # Tenant B names A's fork in its own call's key (the same arguments: A's steps would replay for B).
+        with pytest.raises(ForkRefused, match="only `oncelery fork` sends"):
+            task.apply_async(("a1", TEXT), idempotency_key=fork.key, tenant="B")
+        with pytest.raises(ForkRefused, match="only `oncelery fork` sends"), Database(db_url).begin() as conn:
+            enqueue(conn, task.s("a1", TEXT).set(idempotency_key=fork.key, tenant="B"))  # nor through the outbox
+        assert published == [] and rows(db_url, OUTBOX) == 1  # refused at the call: nothing sent (the source's row)
+        # Sent around the producer's checks: the key alone, or the fork command's header forged as well.
+        forged = {HEADER_KEY: fork.key, HEADER_TENANT: "B"}
+        for headers, why in (
+            (forged, "without the fork command's header"),
+            ({**forged, HEADER_FORK: fork.id}, "tenant"),
+        ):
+            with pytest.raises(ForkRefused, match=why):
+                app.send_task(task.name, ["a1", TEXT], headers=headers).get(timeout=JOB)
+    assert creates(fake) == 4, "no call made for B, and none of A's step results replayed for it"
+    with get_engine(db_url).connect() as conn:
+        assert conn.execute(select(func.count()).where(RUNS.c.tenant == "B")).scalar_one() == 0
+        letters = conn.execute(select(LETTERS.c.reason, LETTERS.c.tenant)).all()
+    assert sorted(letters) == [(REASON_BAD_MESSAGE, "B")] * 2
 
 
 @ON_SQLITE

@@ -77,6 +77,9 @@ class Call:
     waiting_since: float | None = None
     # A debounced burst's message (runs/debounce.py): acked `debounced` if a newer edit exists, else run.
     debounce: DebounceMark | None = None
+    # The fork this message runs (sent by the fork command, checked against the call's task, tenant and key before
+    # the claim: runs/forks.py), else None: a production run.
+    fork: ForkSpec | None = None
 
 
 class DeliveredTask(Protocol):

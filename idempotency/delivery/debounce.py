@@ -1,10 +1,15 @@
-"""The two rows debounce adds to a delivery's table (runs/debounce.py has the row protocol).
+"""The rows debounce adds to a delivery's table (runs/debounce.py has the row protocol).
+
+"A newer edit" is always one with another idempotency key: a newer edit with this message's key is the same job,
+answered by the run of that key (it runs, or waits for it, or replays its result), never a reason to drop it.
 
 | what was found                           | function      | what the delivery does                  | outcome    |
 |------------------------------------------|---------------|-----------------------------------------|------------|
 | (before claiming) a newer edit, no run   | `debounced`   | ack without a run (its outbox row done) | debounced  |
 | (before claiming) a newer edit, the run  | `debounced`   | fence the parked run out, ack           | superseded |
 |   parked WAITING (on_running=supersede)  |               |                                         |            |
+| (before claiming) no newer edit, the run | `debounced`   | reopen it (FAILED, due), then claim it: | (the run's)|
+|   of its key was superseded              |               | it runs, never replays an empty result  |            |
 | CLAIMED, a renewal found a newer edit    | `superseded`  | roll back, ack (fenced out: counted by  | superseded |
 |   (on_running="supersede")               |               | the transaction that fenced it)         |            |
 """
@@ -18,7 +23,13 @@ from typing import Any
 
 from oncelery.delivery.call import Call, RunContext
 from oncelery.models import Outcome
-from oncelery.runs.debounce import SUPERSEDED_LABEL, newer_edit, supersede_if_newer, supersede_parked
+from oncelery.runs.debounce import (
+    SUPERSEDED_LABEL,
+    check_edit,
+    reopen_superseded,
+    supersede_if_newer,
+    supersede_parked,
+)
 from oncelery.runs.decisions import Claim
 from oncelery.runs.faults import fault_point
 
@@ -30,22 +41,25 @@ logger = logging.getLogger("oncelery.delivery")
 def debounced(delivery: Any, call: Call) -> bool:
     """Whether this message is settled by a newer edit of its key, before any claim: with no run yet, it is acked
     `debounced` (its outbox row closed; settled before counted, as a stale message); a run of it parked WAITING is
-    superseded (on_running="supersede": nothing renews a parked run, so no renewal would ask). Else False: claim."""
+    superseded (on_running="supersede": nothing renews a parked run, so no renewal would ask). Else False: claim;
+    a superseded run of this message's key is reopened first, so the claim runs it instead of replaying nothing."""
     mark = call.debounce
     if mark is None:
         return False
-    task, ident = delivery.task, delivery.ident
+    task, ident, db = delivery.task, delivery.ident, delivery.store.db
     fault_point("debounce_check", task=task.name, key=ident.key)
-    newer = newer_edit(delivery.store.db, task.name, ident.tenant, mark.key, mark.seq, ident.key)
-    if newer is None:
+    found = check_edit(db, task.name, ident.tenant, mark.key, mark.seq, ident.key)
+    if not found.newer:
+        if found.superseded:
+            reopen_superseded(db, task.name, ident.tenant, ident.key, mark.key, mark.seq)
         return False
-    if newer.parked and mark.supersede:
+    if found.parked and mark.supersede:
         cancel = _canceller(delivery, mark.key)
-        if supersede_parked(delivery.store.db, task.name, ident.tenant, ident.key, mark.key, mark.seq, cancel) is None:
+        if supersede_parked(db, task.name, ident.tenant, ident.key, mark.key, mark.seq, cancel) is None:
             return False  # woken or finished meanwhile: the claim decides
         delivery.task.tell_caller(Outcome.SUPERSEDED, ident)
         return True
-    if newer.has_run:
+    if found.has_run:
         return False  # a redelivery or re-send of a run that exists: the claim decides it
     delivery.store.close_outbox_row(delivery.request.id, Outcome.DEBOUNCED)
     delivery._end_wait(Outcome.DEBOUNCED.value)

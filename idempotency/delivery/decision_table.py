@@ -67,7 +67,7 @@ from oncelery.runs.decisions import (
     encode_result,
 )
 from oncelery.runs.faults import fault_point
-from oncelery.runs.forks import ForkSpec, fork_id_of, load_fork
+from oncelery.runs.forks import ForkSpec
 from oncelery.runs.keys import Identity, differing_fields, digest_key_rotated
 from oncelery.runs.waits import record_wait, wait_started
 from oncelery.settings import DIRECT_WAIT_TIMEOUT, HEADER_WAITING_SINCE
@@ -111,7 +111,12 @@ class Delivery:
         except StoreError as exc:
             return self._store_failed(exc, "checking the version of")
         self.cache = self.task.replay_cache()  # resolved once per delivery: _remember writes to it
-        if self.cache is not None and (cached := self.cache.lookup(self.task.name, self.ident)) is not None:
+        # Not for a debounced edit: its key's run may have been superseded (and just reopened), and the empty
+        # answer a redelivery of that run cached must not answer an edit that is to run it again.
+        cached = None
+        if self.cache is not None and self.call.debounce is None:
+            cached = self.cache.lookup(self.task.name, self.ident)
+        if self.cache is not None and cached is not None:
             self._end_wait(Outcome.REPLAYED.value)
             return self._replay_cached(self.cache, cached.run_id, cached.token, cached.result)
         while True:
@@ -264,7 +269,7 @@ class Delivery:
             raise StoreError(f"{self.task.name}[{self.ident.key}]: a claim was decided without a claim")
         logger.info("claimed %s[%s] token=%d attempt=%d", self.task.name, claim.key, claim.token, claim.attempts)
         try:
-            fork = self._fork(claim)
+            fork = self.call.fork  # read and checked against this call before the claim (task/idempotent.py)
             checkpoints = self._checkpoints(claim, fork)
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")
@@ -287,13 +292,6 @@ class Delivery:
         finally:
             ctx.effects.close()
             self.task.detach(ctx)
-
-    def _fork(self, claim: Claim) -> ForkSpec | None:
-        # Only a fork's key (fork:<id>:...) is looked up: a production run makes no query here.
-        if fork_id_of(claim.key) is None:
-            return None
-        fault_point("fork_load", task=self.task.name, key=claim.key)
-        return load_fork(self.store.db, claim.task_name, claim.key)
 
     def _checkpoints(self, claim: Claim, fork: ForkSpec | None = None) -> list[Any]:
         # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).

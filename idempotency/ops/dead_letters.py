@@ -26,7 +26,7 @@ from sqlalchemy import Select, and_, case, delete, exists, select, update
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import CONTINUATION, enqueue
 from oncelery.ops.relay import Relay
-from oncelery.settings import HEADER_LEASE, HEADER_ON_IN_PROGRESS
+from oncelery.settings import HEADER_FORK, HEADER_LEASE, HEADER_ON_IN_PROGRESS
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 
@@ -47,7 +47,8 @@ class ReplayState(enum.StrEnum):
 
 
 # The per-call option headers a replay sends again (the key and tenant go as the outbox's own options).
-_REPLAYED_HEADERS = (HEADER_LEASE, HEADER_ON_IN_PROGRESS)
+# A fork's run is recognised by its header alone (runs/forks.py): its replay must carry it, or it is refused.
+_REPLAYED_HEADERS = (HEADER_LEASE, HEADER_ON_IN_PROGRESS, HEADER_FORK)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from celery import Celery, Signature
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
-from oncelery.errors import ConfigurationError
+from oncelery.errors import ConfigurationError, ForkRefused
 from oncelery.models import OutboxStatus
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import validate_key
 from oncelery.runs.legacy import stored_names
-from oncelery.settings import HEADER_KEY, HEADER_TENANT
+from oncelery.settings import FORK_KEY_PREFIX, HEADER_FORK, HEADER_KEY, HEADER_TENANT
 from oncelery.store.tables import OUTBOX
 from oncelery.task.idempotent import IdempotentTask
 
@@ -71,6 +71,10 @@ def enqueue(session: Session | Connection, task: Any, *args: Any, **kwargs: Any)
     call_args, call_kwargs = list(sig.args), dict(sig.kwargs)
     _require_json(name, {"args": call_args, "kwargs": call_kwargs, "options": options})
     headers = options.get("headers")
+    if isinstance(key, str) and key.startswith(FORK_KEY_PREFIX) and HEADER_FORK not in (headers or {}):
+        # The fork command's namespace: only a fork's own re-send (a dead-letter replay) carries its header, and
+        # the worker still checks that fork's tenant, task and key against the call's.
+        raise ForkRefused.reserved(name, key)
     key, tenant = _key_of(session, sig, name, task_id, call_args, call_kwargs, key, tenant, headers)
     row = {
         "task_name": name,

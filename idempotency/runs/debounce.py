@@ -7,9 +7,16 @@ One row per (task, tenant, debounce key) (models/debounce.py). Its timeline, eve
     dispatch (guarded UPDATE)     WHERE due_at <= now AND seq > dispatched_seq: dispatched_seq = seq, arguments
                                   cleared (they go into the outbox row, published under T1 with seq in a header)
     edit n+1 (upsert)             seq = dispatched_seq + 1 -> a new burst: task_id=T2, a new due and deadline
-    a delivery of seq s           s < row.seq and no run of its key yet: acked, counted `debounced`
-    a run in flight for seq s     on_running="supersede": its renewal finds s < row.seq and fences it out in one
-                                  guarded UPDATE (token + 1, COMPLETED with no result), counted `superseded`
+    a delivery of seq s, key k    s < row.seq, the latest edit's key is not k, no run of k yet: acked, `debounced`
+    a run in flight for seq s     on_running="supersede": its renewal finds s < row.seq and the latest edit's key
+                                  not its own, and fences it out in one guarded UPDATE (token + 1, COMPLETED with
+                                  no result), counted `superseded`
+    a later edit of key k         the run of k was superseded: reopened (FAILED, due at once) and taken over by
+                                  the edit's claim, never answered by its empty result
+
+The idempotency key decides what an edit replaces: an edit with the key of a run in flight is that very job (same
+key, same payload: G5), so that run answers it and is never superseded by it; and an edit whose key is a
+superseded run's is a job not done, so it runs.
 
 Every write is one atomic statement (INSERT ... ON CONFLICT DO UPDATE, UPDATE ... WHERE guard): two producers of
 one key never both start a burst, and a dispatcher never sends a burst twice.
@@ -22,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, delete, exists, func, select, update
+from sqlalchemy import Connection, and_, case, delete, exists, func, or_, select, update
 
 from oncelery.errors import ConfigurationError
 from oncelery.ledger.unknown import SUPERSEDED_LABEL, abandon_run_intents_txn
@@ -33,15 +40,17 @@ from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, RUNS
 
 __all__ = [
     "ON_RUNNING",
+    "SUPERSEDED_ERROR",
     "SUPERSEDED_LABEL",
     "Debounce",
     "DebounceMark",
     "DueBurst",
     "Edit",
-    "Newer",
+    "EditCheck",
     "any_due",
-    "newer_edit",
+    "check_edit",
     "purge_dispatched",
+    "reopen_superseded",
     "supersede_if_newer",
     "supersede_parked",
     "take_due",
@@ -54,6 +63,8 @@ logger = logging.getLogger("oncelery.debounce")  # a stable name (users filter o
 ON_RUNNING = ("supersede", "finish")
 # SUPERSEDED_LABEL (oncelery.ledger.unknown), "run_superseded": the ledger label of the model calls a superseded
 # run made. Not "superseded": that label already means a call re-sent after its step's earlier attempt ended.
+#: How a superseded run's error begins (a stored value): what tells it from a run that completed with no result.
+SUPERSEDED_ERROR = "superseded: "
 
 
 @dataclass(frozen=True)
@@ -98,11 +109,14 @@ class DebounceMark:
 
 
 @dataclass(frozen=True)
-class Newer:
-    """A newer edit exists: whether a run of the message's own key exists, and whether it is parked WAITING."""
+class EditCheck:
+    """What a message of one edit finds before its claim: whether a newer edit of another key replaced it, and
+    whether a run of its own key exists, is parked WAITING, or was superseded."""
 
+    newer: bool
     has_run: bool
     parked: bool
+    superseded: bool
 
 
 @dataclass(frozen=True)
@@ -136,13 +150,15 @@ def upsert_edit(
     spec: Debounce,
     new_task_id: str,
     bound_ms: int | None = None,
+    edit_key: str | None = None,
 ) -> Edit:
     """Record one edit in one atomic statement; return its sequence and its burst's task id.
 
     `call`: (args, kwargs, headers) of the edit. The first edit after a dispatch (seq == dispatched_seq) starts a
     new burst under `new_task_id`; any other keeps the burst's task id, and its due time is capped by the burst's
     deadline (first edit + max_wait). `bound_ms`: the statement's bound (a producer's; a blocked row or a slow
-    server then raises a store error instead of holding `.delay()`); the commit stays durable.
+    server then raises a store error instead of holding `.delay()`); the commit stays durable. `edit_key`: the
+    edit's idempotency key (None: unknown, so it replaces a run in flight whatever that run's key).
     """
     dia = db.dialect
     d = DEBOUNCE.c
@@ -150,8 +166,8 @@ def upsert_edit(
     args, kwargs, headers = call
     ins = dia.insert(DEBOUNCE).values(
         task_name=task_name, tenant=tenant, debounce_key=debounce_key, seq=1, dispatched_seq=0, task_id=new_task_id,
-        args=args, kwargs=kwargs, headers=headers, burst_started_at=now, due_at=dia.lease_until("p_period"),
-        deadline_at=dia.lease_until("p_max"), updated_at=now,
+        edit_key=edit_key, args=args, kwargs=kwargs, headers=headers, burst_started_at=now,
+        due_at=dia.lease_until("p_period"), deadline_at=dia.lease_until("p_max"), updated_at=now,
     )  # fmt: skip
     ex = ins.excluded
     new_burst = d.seq == d.dispatched_seq
@@ -161,6 +177,7 @@ def upsert_edit(
             # Every expression reads the row as it was before this statement (SQL's UPDATE rule, both dialects).
             "seq": d.seq + 1,
             "task_id": case((new_burst, ex.task_id), else_=d.task_id),
+            "edit_key": ex.edit_key,
             "args": ex.args,
             "kwargs": ex.kwargs,
             "headers": ex.headers,
@@ -218,20 +235,51 @@ def take_due(conn: Connection, db: Database, limit: int) -> list[DueBurst]:
     return taken
 
 
-def newer_edit(db: Database, task_name: str, tenant: str, debounce_key: str, seq: int, key: str) -> Newer | None:
-    """What a message of edit `seq` finds, if a newer edit of its debounce key exists (else None), in one read:
-    whether a run of `key` exists, and whether it is parked WAITING."""
+def check_edit(db: Database, task_name: str, tenant: str, debounce_key: str, seq: int, key: str) -> EditCheck:
+    """What a message of edit `seq` (idempotency key `key`) finds before its claim, in one read transaction.
+
+    `newer`: a newer edit with another key replaced it (a newer edit with the same key is this very job: the
+    message runs, or is answered by the run of its key). The run of `key`: whether it exists, is parked, or was
+    superseded (COMPLETED with no result, fenced out by a newer edit of another key).
+    """
     d, r = DEBOUNCE.c, RUNS.c
-    run = (
-        select(r.status).where(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key).scalar_subquery()
-    )
-    query = select(d.seq, run.label("run_status")).where(_row_of(task_name, tenant, debounce_key))
     with db.read() as conn:
-        row = conn.execute(query).first()
-    if row is None or int(row.seq) <= seq:
-        return None
-    status = None if row.run_status is None else RunStatus(row.run_status)
-    return Newer(has_run=status is not None, parked=status is RunStatus.WAITING)
+        latest = conn.execute(select(d.seq, d.edit_key).where(_row_of(task_name, tenant, debounce_key))).first()
+        run = conn.execute(
+            select(r.status, r.error).where(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key)
+        ).first()
+    newer = latest is not None and int(latest.seq) > seq and latest.edit_key != key
+    status = None if run is None else RunStatus(run.status)
+    superseded = run is not None and status is RunStatus.COMPLETED and str(run.error or "").startswith(SUPERSEDED_ERROR)
+    return EditCheck(newer, has_run=status is not None, parked=status is RunStatus.WAITING, superseded=superseded)
+
+
+def reopen_superseded(db: Database, task_name: str, tenant: str, key: str, debounce_key: str, seq: int) -> bool:
+    """Reopen the superseded run of `key` for edit `seq`, which has that key again: FAILED and due at once, so the
+    edit's claim takes it over (token + 1) and runs it, instead of replaying its empty result; return whether it did.
+
+    One guarded UPDATE (only a run still COMPLETED as superseded): of two deliveries racing here, one reopens it, and
+    their claims then decide as for any FAILED run (one takes it over, the other waits for it). Due now, as a retry
+    is (`not_before`): an edit found stale next (entity_version) settles it again (runs/claims.settle_stale).
+    """
+    r = RUNS.c
+    now = db.dialect.now()
+    reopen = (
+        update(RUNS)
+        .where(
+            r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key, r.status == RunStatus.COMPLETED,
+            r.error.like(SUPERSEDED_ERROR + "%"),
+        )
+        .values(
+            status=RunStatus.FAILED, error=f"reopened: edit {seq} of {debounce_key} has this superseded run's key",
+            not_before=now, finished_at=None, lease_expires_at=None, updated_at=now,
+        )
+    )  # fmt: skip
+    with db.begin() as conn:
+        done = rowcount(conn.execute(reopen)) == 1
+    if done:
+        logger.info("reopened %s[%s]: edit %d of %s has this superseded run's key", task_name, key, seq, debounce_key)
+    return done
 
 
 def supersede_if_newer(
@@ -242,20 +290,21 @@ def supersede_if_newer(
     tenant: str,
     on_superseded: Callable[[int], None] | None = None,
 ) -> bool:
-    """If a newer edit exists, fence out the run `claim` holds (token + 1, COMPLETED with no result), count it
-    `superseded` and label its ledger rows, in one transaction; return whether it did.
+    """If a newer edit with another idempotency key exists, fence out the run `claim` holds (token + 1, COMPLETED
+    with no result), count it `superseded` and label its ledger rows, in one transaction; return whether it did.
 
+    A newer edit with the run's own key is that run's job again: it is answered by the run, never supersedes it.
     Guarded by the claim's token and RUNNING status: a run that completed first is left alone (its effects
     committed before the newer edit mattered), and its holder's every later write fails with LeaseLost.
     """
     d, r = DEBOUNCE.c, RUNS.c
     # Read first: asked at every renewal, and a write transaction that changes nothing still takes SQLite's lock.
     with db.read() as conn:
-        latest = conn.execute(select(d.seq).where(_row_of(claim.task_name, tenant, debounce_key))).scalar()
-    if latest is None or int(latest) <= seq:
+        latest = conn.execute(select(d.seq, d.edit_key).where(_row_of(claim.task_name, tenant, debounce_key))).first()
+    if latest is None or int(latest.seq) <= seq or latest.edit_key == claim.key:
         return False
     held = and_(r.id == claim.run_id, r.fencing_token == claim.token, r.status == RunStatus.RUNNING)
-    done = _supersede(db, claim.task_name, tenant, held, debounce_key, seq, on_superseded)
+    done = _supersede(db, claim.task_name, tenant, held, (debounce_key, seq, claim.key), on_superseded)
     if done is not None:
         logger.info(
             "superseded %s[%s] token=%d: a newer edit of %s", claim.task_name, claim.key, claim.token, debounce_key
@@ -267,31 +316,35 @@ def supersede_parked(
     db: Database, task_name: str, tenant: str, key: str, debounce_key: str, seq: int,
     on_superseded: Callable[[int], None] | None = None,
 ) -> int | None:  # fmt: skip
-    """Fence out the run of `key` parked WAITING (nothing renews it, so no renewal would ask) if a newer edit
-    exists, as `supersede_if_newer` does; return its id, or None if it was not parked or no newer edit exists."""
+    """Fence out the run of `key` parked WAITING (nothing renews it, so no renewal would ask) if a newer edit of
+    another key exists, as `supersede_if_newer` does; return its id, or None if it was not parked or no such edit
+    exists."""
     r = RUNS.c
     parked = and_(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key, r.status == RunStatus.WAITING)
-    done = _supersede(db, task_name, tenant, parked, debounce_key, seq, on_superseded)
+    done = _supersede(db, task_name, tenant, parked, (debounce_key, seq, key), on_superseded)
     if done is not None:
         logger.info("superseded %s[%s] while it waited: a newer edit of %s", task_name, key, debounce_key)
     return done
 
 
 def _supersede(
-    db: Database, task_name: str, tenant: str, which: Any, debounce_key: str, seq: int,
+    db: Database, task_name: str, tenant: str, which: Any, edit: tuple[str, int, str],
     on_superseded: Callable[[int], None] | None,
 ) -> int | None:  # fmt: skip
-    """The one fencing statement (guarded by `which` and a newer edit), its count and labels; the run's id."""
+    """The one fencing statement, its count and labels; the run's id. Guarded by `which` and an edit newer than the
+    run's `edit` (debounce key, sequence, idempotency key) whose key is another (NULL: written before keys were)."""
     d, r = DEBOUNCE.c, RUNS.c
+    debounce_key, seq, key = edit
     now = db.dialect.now()
-    newer = exists().where(_row_of(task_name, tenant, debounce_key), d.seq > seq)
+    other_key = or_(d.edit_key.is_(None), d.edit_key != key)
+    newer = exists().where(_row_of(task_name, tenant, debounce_key), d.seq > seq, other_key)
     fence = (
         update(RUNS)
         .where(which, newer)
         .values(
             status=RunStatus.COMPLETED, fencing_token=r.fencing_token + 1, result=None, message=None,
-            error=f"superseded: a newer edit of {debounce_key} replaced edit {seq}", finished_at=now, updated_at=now,
-            lease_expires_at=None, not_before=None,
+            error=f"{SUPERSEDED_ERROR}a newer edit of {debounce_key} replaced edit {seq}",
+            finished_at=now, updated_at=now, lease_expires_at=None, not_before=None,
         )
         .returning(r.id)
     )  # fmt: skip

@@ -4,6 +4,10 @@ The fork's run has its own key, `fork:<id>:<source key>` (FORK_KEY_PREFIX), unde
 it never takes production's claim, its concurrency key or its entity version (a fork re-runs the past: it is
 neither blocked by production's running entity nor stale against it). Steps before `from_position` are replayed
 from the SOURCE's checkpoints; from there on every step executes in the fork's own run.
+
+A delivery is a fork only by the header the fork command sends (HEADER_FORK, its id), never by its key's shape,
+and only if the fork row names this very task, tenant and key (`fork_mismatch`): a step result never crosses
+tenants, and a producer cannot make its call a fork by naming one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "apply_overrides",
     "fork_id_of",
     "fork_key",
+    "fork_mismatch",
     "load_fork",
     "load_fork_txn",
 ]
@@ -123,14 +128,18 @@ def load_fork_txn(conn: Connection, fork_id: int) -> ForkSpec | None:
     )
 
 
-def load_fork(db: Database, task_name: str, key: str | None) -> ForkSpec | None:
-    """The fork whose run has `key` under `task_name`, else None (a production run: no query is made)."""
-    fork_id = fork_id_of(key)
-    if fork_id is None:
-        return None
+def load_fork(db: Database, fork_id: int) -> ForkSpec | None:
+    """The fork row `fork_id` (None: no such fork), read on its own."""
     with db.read() as conn:
-        spec = load_fork_txn(conn, fork_id)
-    # A user's own key that merely looks like a fork's is production's: the fork row must name this very run.
-    if spec is None or spec.key != key or spec.task_name != task_name:
-        return None
-    return spec
+        return load_fork_txn(conn, fork_id)
+
+
+def fork_mismatch(spec: ForkSpec | None, fork_id: int, task_name: str, tenant: str, key: str) -> str | None:
+    """Why a delivery of (task, tenant, key) that says it is fork `fork_id` is not that fork, or None if it is."""
+    if spec is None:
+        return f"it names fork {fork_id}, which does not exist"
+    if spec.tenant != tenant:
+        return f"its tenant {tenant!r} is not the tenant of fork {fork_id}"
+    if spec.task_name != task_name or spec.key != key:
+        return f"fork {fork_id} is another run than this call's task and key"
+    return None

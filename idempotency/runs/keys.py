@@ -209,9 +209,17 @@ class KeyBuilder:
         arguments = self.bind(args, kwargs)
         call = self._call_key(args, kwargs, arguments, explicit_key, explicit_tenant)
         refuse_unencodable(self._payload(self._chosen(arguments)))
-        if call.key is None and self.fields is not None:
-            refuse_unencodable(self._payload(arguments))
+        self.refuse_unstorable(arguments)
         return call
+
+    def refuse_unstorable(self, arguments: dict[str, Any]) -> None:
+        """Raise PayloadNotJSON naming the first bound argument that is not JSON, fingerprinted or not.
+
+        Every argument is stored, not only the fingerprinted ones: a kept message, kept arguments, a dead letter
+        all hold the call's message. Without a fingerprint= the fingerprint's own encoding already checked them.
+        """
+        if self.fields is not None:
+            refuse_unencodable(self._payload(arguments))
 
     def named(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, str | None]:
         """Return the key a template or callable names (an entity's), and the text it had before, if other."""
@@ -250,6 +258,8 @@ class KeyBuilder:
         if digest_key:
             digests[DIGEST_KEY_ID] = keyed_digest(digest_key, "", PURPOSE_DIGEST_KEY_ID)[:16]  # which key made them
         key, key_before = call.key, call.key_before
+        if key is not None:
+            self.refuse_unstorable(arguments)  # a content-addressed key encodes them all below
         if key is None:
             # Content addressed: never a random UUID and never Celery's task id (retry() reuses it).
             everything = payload if chosen is arguments else self._payload(arguments)

@@ -80,10 +80,17 @@ def send_debounced(
     bound_ms = max(1, round(producer_timeout(conf) * 1000))
     spec: Debounce = task.debounce
     key = task._debounce_keys.named(args, kwargs)[0]
-    tenant = task.key_of(args, kwargs, headers.get(HEADER_KEY), headers.get(HEADER_TENANT)).tenant
     try:
+        store = task.store
+        # The edit's idempotency key (content-addressed ones need the database's identity key): a run in flight is
+        # superseded only by an edit of another key, since an edit of its own key is the job it is doing.
+        ident = task._keys.identity(
+            tuple(args), kwargs, headers.get(HEADER_KEY), headers.get(HEADER_TENANT), None, store.identity_key()
+        )
         call = (args, kwargs, headers)
-        edit = upsert_edit(task.store.db, task.name, tenant, key, call, spec, str(uuid.uuid4()), bound_ms)
+        edit = upsert_edit(
+            store.db, task.name, ident.tenant, key, call, spec, str(uuid.uuid4()), bound_ms, edit_key=ident.key
+        )
     except (StoreError, SQLAlchemyError, OSError) as exc:
         logger.warning("%s[%s]: the debounce row was not written (%s): published without debounce", task.name, key, exc)
         fail_open(url, task.name, exc)

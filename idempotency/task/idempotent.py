@@ -8,6 +8,7 @@ Flower) <- `body` (the API a body calls on `self`) <- `idempotent` (this one).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -18,21 +19,24 @@ from celery.exceptions import Ignore, Retry
 from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps, loads, prepare_accept_content
+from kombu.utils import json as kombu_json
 
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
-from oncelery.errors import ConfigurationError, OnceleryError, PayloadTooLarge, StoreError
+from oncelery.errors import ConfigurationError, ForkRefused, OnceleryError, PayloadTooLarge, StoreError
 from oncelery.ledger.unknown import UNKNOWN_OUTCOME
 from oncelery.runs.debounce import DebounceMark
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
-from oncelery.runs.forks import fork_id_of
+from oncelery.runs.forks import ForkSpec, fork_id_of, fork_mismatch, load_fork
 from oncelery.runs.keys import Identity, validate_key
 from oncelery.settings import (
+    FORK_KEY_PREFIX,
     HEADER_ABANDONED,
     HEADER_DEBOUNCE_KEY,
     HEADER_DEBOUNCE_SEQ,
+    HEADER_FORK,
     HEADER_KEY,
     HEADER_LEASE,
     HEADER_ON_IN_PROGRESS,
@@ -67,6 +71,7 @@ _CALL_HEADERS = (
     HEADER_LEASE,
     HEADER_DEBOUNCE_KEY,
     HEADER_DEBOUNCE_SEQ,
+    HEADER_FORK,  # a fork is recognised by it alone: a kept message, a letter and a wake must carry it
 )
 
 
@@ -135,7 +140,11 @@ class IdempotentTask(RunBody):
         # No database needed here (producers need none): a content-addressed key is keyed where a database is, so
         # the key and tenant are checked, and the payload's JSON; the arguments as a worker will see them are
         # returned for the producer's check, which runs only where a claims database is configured.
-        self.key_of(seen_args, seen_kwargs, key, tenant)
+        call = self.key_of(seen_args, seen_kwargs, key, tenant)
+        if call.key is not None and call.key.startswith(FORK_KEY_PREFIX):
+            # A fork's run is sent by the fork command alone (its header names the fork): a producer's key there
+            # would name another run's fork, and would have been run as it (its source's steps, another tenant's).
+            raise ForkRefused.reserved(self.name, call.key)
         self.version_of(seen_args, seen_kwargs)
         return list(seen_args), dict(seen_kwargs)
 
@@ -196,7 +205,7 @@ class IdempotentTask(RunBody):
             if value:
                 message[option] = value
         try:
-            ident, entity, version = self._identify(args, kwargs, explicit, message)
+            ident, entity, version, fork = self._identify(args, kwargs, explicit, message)
         except StoreError as exc:  # e.g. the digest secret could not be read: a store fault, not a bad message
             return after_store_fault(exc, f"before claiming {self.name}", can_resend(req, direct), self._send_again)
         try:
@@ -218,6 +227,7 @@ class IdempotentTask(RunBody):
             policy=policy,
             waiting_since=_epoch_header(headers.get(HEADER_WAITING_SINCE)),
             debounce=self._debounce_mark(explicit),
+            fork=fork,
         )
         tel = telemetry_of(self)
         if tel is None:
@@ -233,9 +243,9 @@ class IdempotentTask(RunBody):
         return DebounceMark(str(key), seq, self.debounce.on_running == "supersede")
 
     def _identify(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, str], message: Any
-    ) -> tuple[Identity, str | None, EntityVersionOf | None]:
-        """The delivery's identity, entity and version; a message without them is dead-lettered, with why.
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], explicit: dict[str, Any], message: Any
+    ) -> tuple[Identity, str | None, EntityVersionOf | None, ForkSpec | None]:
+        """The delivery's identity, entity, version and fork; a message without them is dead-lettered, with why.
 
         A run (or entity version) stored before keyed digests and injective keys is found in its old forms, and
         the delivery is then that run's (runs/legacy.py: a lookup only while such runs may remain).
@@ -246,7 +256,8 @@ class IdempotentTask(RunBody):
             version = self.version_of(args, kwargs)
             ident = self.store.legacy.identity(self.name, ident)
             version = self.store.legacy.entity(self.name, ident.tenant, version)
-            if fork_id_of(ident.key) is not None:  # a fork re-runs the past: never production's entity slot
+            fork = self._fork_of(ident, explicit.get(HEADER_FORK))
+            if fork is not None:  # a fork re-runs the past: never production's entity slot
                 entity, version = None, None
         except StoreError:
             raise
@@ -255,10 +266,28 @@ class IdempotentTask(RunBody):
             logger.error("%s: refused a delivery whose identity cannot be derived: %s", self.name, exc)
             fault_point("dead_letter", task=self.name, key=None)
             self.store.letter_without_run(
-                self.name, explicit.get(HEADER_TENANT, ""), REASON_BAD_MESSAGE, str(exc), message
+                self.name, explicit.get(HEADER_TENANT, ""), REASON_BAD_MESSAGE, str(exc), _storable(message)
             )
             raise
-        return ident, entity, version
+        return ident, entity, version, fork
+
+    def _fork_of(self, ident: Identity, header: Any) -> ForkSpec | None:
+        """The fork this delivery runs, or None (production's): recognised by the fork command's header alone, and
+        only if its fork row names this task, tenant and key. A fork-shaped key without it is refused, not run:
+        it would share a fork's run (its checkpoints, its source's steps) without being that fork."""
+        if header is None:
+            if fork_id_of(ident.key) is not None:
+                unsent = "its key names a fork, without the fork command's header"
+                raise ForkRefused.not_sent_as_fork(self.name, ident.key, unsent)
+            return None
+        if isinstance(header, bool) or not isinstance(header, int):
+            raise ForkRefused.not_sent_as_fork(self.name, ident.key, f"its fork header is {header!r}, not a fork id")
+        fault_point("fork_load", task=self.name, key=ident.key)
+        spec = load_fork(self.store.db, header)
+        why = fork_mismatch(spec, header, self.name, ident.tenant, ident.key)
+        if why is not None:
+            raise ForkRefused.not_sent_as_fork(self.name, ident.key, why)
+        return spec
 
     def _send_again(
         self, exc: BaseException | None, abandoned: str | None = None, waiting_since: float | None = None
@@ -341,6 +370,15 @@ class IdempotentTask(RunBody):
     def outcome_counts(self) -> dict[str, int]:
         """Return this task's exact delivery outcome counts across all processes."""
         return self.store.outcome_counts(self.name)
+
+
+def _storable(message: dict[str, Any]) -> Any:
+    """`message` as JSON a letter can store, even when a producer without Oncelery's checks sent a datetime, a
+    UUID or a Decimal: in kombu's JSON form, which a replay sends again as the same value (else their repr)."""
+    try:
+        return json.loads(kombu_json.dumps(message))
+    except (TypeError, ValueError):  # not even kombu's JSON (a pickled object): a letter that says what it was
+        return json.loads(json.dumps(message, default=repr))
 
 
 def _epoch_header(value: Any) -> float | None:
