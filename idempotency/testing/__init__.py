@@ -12,7 +12,10 @@ them. Fixtures:
 - `oncelery_worker_process`: a factory of real `celery worker` subprocesses (for kills and freezes).
 - `oncelery_pg_cluster`, `oncelery_cluster_db`: a throwaway PostgreSQL cluster per session, and a database on it.
 
-Every worker of the kit uses the test database whatever the app configures, or refuses at once naming both.
+Every worker of the kit uses the test database whatever the app configures, or refuses at once naming both, and
+so does the test process while a kit worker runs: `isolated(app, url)` (which the workers use) gives the app
+the test's database, queues of the test's own namespace and results under it, then the app's settings back, so a
+developer's worker running beside the tests takes none of their jobs.
 Fault helpers are one-liners: `deliver_concurrently`, `kill_holder`, `frozen_past_lease`, `expire_lease`,
 `flush_broker` (this app's queues only), `fail_step_once` (`exc=` your own error), and the database's:
 `fail_at(point, fault)`, `terminate_connections`, `database_down`. Assertions: `assert_ran_once`,
@@ -24,7 +27,8 @@ $ONCELERY_PASS_THROUGH=1 (fixture `oncelery_pass_through`) runs bodies unclaimed
 long model call wakes only through a relay, in tests as in production. See docs/testing.md.
 
 Reading order: `plugin` (fixtures and options), `db` (reads and assertions), `faults` (delivery faults),
-`worker` (the workers' database and the subprocess), `broker` (Redis), `database_faults`, `cluster` (the
+`isolation` (the test's database, queues and results, for the test process and its workers), `worker` (the
+subprocess), `broker` (Redis), `database_faults`, `cluster` (the
 throwaway PostgreSQL), `waiting`. This module re-exports them: it is the plugin pytest loads (entry point
 `pytest11`), and `from oncelery.testing import *` gives the kit.
 """
@@ -42,6 +46,7 @@ from oncelery.testing.faults import (
     frozen_past_lease,
     kill_holder,
 )
+from oncelery.testing.isolation import isolated
 
 # The plugin's fixtures, hook and constants, read by pytest from this module (the plugin `oncelery`); not part of
 # `from oncelery.testing import *`, which would make every fixture a fixture of the importing module too.
@@ -92,6 +97,7 @@ __all__ = [
     "flush_broker",
     "frozen_past_lease",
     "in_process_worker",
+    "isolated",
     "kill_holder",
     "relay_running",
     "restore_delivery",

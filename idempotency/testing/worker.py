@@ -28,8 +28,10 @@ from sqlalchemy.engine import make_url
 
 from oncelery.errors import ConfigurationError
 from oncelery.settings import CONF_DATABASE_URL, ENV_DATABASE_URL, configured_database_url
+from oncelery.settings_files import FILE_SUFFIX
 from oncelery.testing.broker import TEST_VISIBILITY_TIMEOUT, kit_transport_options
 from oncelery.testing.db import OnceleryDb
+from oncelery.testing.isolation import isolate
 from oncelery.testing.waiting import wait_until
 
 __all__ = [
@@ -79,13 +81,14 @@ def check_test_database(app: Any, url: str, who: str) -> None:
 
 
 def prepare_worker_app(app: Any, url: str, visibility_timeout: float | None) -> dict[str, Any]:
-    """Make `url` the app's claims database over its own configuration, merge the kit's transport options
-    (returned), and have the worker re-assert the database at celeryd_init and refuse at worker_init if it
-    changed. Called in the worker subprocess, before Celery's command line starts the worker."""
+    """Isolate the app on the test database `url` over its own configuration (its claims database, the test's
+    queues and results: oncelery.testing.isolation), merge the kit's transport options (returned), and have the
+    worker re-assert the database at celeryd_init and refuse at worker_init if it changed. Called in the worker
+    subprocess, before Celery's command line starts the worker."""
     from celery import signals
 
-    app.conf[CONF_DATABASE_URL] = url  # loads the app's configuration first; this setting then wins over it
-    options = kit_transport_options(app, visibility_timeout)
+    isolate(app, url)  # loads the app's configuration first; the test's database, queues and results win over it
+    options = kit_transport_options(app, visibility_timeout)  # named after the test's default queue
     if options:
         app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}), **options}
     check_test_database(app, url, "this kit worker")
@@ -149,7 +152,7 @@ class WorkerProcess:
         cmd = [sys.executable, "-m", "oncelery.testing", app_path, "worker", "--loglevel=INFO", "-n", hostname]
         cmd += ["--pool", "prefork", "--concurrency", str(concurrency), "--without-gossip", "--without-mingle"]
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != ENV_DATABASE_URL + FILE_SUFFIX},  # never both set
             **env,
             ENV_DATABASE_URL: db.url,  # for model calls made outside any task, too
             ENV_WORKER_DATABASE_URL: db.url,
