@@ -1,8 +1,9 @@
 """oncelery.testing: a pytest plugin that proves a user's own task is exactly-once, on real workers.
 
-Registered as the pytest plugin `oncelery` (entry point `pytest11`), so installing Oncelery makes its fixtures
-available; it builds on pytest-celery's Celery app fixtures (`celery_app`, `celery_config`) where a project uses
-them. Fixtures:
+Loaded only where a project asks for it, as Celery's own pytest plugin is: `pytest_plugins = ["oncelery.testing"]`
+in the rootdir's conftest.py, or `pytest -p oncelery.testing` (or `addopts`). Installing Oncelery registers
+nothing with pytest, so an unrelated pytest run of the environment never imports it. It builds on
+pytest-celery's Celery app fixtures (`celery_app`, `celery_config`) where a project uses them. Fixtures:
 
 - `oncelery_db`: a fresh migrated claims schema: a new database on PostgreSQL (`--oncelery-db-url` or
   $ONCELERY_TEST_DATABASE_URL, else the local server if it answers; names prefixed by `--oncelery-db-prefix`),
@@ -16,6 +17,7 @@ Every worker of the kit uses the test database whatever the app configures, or r
 so does the test process while a kit worker runs: `isolated(app, url)` (which the workers use) gives the app
 the test's database, queues of the test's own namespace and results under it, then the app's settings back, so a
 developer's worker running beside the tests takes none of their jobs.
+
 Fault helpers are one-liners: `deliver_concurrently`, `kill_holder`, `frozen_past_lease`, `expire_lease`,
 `flush_broker` (this app's queues only), `fail_step_once` (`exc=` your own error), and the database's:
 `fail_at(point, fault)`, `terminate_connections`, `database_down`. Assertions: `assert_ran_once`,
@@ -28,9 +30,11 @@ long model call wakes only through a relay, in tests as in production. See docs/
 
 Reading order: `plugin` (fixtures and options), `db` (reads and assertions), `faults` (delivery faults),
 `isolation` (the test's database, queues and results, for the test process and its workers), `worker` (the
-subprocess), `broker` (Redis), `database_faults`, `cluster` (the
-throwaway PostgreSQL), `waiting`. This module re-exports them: it is the plugin pytest loads (entry point
-`pytest11`), and `from oncelery.testing import *` gives the kit.
+subprocess), `broker` (Redis), `database_faults`, `cluster` (the throwaway PostgreSQL), `waiting`. This module
+re-exports them: it is the plugin pytest loads, and `from oncelery.testing import *` gives the kit.
+
+PYTEST_DONT_REWRITE: the kit's checks raise AssertionError themselves (they hold under `python -O`), so pytest
+need not rewrite this module, and a conftest.py may import from it before its `pytest_plugins` line names it.
 """
 
 from oncelery.llm.fake import FakeProvider, FakeProviderControl
