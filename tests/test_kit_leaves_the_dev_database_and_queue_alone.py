@@ -162,6 +162,12 @@ def test_an_in_process_worker_test_leaves_the_dev_database_and_queue_alone_and_r
     assert notes.app.amqp.router.route({}, "notes.index")["queue"].name == QUEUE
     assert not (conf.result_backend_transport_options or {}).get("global_keyprefix")
     assert notes.app.backend.get_key_for_task("x") == b"celery-task-meta-x"
+    # The test's queues, bindings and bookkeeping keys are gone from Redis (its results expire as the app's do).
+    client = redis.Redis.from_url(REDIS)
+    try:
+        assert not list(client.scan_iter(match=f"*{namespace_of(oncelery_db.url)}.{QUEUE}*", count=1000))
+    finally:
+        client.close()
 
 
 def test_every_destination_and_result_store_of_an_app_is_the_tests_and_is_given_back(tmp_path: Path) -> None:

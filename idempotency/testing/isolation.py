@@ -252,7 +252,7 @@ def _recompute(app: Any, namespace: Namespace | None) -> None:
 def _leave(isolation: Isolation) -> None:
     """Delete the test's queues from Redis (best effort), then put the app's settings back."""
     app = isolation.app
-    _flush_queues(app)
+    _drop_queues(app, isolation.namespace)
     conf = app.conf
     for key, (was_set, value) in isolation.saved.items():
         if was_set:
@@ -262,12 +262,12 @@ def _leave(isolation: Isolation) -> None:
     _recompute(app, None)
 
 
-def _flush_queues(app: Any) -> None:
-    from oncelery.testing.broker import flush_broker, on_redis
+def _drop_queues(app: Any, namespace: Namespace) -> None:
+    from oncelery.testing.broker import drop_queues, on_redis
 
     try:
         if on_redis(app):
-            flush_broker(app)  # the app's queues are the test's now: nothing of the developer's goes
+            drop_queues(app, namespace.prefix)  # the test's keys only, each named: nothing of the developer's goes
     except Exception as exc:  # Redis stopped by the test, say: the keys stay behind, the test's result stands
         logger.warning("could not delete the test's queues of %s: %s", app.main, exc)
 
