@@ -30,7 +30,7 @@ from oncelery.testing.broker import TEST_VISIBILITY_TIMEOUT, TEST_WORKER_POLL
 from oncelery.testing.cluster import PgCluster, missing_binaries, postgres_bindir, teardown_on_sigterm
 from oncelery.testing.db import OnceleryDb
 from oncelery.testing.isolation import isolated
-from oncelery.testing.worker import WorkerProcess, check_test_database
+from oncelery.testing.worker import WorkerProcess, check_test_database, import_app
 
 __all__ = [
     "DEFAULT_DB_PREFIX",
@@ -275,8 +275,9 @@ def oncelery_worker_process(request: pytest.FixtureRequest, oncelery_db: Onceler
     The app path may also come from the ini option `oncelery_app`. The worker uses `oncelery_db` whatever the
     app configures (or refuses to start, naming both URLs), and so does the test process until the test ends:
     the app is isolated (oncelery.testing.isolation) from the fixture's start where it is known then (the test
-    uses `oncelery_app`, or the ini names it), else from the first worker's. On Redis a worker gives a killed
-    worker's job back after `visibility_timeout` seconds (default TEST_VISIBILITY_TIMEOUT; None keeps the app's).
+    uses `oncelery_app`, or the ini names it), else from the first worker's start (WorkerProcess isolates the app
+    at its path). On Redis a worker gives a killed worker's job back after `visibility_timeout` seconds (default
+    TEST_VISIBILITY_TIMEOUT; None keeps the app's).
     """
     started: list[WorkerProcess] = []
     with ExitStack() as isolations:
@@ -290,7 +291,7 @@ def oncelery_worker_process(request: pytest.FixtureRequest, oncelery_db: Onceler
         if "oncelery_app" in request.fixturenames:
             isolate(request.getfixturevalue("oncelery_app"))
         if request.config.getini("oncelery_app"):
-            isolate(_app_at(str(request.config.getini("oncelery_app"))))
+            isolate(import_app(str(request.config.getini("oncelery_app"))))
 
         def start(
             app_path: str | None = None,
@@ -302,7 +303,6 @@ def oncelery_worker_process(request: pytest.FixtureRequest, oncelery_db: Onceler
             path = app_path or request.config.getini("oncelery_app")
             if not path:
                 raise ConfigurationError("give the app's import path: oncelery_worker_process('pkg.module:app')")
-            isolate(_app_at(str(path)))  # the jobs this test sends go where this worker takes them
             name = hostname or f"oncelery-test-{len(started) + 1}-{uuid.uuid4().hex[:6]}@%h"
             log_dir = {"ONCELERY_TEST_LOG_DIR": str(tmp_path), **env}
             worker = WorkerProcess(str(path), oncelery_db, name, concurrency, log_dir, visibility_timeout)
@@ -314,20 +314,6 @@ def oncelery_worker_process(request: pytest.FixtureRequest, oncelery_db: Onceler
         finally:
             for worker in started:
                 worker.stop()
-
-
-def _app_at(path: str) -> Any:
-    """The app at the import path `path`, imported in the test process (as `celery -A` finds it)."""
-    from celery.app.utils import find_app
-    from celery.utils.imports import symbol_by_name
-
-    try:
-        return find_app(path, symbol_by_name=symbol_by_name)
-    except Exception as exc:
-        raise ConfigurationError(
-            f"oncelery_worker_process: the test process imports the app {path!r} too (its jobs must go to the "
-            f"test's queues), and could not: {exc}"
-        ) from exc
 
 
 # -- the plugin's options ------------------------------------------------------------------------------------
