@@ -32,6 +32,10 @@ pytest.register_assert_rewrite("tests.store_faults")
 # worker's log lines), for tests/test_store_fault_*.py and any other module that breaks the database.
 from tests.store_faults import logs, pg_app, pg_db, sqlite_app, sqlite_db  # noqa: E402, F401
 
+# The users' pytest kit, declared as a user's conftest declares it: installing Oncelery registers no pytest plugin
+# (an unrelated pytest run of the environment never imports it; docs/testing.md).
+pytest_plugins = ["oncelery.testing"]
+
 ORDERED_TABLES = [
     "article_scores",
     "llm_intents",

@@ -87,12 +87,10 @@ def test_the_in_process_worker_polls_redis_briefly_and_leaves_the_config_as_it_w
     assert celery_app.conf.broker_transport_options == {"polling_interval": 0.5}
 
 
-def test_the_plugin_loads_by_its_entry_point_and_gives_a_fresh_postgresql_database(
-    pytester: pytest.Pytester,
-) -> None:
-    """A user's pytest run, in a subprocess: the plugin is found by its entry point, and with --oncelery-db-url
-    each test gets a database of its own on that server, migrated, named with --oncelery-db-prefix, and dropped
-    afterwards, as is the session's template it was copied from."""
+def test_the_plugin_gives_each_test_a_fresh_postgresql_database_dropped_after(pytester: pytest.Pytester) -> None:
+    """A user's pytest run, in a subprocess, with the plugin asked for (`-p oncelery.testing`): with
+    --oncelery-db-url each test gets a database of its own on that server, migrated, named with
+    --oncelery-db-prefix, and dropped afterwards, as is the session's template it was copied from."""
     pytester.makepyfile(
         test_user="""
         from sqlalchemy import create_engine, inspect
@@ -107,7 +105,13 @@ def test_the_plugin_loads_by_its_entry_point_and_gives_a_fresh_postgresql_databa
     )
     prefix = f"kit_prefix_{uuid.uuid4().hex[:6]}_"
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-s", f"--oncelery-db-url={PG_ADMIN_URL}", f"--oncelery-db-prefix={prefix}"
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "oncelery.testing",
+        "-s",
+        f"--oncelery-db-url={PG_ADMIN_URL}",
+        f"--oncelery-db-prefix={prefix}",
     )
     result.assert_outcomes(passed=1)
     found = re.search(rf"DB ({prefix}\w+)", result.stdout.str())

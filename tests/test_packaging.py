@@ -64,7 +64,8 @@ def packaged_sources(source: Path) -> set[str]:
 def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
     """The wheel installs only `oncelery/` and its dist-info: every module, migration, template, py.typed and
     sample file of idempotency/, models/ and tasks/ is in it under oncelery/ (nothing more), the celeryconfig
-    link is packaged as the real file, the sample articles are package data, and both entry points are declared."""
+    link is packaged as the real file, the sample articles are package data, and both entry points are declared
+    (and no pytest plugin: the kit loads only where asked)."""
     wheel = built.wheel
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -109,6 +110,8 @@ def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
     parsed.read_string(entry_points)
     assert dict(parsed["console_scripts"]) == {"oncelery": "oncelery.tasks.commands:main"}
     assert dict(parsed["celery.commands"]) == {"oncelery": "oncelery.cli:oncelery"}
+    # No pytest11: the test kit loads only where a project asks (tests/test_kit_plugin_loads_only_where_asked.py).
+    assert "pytest11" not in parsed.sections(), parsed.sections()
 
 
 USER_MODELS = '''\

@@ -1,8 +1,9 @@
 """oncelery.testing: a pytest plugin that proves a user's own task is exactly-once, on real workers.
 
-Registered as the pytest plugin `oncelery` (entry point `pytest11`), so installing Oncelery makes its fixtures
-available; it builds on pytest-celery's Celery app fixtures (`celery_app`, `celery_config`) where a project uses
-them. Fixtures:
+Loaded only where a project asks for it, as Celery's own pytest plugin is: `pytest_plugins = ["oncelery.testing"]`
+in the rootdir's conftest.py, or `pytest -p oncelery.testing` (or `addopts`). Installing Oncelery registers
+nothing with pytest, so an unrelated pytest run of the environment never imports it. It builds on
+pytest-celery's Celery app fixtures (`celery_app`, `celery_config`) where a project uses them. Fixtures:
 
 - `oncelery_db`: a fresh migrated claims schema: a new database on PostgreSQL (`--oncelery-db-url` or
   $ONCELERY_TEST_DATABASE_URL, else the local server if it answers; names prefixed by `--oncelery-db-prefix`),
@@ -12,7 +13,11 @@ them. Fixtures:
 - `oncelery_worker_process`: a factory of real `celery worker` subprocesses (for kills and freezes).
 - `oncelery_pg_cluster`, `oncelery_cluster_db`: a throwaway PostgreSQL cluster per session, and a database on it.
 
-Every worker of the kit uses the test database whatever the app configures, or refuses at once naming both.
+Every worker of the kit uses the test database whatever the app configures, or refuses at once naming both, and
+so does the test process while a kit worker runs: `isolated(app, url)` (which the workers use) gives the app
+the test's database, queues of the test's own namespace and results under it, then the app's settings back, so a
+developer's worker running beside the tests takes none of their jobs.
+
 Fault helpers are one-liners: `deliver_concurrently`, `kill_holder`, `frozen_past_lease`, `expire_lease`,
 `flush_broker` (this app's queues only), `fail_step_once` (`exc=` your own error), and the database's:
 `fail_at(point, fault)`, `terminate_connections`, `database_down`. Assertions: `assert_ran_once`,
@@ -24,9 +29,12 @@ $ONCELERY_PASS_THROUGH=1 (fixture `oncelery_pass_through`) runs bodies unclaimed
 long model call wakes only through a relay, in tests as in production. See docs/testing.md.
 
 Reading order: `plugin` (fixtures and options), `db` (reads and assertions), `faults` (delivery faults),
-`worker` (the workers' database and the subprocess), `broker` (Redis), `database_faults`, `cluster` (the
-throwaway PostgreSQL), `waiting`. This module re-exports them: it is the plugin pytest loads (entry point
-`pytest11`), and `from oncelery.testing import *` gives the kit.
+`isolation` (the test's database, queues and results, for the test process and its workers), `worker` (the
+subprocess), `broker` (Redis), `database_faults`, `cluster` (the throwaway PostgreSQL), `waiting`. This module
+re-exports them: it is the plugin pytest loads, and `from oncelery.testing import *` gives the kit.
+
+PYTEST_DONT_REWRITE: the kit's checks raise AssertionError themselves (they hold under `python -O`), so pytest
+need not rewrite this module, and a conftest.py may import from it before its `pytest_plugins` line names it.
 """
 
 from oncelery.llm.fake import FakeProvider, FakeProviderControl
@@ -42,6 +50,7 @@ from oncelery.testing.faults import (
     frozen_past_lease,
     kill_holder,
 )
+from oncelery.testing.isolation import isolated
 
 # The plugin's fixtures, hook and constants, read by pytest from this module (the plugin `oncelery`); not part of
 # `from oncelery.testing import *`, which would make every fixture a fixture of the importing module too.
@@ -92,6 +101,7 @@ __all__ = [
     "flush_broker",
     "frozen_past_lease",
     "in_process_worker",
+    "isolated",
     "kill_holder",
     "relay_running",
     "restore_delivery",

@@ -27,6 +27,7 @@ __all__ = [
     "TEST_RESTORE_INTERVAL",
     "TEST_VISIBILITY_TIMEOUT",
     "TEST_WORKER_POLL",
+    "drop_queues",
     "flush_broker",
     "kit_transport_options",
     "on_redis",
@@ -123,6 +124,24 @@ def flush_broker(app: Any, queues: Iterable[str] = ()) -> dict[str, int]:
         lists = [prefix + channel._q_for_pri(q, pri) for q in sorted(names) for pri in channel.priority_steps]
         gone["queue_lists"] = int(client.delete(*lists)) if lists else 0
     return gone
+
+
+def drop_queues(app: Any, prefix: str) -> int:
+    """Delete the Redis keys of the app's queues named under `prefix` (a test's namespace): their lists at every
+    priority, their exchanges' bindings (those exchanges are named under `prefix` too: nobody else's), and the kit
+    workers' unacked bookkeeping keys. Every key is named, no SCAN of a database others may fill. Returns how
+    many keys went."""
+    ours = [q for q in app.amqp.queues.values() if q.name.startswith(prefix)]
+    bookkeeping = dict(_UNACKED)
+    with _channel(app) as channel:
+        head = channel.global_keyprefix
+        keys = [head + channel._q_for_pri(q.name, pri) for q in ours for pri in channel.priority_steps]
+        exchanges = {q.exchange.name for q in ours if q.exchange is not None and q.exchange.name.startswith(prefix)}
+        for template in (channel.keyprefix_queue, channel.keyprefix_binding_permanent):
+            keys += [head + template % (x,) for x in sorted(exchanges)]
+        keys += [head + v for k, v in kit_transport_options(app, 0.0).items() if k in bookkeeping]
+        client = redis.Redis(connection_pool=channel.pool)
+        return int(client.delete(*keys)) if keys else 0
 
 
 def _remove_bindings(

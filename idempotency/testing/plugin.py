@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from oncelery.errors import ConfigurationError
-from oncelery.settings import CONF_DATABASE_URL, ENV_PASS_THROUGH
+from oncelery.settings import ENV_PASS_THROUGH
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.store.schema import upgrade_schema
 from oncelery.testing.broker import TEST_VISIBILITY_TIMEOUT, TEST_WORKER_POLL
 from oncelery.testing.cluster import PgCluster, missing_binaries, postgres_bindir, teardown_on_sigterm
 from oncelery.testing.db import OnceleryDb
-from oncelery.testing.worker import WorkerProcess, check_test_database
+from oncelery.testing.isolation import isolated
+from oncelery.testing.worker import WorkerProcess, check_test_database, import_app
 
 __all__ = [
     "DEFAULT_DB_PREFIX",
@@ -219,13 +220,17 @@ def oncelery_app(request: pytest.FixtureRequest) -> Any:
 def running_worker(app: Any, db: OnceleryDb, concurrency: int = 4) -> Iterator[Any]:
     """Run a real in-process worker (threads) of `app` on `db` for the block: for tasks defined in the test.
 
-    `db` wins over the app's own `oncelery_database_url` for the block; should the app set it again when the
-    worker starts, WorkerDatabaseMismatch names both URLs.
+    For the block the app is isolated (oncelery.testing.isolation): the test process and the worker use `db`, the
+    test's own queues and results, whatever the app configures, and never the developer's; the app's settings
+    are back after. Should the app set its database again when the worker starts, WorkerDatabaseMismatch
+    names both URLs.
     """
-    with _database_of(app, db.url), in_process_worker(app, concurrency=concurrency) as worker:
-        # The app's own worker_init handlers have run by now: the test database must still be the one.
+    with isolated(app, db.url):
         check_test_database(app, db.url, "the kit's in-process worker")
-        yield worker
+        with in_process_worker(app, concurrency=concurrency) as worker:
+            # The app's own worker_init handlers have run by now: the test database must still be the one.
+            check_test_database(app, db.url, "the kit's in-process worker")
+            yield worker
 
 
 @contextmanager
@@ -257,17 +262,6 @@ def oncelery_worker(oncelery_app: Any, oncelery_db: OnceleryDb) -> Iterator[Any]
         yield worker
 
 
-@contextmanager
-def _database_of(app: Any, url: str) -> Iterator[None]:
-    before = app.conf.get(CONF_DATABASE_URL)
-    app.conf[CONF_DATABASE_URL] = url  # the app's configuration is loaded first: this wins over it
-    try:
-        check_test_database(app, url, "the kit's in-process worker")
-        yield
-    finally:
-        app.conf[CONF_DATABASE_URL] = before
-
-
 @pytest.fixture
 def oncelery_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
     """Switch the claim off for this test ($ONCELERY_PASS_THROUGH=1): task bodies run as plain functions."""
@@ -279,32 +273,47 @@ def oncelery_worker_process(request: pytest.FixtureRequest, oncelery_db: Onceler
     """A factory: `oncelery_worker_process("myapp.celery:app")` starts a real worker subprocess on `oncelery_db`.
 
     The app path may also come from the ini option `oncelery_app`. The worker uses `oncelery_db` whatever the
-    app configures (or refuses to start, naming both URLs); on Redis it gives a killed worker's job back after
-    `visibility_timeout` seconds (default TEST_VISIBILITY_TIMEOUT; None keeps the app's own).
+    app configures (or refuses to start, naming both URLs), and so does the test process until the test ends:
+    the app is isolated (oncelery.testing.isolation) from the fixture's start where it is known then (the test
+    uses `oncelery_app`, or the ini names it), else from the first worker's start (WorkerProcess isolates the app
+    at its path). On Redis a worker gives a killed worker's job back after `visibility_timeout` seconds (default
+    TEST_VISIBILITY_TIMEOUT; None keeps the app's).
     """
     started: list[WorkerProcess] = []
+    with ExitStack() as isolations:
+        apps: set[int] = set()
 
-    def start(
-        app_path: str | None = None,
-        hostname: str | None = None,
-        concurrency: int = 1,
-        visibility_timeout: float | None = TEST_VISIBILITY_TIMEOUT,
-        **env: str,
-    ) -> Any:
-        path = app_path or request.config.getini("oncelery_app")
-        if not path:
-            raise ConfigurationError("give the app's import path: oncelery_worker_process('pkg.module:app')")
-        name = hostname or f"oncelery-test-{len(started) + 1}-{uuid.uuid4().hex[:6]}@%h"
-        log_dir = {"ONCELERY_TEST_LOG_DIR": str(tmp_path), **env}
-        worker = WorkerProcess(str(path), oncelery_db, name, concurrency, log_dir, visibility_timeout)
-        started.append(worker)
-        return worker
+        def isolate(app: Any) -> None:
+            if id(app) not in apps:
+                isolations.enter_context(isolated(app, oncelery_db.url))
+                apps.add(id(app))
 
-    try:
-        yield start
-    finally:
-        for worker in started:
-            worker.stop()
+        if "oncelery_app" in request.fixturenames:
+            isolate(request.getfixturevalue("oncelery_app"))
+        if request.config.getini("oncelery_app"):
+            isolate(import_app(str(request.config.getini("oncelery_app"))))
+
+        def start(
+            app_path: str | None = None,
+            hostname: str | None = None,
+            concurrency: int = 1,
+            visibility_timeout: float | None = TEST_VISIBILITY_TIMEOUT,
+            **env: str,
+        ) -> Any:
+            path = app_path or request.config.getini("oncelery_app")
+            if not path:
+                raise ConfigurationError("give the app's import path: oncelery_worker_process('pkg.module:app')")
+            name = hostname or f"oncelery-test-{len(started) + 1}-{uuid.uuid4().hex[:6]}@%h"
+            log_dir = {"ONCELERY_TEST_LOG_DIR": str(tmp_path), **env}
+            worker = WorkerProcess(str(path), oncelery_db, name, concurrency, log_dir, visibility_timeout)
+            started.append(worker)
+            return worker
+
+        try:
+            yield start
+        finally:
+            for worker in started:
+                worker.stop()
 
 
 # -- the plugin's options ------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ def relay_running(
     """Run `oncelery relay`'s loop for `app` on the claims database `url` in a thread for the block, then stop it.
 
     What a parked run (a model call past its inline wait) needs to wake in a test, as production needs
-    `oncelery relay`. `interval`: seconds between idle rounds (short, so a test waits on wakes, not on the
+    `oncelery relay`. It publishes where the app routes: inside a kit worker's block or fixture, to the test's
+    queues (oncelery.testing.isolation); it does not isolate the app itself, so that it serves a worker of your
+    own too. `interval`: seconds between idle rounds (short, so a test waits on wakes, not on the
     loop); `sweep_interval`: the lost-run sweeper's interval (None: off, so a kill test decides when runs return);
     `relay_options`: the rest of `Relay`'s (e.g. `batch_poll_s=0.05` to poll provider batches often).
     """

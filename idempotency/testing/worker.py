@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,10 @@ from sqlalchemy.engine import make_url
 
 from oncelery.errors import ConfigurationError
 from oncelery.settings import CONF_DATABASE_URL, ENV_DATABASE_URL, configured_database_url
+from oncelery.settings_files import FILE_SUFFIX
 from oncelery.testing.broker import TEST_VISIBILITY_TIMEOUT, kit_transport_options
 from oncelery.testing.db import OnceleryDb
+from oncelery.testing.isolation import isolate, isolated
 from oncelery.testing.waiting import wait_until
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "WorkerDatabaseMismatch",
     "WorkerProcess",
     "check_test_database",
+    "import_app",
     "main",
     "prepare_worker_app",
 ]
@@ -79,13 +83,14 @@ def check_test_database(app: Any, url: str, who: str) -> None:
 
 
 def prepare_worker_app(app: Any, url: str, visibility_timeout: float | None) -> dict[str, Any]:
-    """Make `url` the app's claims database over its own configuration, merge the kit's transport options
-    (returned), and have the worker re-assert the database at celeryd_init and refuse at worker_init if it
-    changed. Called in the worker subprocess, before Celery's command line starts the worker."""
+    """Isolate the app on the test database `url` over its own configuration (its claims database, the test's
+    queues and results: oncelery.testing.isolation), merge the kit's transport options (returned), and have the
+    worker re-assert the database at celeryd_init and refuse at worker_init if it changed. Called in the worker
+    subprocess, before Celery's command line starts the worker."""
     from celery import signals
 
-    app.conf[CONF_DATABASE_URL] = url  # loads the app's configuration first; this setting then wins over it
-    options = kit_transport_options(app, visibility_timeout)
+    isolate(app, url)  # loads the app's configuration first; the test's database, queues and results win over it
+    options = kit_transport_options(app, visibility_timeout)  # named after the test's default queue
     if options:
         app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}), **options}
     check_test_database(app, url, "this kit worker")
@@ -127,10 +132,27 @@ def main(argv: list[str] | None = None) -> None:
     celery_main()
 
 
+def import_app(path: str) -> Any:
+    """The Celery app at the import path `path` ("pkg.module:app"), imported in this process as `celery -A`
+    finds it; ConfigurationError naming the path if it cannot be."""
+    from celery.app.utils import find_app
+    from celery.utils.imports import symbol_by_name
+
+    try:
+        return find_app(path, symbol_by_name=symbol_by_name)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"the test process imports the app {path!r} too (the jobs it sends must go to the test's queues), "
+            f"and could not: {exc}"
+        ) from exc
+
+
 class WorkerProcess:
     """A real `celery worker` subprocess (its own process group) on the test database, stopped by its PID.
 
-    On Redis it recovers a killed worker's job after `visibility_timeout` seconds (default
+    From its start to its `stop()`, the app at its path is isolated in this process too (the test's database,
+    queues and results: oncelery.testing.isolation), so the jobs this process sends go where the worker takes
+    them. On Redis it recovers a killed worker's job after `visibility_timeout` seconds (default
     TEST_VISIBILITY_TIMEOUT; None keeps the app's own).
     """
 
@@ -149,16 +171,23 @@ class WorkerProcess:
         cmd = [sys.executable, "-m", "oncelery.testing", app_path, "worker", "--loglevel=INFO", "-n", hostname]
         cmd += ["--pool", "prefork", "--concurrency", str(concurrency), "--without-gossip", "--without-mingle"]
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != ENV_DATABASE_URL + FILE_SUFFIX},  # never both set
             **env,
             ENV_DATABASE_URL: db.url,  # for model calls made outside any task, too
             ENV_WORKER_DATABASE_URL: db.url,
             ENV_WORKER_VISIBILITY: "" if visibility_timeout is None else str(visibility_timeout),
         }
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wait_until(lambda: self.ready() or self.proc.poll() is not None, 120, what=f"worker {hostname} to be ready")
+        self._isolation = ExitStack()
+        self._isolation.enter_context(isolated(import_app(app_path), db.url))
+        try:
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            wait_until(lambda: self.ready() or self.proc.poll() is not None, 120, what=f"worker {hostname} to be ready")
+        except BaseException:
+            self.stop()  # never left running, nor the app isolated, by a start that failed
+            raise
         if self.proc.poll() is not None:
+            self._isolation.close()
             refused = [line for line in self.output().splitlines() if line.startswith(_MARK)]
             if refused:
                 raise WorkerDatabaseMismatch(refused[-1][len(_MARK) :])
@@ -192,12 +221,17 @@ class WorkerProcess:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        """Stop the worker: SIGCONT (if frozen), SIGTERM, then SIGKILL after 30 s."""
-        if self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
+        """Stop the worker: SIGCONT (if frozen), SIGTERM, then SIGKILL after 30 s; then this process's isolation
+        of the app ends (the app's settings are back when no other worker or fixture of the test holds it)."""
         try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.kill()
+            proc = getattr(self, "proc", None)
+            if proc is None or proc.poll() is not None:
+                return
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        finally:
+            self._isolation.close()
