@@ -25,11 +25,11 @@ from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs
-from oncelery.models import OutboxStatus, RunStatus
+from oncelery.models import IntentState, OutboxStatus, RunStatus
 from oncelery.ops.debounce import dispatch_due
 from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, purge_dispatched, upsert_edit
 from oncelery.store.database import Database, get_engine
-from oncelery.store.tables import CALLS, DEBOUNCE, LABEL_TOTALS, OUTBOX, RUNS
+from oncelery.store.tables import CALLS, DEBOUNCE, INTENTS, LABEL_TOTALS, OUTBOX, RUNS
 from oncelery.task import producer
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
@@ -157,6 +157,12 @@ def test_runs_superseded_mid_call_write_no_effects_and_their_spend_stays_labelle
     # Each old run's call in flight gets its own ledger row at its estimate with the supersede (the ledger rule:
     # a cancel is best effort), and is then cancelled at the provider.
     assert len(rows(db_url, CALLS)) == 2 * docs + docs * len(STEPS)
+    # Each old call the provider has is cancelled: by the canceller (its reference was saved), or by its own holder
+    # fenced out before it could save it (nobody could find it again).
+    old_calls_at_provider = {
+        i["public_id"] for i in rows(db_url, INTENTS) if i["run_id"] in old_runs and i["state"] is not IntentState.DONE
+    } & set(fake.stats()["creates_by_intent"])
+    assert len(old_calls_at_provider) == docs
     wait_until(lambda: fake.stats()["cancels"] == docs, timeout=JOB, what="the old calls cancelled")
     calls = rows(db_url, CALLS)
     old_calls = [c for c in calls if c["run_id"] in old_runs]

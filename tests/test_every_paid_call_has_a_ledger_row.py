@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from oncelery import IdempotentTask, output_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
@@ -249,3 +249,21 @@ def test_the_relay_sweep_records_a_call_a_finished_run_left_open(
     [intent] = intents(db_url)
     assert intent["state"] is IntentState.ABANDONED
     assert_on_the_books(db_url, fake, {intent["public_id"]: "unknown_outcome"})
+
+
+def test_a_holder_fenced_out_before_it_saved_its_call_cancels_that_call_nobody_can_find_again(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    task = summarizer(app, responses)
+    engine = get_engine(db_url)
+
+    def taken_over() -> None:  # another holder takes the run over in the create window (the token moves on)
+        with engine.begin() as conn:
+            conn.execute(update(RUNS).values(fencing_token=RUNS.c.fencing_token + 1))
+
+    with fault_injected("llm_created", once(taken_over)), worker_factory(app):
+        task.delay("fenced", TEXT)  # its holder then waits out the taker's lease: the test ends before
+        wait_until(lambda: fake.stats()["cancels"] == 1, timeout=JOB, what="the unrecorded call cancelled")
+    first = intents(db_url)[0]
+    assert first["reference"] is None, "its reference was never saved: only its own holder could cancel it"
+    assert fake.stats()["creates_by_intent"][first["public_id"]] == 1

@@ -19,6 +19,9 @@ decides what this holder does:
     | failed / cancelled / done        | a new attempt labelled failed / cancelled / superseded| 1           |
     | abandoned (its run had ended)    | a new attempt (a replayed dead letter) superseded     | 1 (labelled)|
 
+Losing a lease never cancels a call the next holder can find again. The one exception: a holder fenced out
+between the create's answer and saving its reference cancels that call (best effort), since nobody can re-attach.
+
 The ledger rule (oncelery.ledger.unknown): a predecessor whose outcome cannot be known is ended `lost` with its
 ledger row at the estimate kept on its intent, labelled `unknown_outcome`, its budgets charged, in one fenced
 transaction committed BEFORE the new attempt is prepared: a new attempt refused by a budget or parked by a
@@ -32,6 +35,7 @@ reference writes nothing. Losing a lease never cancels a call.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection
 
-from oncelery.errors import ConfigurationError, RunParked, StepMismatch
+from oncelery.errors import ConfigurationError, LeaseLost, RunParked, StepMismatch
 from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
@@ -85,6 +89,8 @@ from oncelery.runs.decisions import Claim
 from oncelery.runs.faults import fault_point
 
 __all__ = ["Answered", "CallPolicy", "Recorder", "call_batched", "call_model"]
+
+logger = logging.getLogger("oncelery.llm")
 
 POLL_FAILURES = 5  # consecutive failed polls (free) before the delivery gives up; the next one re-attaches
 DEFAULT_POLL_S = 1.0
@@ -476,7 +482,25 @@ def _send(step: _Step, intent: Intent) -> Answered:
     _heed_hint(step)
     if first.terminal or not first.reference:
         return _ended(step, intent, first, reattached=False)
-    return _wait(step, mark_sent(step.store, step.claim, intent, first.reference, first.cursor), first)
+    try:
+        sent = mark_sent(step.store, step.claim, intent, first.reference, first.cursor)
+    except LeaseLost:
+        _cancel_unfound(step, first.reference)
+        raise
+    return _wait(step, sent, first)
+
+
+def _cancel_unfound(step: _Step, reference: str) -> None:
+    """Cancel, best effort, a call this holder created but could not record (fenced out: superseded, revoked or
+    taken over): nobody can ever find it again to re-attach, so its tokens are only spend. It is on the books
+    (its intent's row, at its estimate, is written by whoever ended it: the run's end or the next holder)."""
+    cancel = getattr(step.adapter, "cancel", None)
+    if cancel is None:
+        return
+    try:
+        cancel(reference)
+    except ProviderError as exc:
+        logger.warning("call %s (fenced out before it was recorded) not cancelled: %s", reference, exc)
 
 
 HINT_MARGIN_S = 0.1
