@@ -204,7 +204,9 @@ def _read_page(section: _Section, run_id: int, fork_from: str | None, sets: list
     if timeline is None:
         return None
     run = timeline.run
-    letters = DeadLetters(section.url).list(ids=timeline.letter_ids, include_replayed=True, limit=None)
+    # (Only with ids: DeadLetters.list reads every letter when given none.)
+    ids = timeline.letter_ids
+    letters = DeadLetters(section.url).list(ids=ids, include_replayed=True, limit=None) if ids else []
     preview, preview_error = None, None
     if fork_from is not None:
         try:
