@@ -130,7 +130,8 @@ def _plan(flt: RunFilter) -> tuple[list[Any], list[RunStatus | None], list[Colum
     None when nothing can match."""
     given = _equal(flt.task_name, flt.tenant, flt.status)
     if flt.outcome in _PARTIAL:
-        return [text(_PARTIAL[flt.outcome])], [None], [OUTCOMES[flt.outcome], *given]
+        # In parentheses: the predicate is an OR, and the range's `id < before` is ANDed to it.
+        return [text(f"({_PARTIAL[flt.outcome]})")], [None], [OUTCOMES[flt.outcome], *given]
     status, window = flt.status, []
     if flt.outcome == "executed":
         if status not in (None, RunStatus.COMPLETED):
