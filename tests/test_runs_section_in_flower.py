@@ -25,9 +25,12 @@ from typing import Any
 import httpx
 import pytest
 from celery import Celery
+from click.testing import CliRunner
 from sqlalchemy import func, select
 
 from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery.cli import EXIT_CONFIGURATION
+from oncelery.cli import oncelery as oncelery_cli
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs
@@ -213,3 +216,11 @@ def _run(reader: Runs, key: str, status: RunStatus) -> Any:
 def _count(db_url: str, table: Any) -> int:
     with get_engine(db_url).connect() as conn:
         return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def test_oncelery_flower_without_flower_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flower", None)  # as if `pip install oncelery` had no [flower]
+    monkeypatch.setitem(sys.modules, "flower.command", None)
+    result = CliRunner().invoke(oncelery_cli, ["flower", "--port=5555"])
+    assert result.exit_code == EXIT_CONFIGURATION, result.output
+    assert "pip install 'oncelery[flower]'" in result.output and "Traceback" not in result.output

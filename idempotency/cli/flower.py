@@ -36,19 +36,26 @@ _NO_FLOWER = "`oncelery flower` needs Flower: pip install 'oncelery[flower]'"
 @click.pass_context
 def flower(ctx: click.Context, app_path: str | None, flower_args: tuple[str, ...]) -> None:
     """Run Flower with a Runs section: runs, steps, model calls, costs, letters (FLOWER_ARGS: `celery flower`'s)."""
+    _require_flower()  # before anything is resolved: a missing extra is the one thing to say
     app = resolve_app(ctx, app_path)
     url = resolve_database_url(ctx, app)
     serve(app, url, list(flower_args))
 
 
-def serve(capp: Any, url: str, argv: list[str]) -> None:
-    """Run Flower for `capp` with the Runs section on the claims database `url` until SIGTERM or Ctrl-C."""
-    # Imported here: Flower is optional, and runs_pages builds on Flower's handler base class.
+def _require_flower() -> None:
     try:
-        from flower import command as flower_command
-        from flower.app import Flower
+        import flower.command  # noqa: F401  (optional: imported only by this command)
     except ImportError as exc:
         raise ConfigurationError(_NO_FLOWER) from exc
+
+
+def serve(capp: Any, url: str, argv: list[str]) -> None:
+    """Run Flower for `capp` with the Runs section on the claims database `url` until SIGTERM or Ctrl-C."""
+    _require_flower()
+    # Imported here: Flower is optional, and runs_pages builds on Flower's handler base class.
+    from flower import command as flower_command
+    from flower.app import Flower
+
     from oncelery.cli.runs_pages import install
 
     # The body of Flower's own `celery flower` command (flower/command.py), in its order.
