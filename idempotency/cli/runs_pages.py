@@ -142,7 +142,7 @@ class RunsHandler(_Page):
             status = self.arg("status")
             flt = RunFilter(self.arg("task"), RunStatus(status.upper()) if status else None, self.arg("tenant"),
                             self.arg("outcome"))  # fmt: skip
-            before = int(self.arg("before") or 0) or None
+            before = _row_id(self.arg("before") or "0") or None
         except (ValueError, ConfigurationError) as exc:
             raise web.HTTPError(400, str(exc)) from exc
         db = self.section.reader.db
@@ -163,7 +163,7 @@ class RunHandler(_Page):
     @web.authenticated  # type: ignore[untyped-decorator]
     async def get(self, run_id: str) -> None:
         """Render the run page."""
-        await self.show_run(int(run_id))
+        await self.show_run(_row_id(run_id))
 
 
 class ReplayHandler(_Page):
@@ -175,14 +175,25 @@ class ReplayHandler(_Page):
         if self.application.options.read_only:
             raise web.HTTPError(403, "Flower runs with --read_only: replay with `oncelery dlq replay` instead")
         try:
-            why = await self.off_loop(_replay, self.section, int(run_id), int(letter_id))
+            why = await self.off_loop(_replay, self.section, _row_id(run_id), _row_id(letter_id))
         except ConfigurationError as exc:  # the guard refused: no letter was touched
             why = str(exc)
         if why is None:
             self.redirect(f"{self.reverse_url('oncelery_run', run_id)}?{urlencode({'replayed': letter_id})}")
             return
         self.set_status(409)
-        await self.show_run(int(run_id), f"Dead letter {letter_id} not replayed: {why}", failed=True)
+        await self.show_run(_row_id(run_id), f"Dead letter {letter_id} not replayed: {why}", failed=True)
+
+
+def _row_id(text: str) -> int:
+    """A row id from the URL or a form: 400 unless it is a whole number a BIGINT holds."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise web.HTTPError(400, f"{text!r} is not a row id")
+    return value
 
 
 def _replay(section: _Section, run_id: int, letter_id: int) -> str | None:
