@@ -75,6 +75,11 @@ def _enum(cls: type[enum.Enum], name: str) -> Enum:
     )
 
 
+#: The predicates of task_runs' partial browsing indexes (0028); a query uses one only if it says the same.
+TAKEN_OVER = "fencing_token > 1 OR lost > 0 OR retries > 0"
+REPLAYED = "replays > 0"
+
+
 class TaskRun(Base):
     """One row per (task_name, tenant, idempotency_key): the claim, its lease and fencing token, the result."""
 
@@ -153,6 +158,24 @@ class TaskRun(Base):
             "not_before",
             postgresql_where=text("status = 'WAITING'"),
             sqlite_where=text("status = 'WAITING'"),
+        ),
+        # Browsing (Flower's Runs section, migration 0028): newest first by id, one page per index range, for a
+        # status, a task or a tenant (one range per status: oncelery.runs.browse), never a table's worth.
+        Index("ix_task_runs_status_id", "status", "id"),
+        Index("ix_task_runs_task_name_status_id", "task_name", "status", "id"),
+        Index("ix_task_runs_tenant_status_id", "tenant", "status", "id"),
+        # ... and the few runs that were taken over, lost a holder or retried, or answered duplicates.
+        Index(
+            "ix_task_runs_taken_over",
+            "id",
+            postgresql_where=text(TAKEN_OVER),
+            sqlite_where=text(TAKEN_OVER),
+        ),
+        Index(
+            "ix_task_runs_replayed",
+            "id",
+            postgresql_where=text(REPLAYED),
+            sqlite_where=text(REPLAYED),
         ),
     )
 

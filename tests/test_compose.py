@@ -574,7 +574,8 @@ def test_worker_runs_a_job_and_stops_on_sigterm(migrated: dict[str, str], tmp_pa
 
 def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) -> None:
     """oncelery-flower answers 401 without credentials and 200 with them, read from FLOWER_BASIC_AUTH_FILE and
-    never on its command line; its health check (/healthcheck) needs none; it refuses to start without them."""
+    never on its command line, its Runs section included; its health check (/healthcheck) needs none; it refuses
+    to start without them."""
     port = free_port()
     auth_file = tmp_path / "flower_basic_auth"
     auth_file.write_text(":".join(FLOWER_AUTH) + "\n")
@@ -596,6 +597,10 @@ def test_flower_requires_basic_auth(migrated: dict[str, str], tmp_path: Path) ->
             assert http.get("/").status_code == 401
             assert http.get("/", auth=("ops", "wrong")).status_code == 401
             assert http.get("/", auth=FLOWER_AUTH).status_code == 200
+            # It is `oncelery flower`: the Runs section is there, behind the same login.
+            assert http.get("/runs").status_code == 401
+            runs = http.get("/runs", auth=FLOWER_AUTH)
+            assert runs.status_code == 200 and 'id="runs-table"' in runs.text, runs.text[-2000:]
         assert healthy("http", f"http://127.0.0.1:{port}/healthcheck")  # the compose check, with no login
         assert not any(FLOWER_AUTH[1] in arg for arg in cmdline(flower.pid))
     finally:

@@ -3,7 +3,8 @@
 
 Reading order: `group` (the group, `db upgrade`, `outcomes`), `context` (how a command finds its database and
 app), `format` (tables and JSON), then one module per command family: `runs`, `ops` (relay, purge), `dlq`,
-`costs`, `cache`, `metrics`. This module re-exports what the entry points and an application's own commands need.
+`costs`, `cache`, `metrics`, `flower` (Flower with the Runs section; its pages in `runs_pages`, templates in
+`templates/`). This module re-exports what the entry points and an application's own commands need.
 """
 
 from oncelery.cli.group import (

@@ -8,13 +8,13 @@ from typing import Any
 
 import click
 
-from oncelery.cli.context import APP_HELP, resolve_database_url, resolve_publisher
+from oncelery.cli.context import APP_HELP, refuse_unread_broker, resolve_database_url, resolve_publisher
 from oncelery.cli.format import echo_json, format_table, json_option
-from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayState
+from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport, ReplayState
 from oncelery.ops.reach import check_app
 from oncelery.runs.decisions import LETTER_REASONS
 
-__all__ = ["dlq"]
+__all__ = ["LETTER_PAYLOAD_KEPT", "dlq", "letter_detail", "replay_letters"]
 
 # How `dlq list`/`dlq show` say where a replayed letter's message is.
 _REPLAY_TEXT = {
@@ -157,7 +157,16 @@ def _letter_json(x: LetterView, payload: bool, replay: bool = False) -> dict[str
     return out
 
 
-_PAYLOAD_KEPT = "<kept to replay it; --show-payload prints it>"
+#: What `dlq show` (and Flower's run page) prints instead of a letter's message.
+LETTER_PAYLOAD_KEPT = "<kept to replay it; --show-payload prints it>"
+
+
+def letter_detail(x: LetterView, show_payload: bool = False) -> dict[str, Any]:
+    """Everything `dlq show` prints of a letter, as JSON-ready data, its message redacted unless `show_payload`."""
+    data = _letter_json(x, payload=True, replay=True)
+    if not show_payload and x.message is not None:
+        data["message"] = LETTER_PAYLOAD_KEPT
+    return data
 
 
 @dlq.command("show")
@@ -174,12 +183,7 @@ def dlq_show(ctx: click.Context, ref: str, show_payload: bool, as_json: bool) ->
         found = letters.list(keys=[ref], include_replayed=True, limit=None)
     if not found:
         raise click.ClickException(f"No dead letter {ref!r}: see `oncelery dlq list`")
-    shown = []
-    for x in found:
-        data = _letter_json(x, payload=True, replay=True)
-        if not show_payload and x.message is not None:
-            data["message"] = _PAYLOAD_KEPT
-        shown.append(data)
+    shown = [letter_detail(x, show_payload) for x in found]
     if as_json:
         echo_json({"count": len(shown), "letters": shown})
         return
@@ -224,13 +228,8 @@ def dlq_replay(
     broker refused it) makes the command exit 1: `oncelery relay` publishes it.
     """
     app, url = resolve_publisher(ctx, app_path, "dlq replay")
-    check_app(app, backend=False)  # before a letter is marked replayed: its message must reach the broker
-    letters = DeadLetters(url)
-    found = _select(letters, refs, task_name, tenant, reason, every)
-    report = letters.replay(app, found, queue)
-    # Read back: where each replayed message is now (published, or still queued in the outbox).
-    ids = [x.letter_id for x in report.replayed]
-    replayed = letters.list(ids=ids, include_replayed=True, limit=None) if ids else []
+    found = _select(DeadLetters(url), refs, task_name, tenant, reason, every)
+    report, replayed = replay_letters(app, url, found, queue)
     queued = [x for x in replayed if x.replay is ReplayState.QUEUED]
     if as_json:
         echo_json(
@@ -253,6 +252,24 @@ def dlq_replay(
     if queued:
         cause = report.publish_error or next((x.replay_error for x in queued if x.replay_error), None)
         raise click.ClickException(_unpublished(len(queued), cause, app_path))
+
+
+def replay_letters(
+    app: Any, url: str, found: Sequence[LetterView], queue: str | None = None
+) -> tuple[ReplayReport, list[LetterView]]:
+    """Replay `found` as `dlq replay` does (Flower's Runs section too), and read back where each message is now.
+
+    Refused (BrokerNotConfigured, ConfigurationError) before any letter is touched when the app would publish to
+    a broker no worker of `url` reads, or when its broker does not answer; a letter whose run is not DEAD, or that
+    kept no message, is skipped with why (DeadLetters.replay).
+    """
+    refuse_unread_broker(str(app.conf.broker_url or ""), url, "dlq replay")
+    check_app(app, backend=False)  # before a letter is marked replayed: its message must reach the broker
+    letters = DeadLetters(url)
+    report = letters.replay(app, found, queue)
+    # Read back: where each replayed message is now (published, or still queued in the outbox).
+    ids = [x.letter_id for x in report.replayed]
+    return report, letters.list(ids=ids, include_replayed=True, limit=None) if ids else []
 
 
 def _unpublished(queued: int, why: str | None, app_path: str | None) -> str:

@@ -28,6 +28,7 @@ from oncelery.cli.context import (
 from oncelery.cli.costs import costs
 from oncelery.cli.debounce import debounce
 from oncelery.cli.dlq import dlq
+from oncelery.cli.flower import flower
 from oncelery.cli.fork import fork
 from oncelery.cli.format import echo_json, format_table, json_option
 from oncelery.cli.limits import budgets, limits
@@ -130,7 +131,7 @@ def build_group() -> OnceleryGroup:
         ctx.meta[URL_META] = database_url
 
     _add(group, INSPECT, (db, runs, outcomes, costs, limits, budgets, batches, debounce))
-    _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics, fork))
+    _add(group, OPERATE, (relay, dlq, purge_command, cache, metrics, fork, flower))
     return group
 
 

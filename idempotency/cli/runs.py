@@ -15,9 +15,12 @@ from oncelery.runs.views import CallView, Runs, RunView, StepView
 from oncelery.store.database import safe_url
 
 __all__ = [
+    "PAYLOAD_KEPT",
+    "run_detail",
     "runs",
     "runs_list",
     "runs_show",
+    "shown_message",
 ]
 
 _KEY_WIDTH = 48  # `runs list` shortens longer keys; `runs show` prints them whole
@@ -111,7 +114,7 @@ def runs_show(
         raise click.ClickException(f"No run with key {key!r}{where} in {safe_url(url)}")
     details = [(run, reader.steps(run.run_id), reader.model_calls(run.run_id)) for run in found]
     if as_json:
-        shown = [_run_detail(run, steps, calls, show_payload) for run, steps, calls in details]
+        shown = [run_detail(run, steps, calls, show_payload) for run, steps, calls in details]
         echo_json({"count": len(shown), "runs": shown})
         return
     for i, (run, steps, calls) in enumerate(details):
@@ -120,7 +123,17 @@ def runs_show(
         _echo_run(run, steps, calls, show_payload)
 
 
-_PAYLOAD_KEPT = "<kept for recovery until the run completes; --show-payload prints it>"
+#: What `runs show` (and Flower's run page) prints instead of a run's stored message.
+PAYLOAD_KEPT = "<kept for recovery until the run completes; --show-payload prints it>"
+
+
+def shown_message(run: RunView, show_payload: bool = False) -> Any:
+    """The run's stored message as it may be shown: PAYLOAD_KEPT unless `show_payload` (None stays None).
+
+    Arguments may hold prompts, personal data or secrets: every reader of a run (`runs show`, its --json, Flower's
+    run page) shows the message through this function only.
+    """
+    return PAYLOAD_KEPT if run.message is not None and not show_payload else run.message
 
 
 def _run_summary(run: RunView) -> dict[str, Any]:
@@ -145,11 +158,10 @@ def _run_summary(run: RunView) -> dict[str, Any]:
     }
 
 
-def _run_detail(
+def run_detail(
     run: RunView, steps: Sequence[StepView], calls: Sequence[CallView], show_payload: bool
 ) -> dict[str, Any]:
-    """Everything `runs show` prints of one run, as JSON-ready data."""
-    payload_hidden = run.message is not None and not show_payload
+    """Everything `runs show` prints of one run, as JSON-ready data, its message redacted (`shown_message`)."""
     return {
         **_run_summary(run),
         "fingerprint": run.fingerprint,
@@ -159,7 +171,7 @@ def _run_detail(
         "celery_task_id": run.celery_task_id,
         "result": run.result,
         "error": run.error,
-        "message": _PAYLOAD_KEPT if payload_hidden else run.message,
+        "message": shown_message(run, show_payload),
         "steps": _step_timeline(run, steps),
         "model_calls": [_call(c) for c in calls],
     }
@@ -250,11 +262,8 @@ def _echo_stored(run: RunView, show_payload: bool) -> None:
     click.echo("error:")
     click.echo(_indent(run.error or "-"))
     click.echo("message:")
-    if run.message is not None and not show_payload:
-        # Arguments may hold prompts, personal data or secrets: shown only when asked for.
-        click.echo(_indent(_PAYLOAD_KEPT))
-    else:
-        click.echo(_indent(json.dumps(run.message, sort_keys=True, ensure_ascii=False)))
+    shown = shown_message(run, show_payload)  # arguments may hold prompts, personal data or secrets
+    click.echo(_indent(shown if shown == PAYLOAD_KEPT else json.dumps(shown, sort_keys=True, ensure_ascii=False)))
 
 
 def _echo_steps(run: RunView, steps: Sequence[StepView]) -> None:

@@ -4,7 +4,8 @@ Reading order: `encoding` (canonical JSON, keyed digests, a value's text in a ke
 fingerprints), `secrets` (the keys a database generates for itself), `legacy` (runs stored in the forms before
 keyed digests and injective keys), `decisions` (what a claim is and decides),
 `claims` (each transition as one token-guarded statement), `letters` (dead letters written with their state
-change), `outcomes` (exact outcome counts, and cached replays' counts), `views` (the read side), `faults`
+change), `outcomes` (exact outcome counts, and cached replays' counts), `views` (the read side), `browse` and
+`timeline` (the pages of Flower's Runs section: keyset pages on an index, one run's history), `faults`
 (named fault points on a delivery's path, for tests). Imports no celery, kombu, redis or click.
 """
 

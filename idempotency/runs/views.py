@@ -70,6 +70,7 @@ class StepView:
     name: str
     token: int
     created_at: datetime | None
+    seconds: float | None = None  # how long the step's function ran in the holder that saved it (None: before 0012)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,10 @@ class CallView:
     cost: Decimal | None  # exact USD (stored as micro-USD); None: the model had no price in oncelery_prices
     token: int | None  # the fencing token of the attempt that made the call
     created_at: datetime | None
+    # The row's `call_id`: for a `self.llm` call, its intent's public id (`llm_intents.public_id`).
+    ledger_call_id: str | None = None
+    reason: str | None = None  # the ledger's label: why it was made again (create_window, lost...), unknown_outcome
+    reattached: bool = False  # a later holder took this call's answer instead of paying again
 
 
 def _runs_query(db: Database) -> Select[Any]:
@@ -149,6 +154,13 @@ class Runs:
         """Return the run of (task, tenant, key), or None."""
         c = RUNS.c
         stmt = _runs_query(self.db).where(c.task_name == task_name, c.tenant == tenant, c.idempotency_key == key)
+        with self.db.read() as conn:
+            row = conn.execute(stmt).first()
+        return None if row is None else run_view(row)
+
+    def by_id(self, run_id: int) -> RunView | None:
+        """Return the run with this id, or None."""
+        stmt = _runs_query(self.db).where(RUNS.c.id == run_id)
         with self.db.read() as conn:
             row = conn.execute(stmt).first()
         return None if row is None else run_view(row)
@@ -224,9 +236,13 @@ class Runs:
     def steps(self, run_id: int) -> builtins.list[StepView]:
         """Return the run's checkpointed steps in position order."""
         s = STEPS.c
-        stmt = select(s.position, s.step_name, s.token, s.created_at).where(s.run_id == run_id).order_by(s.position)
+        stmt = (
+            select(s.position, s.step_name, s.token, s.created_at, s.seconds)
+            .where(s.run_id == run_id)
+            .order_by(s.position)
+        )
         with self.db.read() as conn:
-            return [StepView(int(p), n, int(t), at) for p, n, t, at in conn.execute(stmt)]
+            return [StepView(int(p), n, int(t), at, sec) for p, n, t, at, sec in conn.execute(stmt)]
 
     def model_calls(self, run_id: int) -> builtins.list[CallView]:
         """Return the model calls recorded for the run, oldest first (failed ones included)."""
@@ -245,6 +261,9 @@ class Runs:
                 m.cost_micros,
                 m.fencing_token,
                 m.created_at,
+                m.call_id,
+                m.reason,
+                m.reattached,
             )
             .where(m.run_id == run_id)
             .order_by(m.id)
@@ -253,7 +272,7 @@ class Runs:
             return [
                 CallView(
                     *(int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]), float(r[6]), bool(r[7]), r[8]),
-                    *(usd(r[9]), r[10], r[11]),
+                    *(usd(r[9]), r[10], r[11], r[12], r[13], bool(r[14])),
                 )
                 for r in conn.execute(stmt)
             ]
