@@ -90,3 +90,8 @@ def before_upgrade(db_url: str) -> Iterator[BeforeUpgrade]:
     old.forget_identity_key()
     yield old
     old.forget_identity_key()
+
+
+def old_link_key(pipeline_key: str, position: int, task_name: str) -> str:
+    """A pipeline link's key before links kept their task's own key: the pipeline key, position and task name."""
+    return f"{pipeline_key}/{position}:{task_name}"
