@@ -67,6 +67,7 @@ __all__ = [
     "HEADER_LEASE",
     "HEADER_ON_IN_PROGRESS",
     "HEADER_PIPELINE",
+    "HEADER_PIPELINE_LINK",
     "HEADER_TENANT",
     "HEADER_WAITING_SINCE",
     "HEADER_WAITS",
@@ -239,6 +240,9 @@ HEADER_ABANDONED = "oncelery_abandoned"
 # once, then the run parks again, instead of holding the slot for another inline wait.
 HEADER_WOKEN = "oncelery_woken"
 HEADER_PIPELINE = "oncelery_pipeline"
+# A pipeline link keyed by its own task (task/pipeline.py): its position, so a worker finds the run the code before
+# stored under the pipeline-derived key (runs/legacy.py).
+HEADER_PIPELINE_LINK = "oncelery_pipeline_link"
 # Per-call options (apply_async(..., on_in_progress=..., lease=...)), carried to every delivery of the call.
 HEADER_ON_IN_PROGRESS = "oncelery_on_in_progress"
 HEADER_LEASE = "oncelery_lease"

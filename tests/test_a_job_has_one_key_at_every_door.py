@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from oncelery import IdempotentTask, Outcome, output_text, outcome_of, pipeline
+from oncelery import IdempotentTask, Outcome, outcome_of, output_text, pipeline
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.models import RunStatus

@@ -46,6 +46,7 @@ __all__ = [
     "digest_key_rotated",
     "encode_key_value",
     "keyed_digest",
+    "pipeline_link_key",
     "sha256_hex",
     "validate_key",
 ]
@@ -85,6 +86,12 @@ def validate_key(key: Any, what: str = "idempotency key") -> str:
             key=printable(key),
         )
     return key
+
+
+def pipeline_link_key(pipeline_key: str, position: int, task_name: str) -> str:
+    """Return the key of link `position` of a pipeline, stable across re-enqueues: the key of a link with no key of
+    its own, and the key every link had before links kept their task's key (runs/legacy.py looks it up)."""
+    return validate_key(f"{pipeline_key}/{position}:{task_name}")
 
 
 @dataclass(frozen=True)

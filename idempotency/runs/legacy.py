@@ -1,10 +1,12 @@
-"""Runs stored before keyed digests and injective keys still deduplicate: the legacy lookups.
+"""Runs stored before keyed digests, injective keys and links' own keys still deduplicate: the legacy lookups.
 
-Two changes altered how a call's identity is stored:
+Three changes altered how a call's identity is stored:
 - keyed digests: a fingerprint and a content-addressed key were plain sha256 of canonical JSON (`sha256:<hex>`);
   they are HMAC-SHA256 under the database's identity key now (`hmac-sha256:<hex>`);
 - injective keys: a template value that is a string reading as an integer ("42"), or holding "~", was written as
-  it was; it is percent-encoded now ("%342", "%7E").
+  it was; it is percent-encoded now ("%342", "%7E");
+- links' own keys: `pipeline()` keyed every link "{pipeline key}/{position}:{task name}"; a link whose task names a
+  key of its own keeps that key now (task/pipeline.py).
 
 What a lookup costs, and when (the hot path pays nothing on a database that never held the old forms):
 - a fingerprint stored the old way is recognised where a claim compares fingerprints (`Identity.same_payload`):
@@ -15,6 +17,10 @@ What a lookup costs, and when (the hot path pays nothing on a database that neve
   LEGACY_RECHECK_SECONDS per process by one probe of the primary key. Once the last is purged, never again;
 - an entity's version stored under its old name is looked up (one read on its primary key) only if the entity's
   old name differs and the database existed before the upgrade (entity versions are never purged);
+- a pipeline link keyed by its own task is looked up under its pipeline-derived key too (one read on the unique
+  index, with the claim's other reads), only if its message names its pipeline and position (a link `pipeline()`
+  built): `.delay()` pays nothing. A run found there keeps that key, so the pipeline enqueued again replays it;
+  `.delay()` of the same call does not know the pipeline and finds only runs stored under the task's own key;
 - `oncelery.outbox.enqueue` stores the (tenant, key) a run holds, so the relay's join finds it: one read in the
   caller's transaction, only if the old form differs.
 
@@ -33,7 +39,7 @@ from sqlalchemy import Connection, and_, or_, select
 from sqlalchemy.orm import Session
 
 from oncelery.runs.decisions import EntityVersionOf
-from oncelery.runs.keys import CallKey, Identity
+from oncelery.runs.keys import CallKey, Identity, StoredBefore
 from oncelery.runs.secrets import Secrets
 from oncelery.settings import LEGACY_RECHECK_SECONDS
 from oncelery.store.database import Database
@@ -73,6 +79,20 @@ class LegacyRuns:
         if (ident.tenant, ident.key) in found or (old.tenant, old.key) not in found:
             return ident
         return old
+
+    def link(self, task_name: str, ident: Identity, scoped_key: str) -> Identity:
+        """The pipeline link as its run is stored: `ident`, or under `scoped_key` (its pipeline-derived key from
+        before links kept their own keys) if only that has a run; the payload is compared in both forms."""
+        if scoped_key == ident.key:
+            return ident
+        with self.db.read() as conn:
+            found = _pairs_found(conn, task_name, [(ident.tenant, ident.key), (ident.tenant, scoped_key)])
+        if (ident.tenant, ident.key) in found or (ident.tenant, scoped_key) not in found:
+            return ident
+        # The old run may predate keyed digests too: keep the unkeyed fingerprint as its other accepted form.
+        before = ident.stored_before.fingerprint if ident.stored_before is not None else ident.fingerprint
+        stored = StoredBefore(ident.tenant, scoped_key, before)
+        return Identity(scoped_key, ident.fingerprint, ident.field_digests, ident.tenant, stored)
 
     def entity(self, task_name: str, tenant: str, version: EntityVersionOf | None) -> EntityVersionOf | None:
         """The entity version as it is stored: `version`, or under its old name if only that has a row."""

@@ -30,7 +30,7 @@ from oncelery.runs.debounce import DebounceMark
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
 from oncelery.runs.faults import fault_point
 from oncelery.runs.forks import ForkSpec, fork_id_of, fork_mismatch, load_fork
-from oncelery.runs.keys import Identity, validate_key
+from oncelery.runs.keys import Identity, pipeline_link_key, validate_key
 from oncelery.settings import (
     FORK_KEY_PREFIX,
     HEADER_ABANDONED,
@@ -40,6 +40,8 @@ from oncelery.settings import (
     HEADER_KEY,
     HEADER_LEASE,
     HEADER_ON_IN_PROGRESS,
+    HEADER_PIPELINE,
+    HEADER_PIPELINE_LINK,
     HEADER_TENANT,
     HEADER_WAITING_SINCE,
     HEADER_WAITS,
@@ -72,6 +74,8 @@ _CALL_HEADERS = (
     HEADER_DEBOUNCE_KEY,
     HEADER_DEBOUNCE_SEQ,
     HEADER_FORK,  # a fork is recognised by it alone: a kept message, a letter and a wake must carry it
+    HEADER_PIPELINE,  # with the link's position: where a run stored under a pipeline-derived key is looked up
+    HEADER_PIPELINE_LINK,
 )
 
 
@@ -255,6 +259,7 @@ class IdempotentTask(RunBody):
             entity = self._concurrency_keys.named(args, kwargs)[0] if self._concurrency_keys else None
             version = self.version_of(args, kwargs)
             ident = self.store.legacy.identity(self.name, ident)
+            ident = self._as_link_stored(ident, explicit)
             version = self.store.legacy.entity(self.name, ident.tenant, version)
             fork = self._fork_of(ident, explicit.get(HEADER_FORK))
             if fork is not None:  # a fork re-runs the past: never production's entity slot
@@ -270,6 +275,14 @@ class IdempotentTask(RunBody):
             )
             raise
         return ident, entity, version, fork
+
+    def _as_link_stored(self, ident: Identity, explicit: dict[str, Any]) -> Identity:
+        """A pipeline link keyed by its own task: `ident`, or its pipeline-derived key if only that has a run (stored
+        before links kept their own keys: runs/legacy.py). Any other delivery: `ident`, with no read."""
+        pipeline_key, position = explicit.get(HEADER_PIPELINE), explicit.get(HEADER_PIPELINE_LINK)
+        if not isinstance(pipeline_key, str) or not isinstance(position, int) or isinstance(position, bool):
+            return ident
+        return self.store.legacy.link(self.name, ident, pipeline_link_key(pipeline_key, position, self.name))
 
     def _fork_of(self, ident: Identity, header: Any) -> ForkSpec | None:
         """The fork this delivery runs, or None (production's): recognised by the fork command's header alone, and

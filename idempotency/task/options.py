@@ -192,6 +192,10 @@ class TaskOptions(Task):  # type: ignore[misc]
             self.run, self.name or "", self._option("idempotency_key"), self.fingerprint, self._option("tenant")
         )
 
+    def names_its_key(self) -> bool:
+        """Whether this task derives its key from its arguments by a template or callable of its own."""
+        return self._keys.key_spec is not None
+
     @cached_property
     def _concurrency_keys(self) -> KeyBuilder | None:
         if self.concurrency_key is None:

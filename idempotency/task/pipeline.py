@@ -1,4 +1,9 @@
-"""Resumable chain pipelines: one pipeline key reaches every link, so re-enqueuing replays finished links."""
+"""Resumable chain pipelines: one pipeline key reaches every link, so re-enqueuing replays finished links.
+
+A link whose task names its own key (a template or callable, or a per-call key) is that key's run, whatever the door:
+the same call through `pipeline()` and through `.delay()` is one run. Only a link with no key of its own is keyed by
+the pipeline key and its position: its arguments are all that would tell it apart otherwise (docs/pipelines.md).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,8 @@ from typing import Any
 from celery import chain
 from celery.canvas import Signature, _chain
 
-from oncelery.runs.keys import validate_key
-from oncelery.settings import HEADER_KEY, HEADER_PIPELINE, HEADER_TENANT
+from oncelery.runs.keys import pipeline_link_key, validate_key
+from oncelery.settings import HEADER_KEY, HEADER_PIPELINE, HEADER_PIPELINE_LINK, HEADER_TENANT
 from oncelery.task.idempotent import IdempotentTask
 
 __all__ = [
@@ -19,8 +24,9 @@ __all__ = [
 
 
 def link_key(pipeline_key: str, position: int, task_name: str) -> str:
-    """Return the idempotency key of link `position` of a pipeline: stable across re-enqueues."""
-    return validate_key(f"{pipeline_key}/{position}:{task_name}")
+    """Return the idempotency key of link `position` of a pipeline (a link with no key of its own): stable across
+    re-enqueues."""
+    return pipeline_link_key(pipeline_key, position, task_name)
 
 
 class Pipeline(_chain):  # type: ignore[misc]
@@ -63,10 +69,11 @@ def _carry_tenant(links: list[Signature], tenant: str | None, args: Any, kwargs:
 
 
 def pipeline(key: str, *signatures: Signature, **options: Any) -> chain:
-    """Build a chain of idempotent tasks in which every link is keyed by `key` and its position.
+    """Build a chain of idempotent tasks that resumes under `key`: each link keeps its task's own key, and a link
+    with none is keyed by `key` and its position.
 
     Celery does not carry headers down a chain, but each link's own options travel with it in the
-    message, so each link gets its key header here. Enqueuing the same pipeline again answers finished
+    message, so each link gets its headers here. Enqueuing the same pipeline again answers finished
     links from their stored results and executes only the failed link and those after it; each enqueue
     of the returned object gets fresh task ids (see `Pipeline`).
     """
@@ -77,8 +84,25 @@ def pipeline(key: str, *signatures: Signature, **options: Any) -> chain:
     for position, sig in enumerate(signatures):
         link = sig.clone()
         headers = {**(link.options.get("headers") or {})}
-        headers[HEADER_KEY] = link_key(key, position, str(link.task))
         headers[HEADER_PIPELINE] = key
+        if link.options.get("idempotency_key") is not None:
+            pass  # a per-call key: the link's key before this change too (apply_async's option won over the header)
+        elif HEADER_KEY in headers or _names_its_key(link):
+            # The task's own key: a `.delay()` of the same call is this run. The position lets a worker find the run
+            # stored before under the pipeline-derived key every link had then (runs/legacy.py).
+            headers[HEADER_PIPELINE_LINK] = position
+        else:
+            headers[HEADER_KEY] = link_key(key, position, str(link.task))
         link.set(headers=headers)
         links.append(link)
     return Pipeline(*links, **options)
+
+
+def _names_its_key(link: Signature) -> bool:
+    """Whether the link's task derives a key of its own; a task this process does not know counts as keyless (keyed
+    by the pipeline, as before): its options cannot be read here."""
+    try:
+        task = link.type
+    except KeyError:  # NotRegistered: a signature by name, for a worker elsewhere
+        return False
+    return isinstance(task, IdempotentTask) and task.names_its_key()
