@@ -104,3 +104,19 @@ def test_a_link_stored_under_its_pipeline_key_before_the_upgrade_is_replayed(
     store = RunStore(db_url)
     assert store.get(summarize.name, "doc:d7") is None, "a second run was made beside the one stored before"
     assert summarize.outcome_counts() == {"replayed": 1}
+
+
+def test_the_pipeline_key_scopes_only_links_without_a_key_of_their_own(app: Celery, responses: OpenAIResponses) -> None:
+    """What each link carries (no worker): its task's key, a per-call key, or the pipeline's; always the pipeline."""
+    summarize, words = jobs(app, responses)
+    by_name = app.signature("oncelery.t_door_elsewhere")  # a task only the workers know: keyed as before
+    flow = pipeline("batch:9", summarize.s("d9", TEXT), words.s(), words.s().set(idempotency_key="mine"), by_name)
+    headers = [link.options["headers"] for link in flow.tasks]
+    assert [h["oncelery_pipeline"] for h in headers] == ["batch:9"] * 4
+    assert [h.get("oncelery_key") for h in headers] == [
+        None,
+        f"batch:9/1:{words.name}",
+        None,
+        "batch:9/3:oncelery.t_door_elsewhere",
+    ]
+    assert [h.get("oncelery_pipeline_link") for h in headers] == [0, None, None, None]
