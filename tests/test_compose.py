@@ -191,7 +191,7 @@ def test_metrics_listens_on_every_interface_only_inside_its_container(rendered: 
     service = re.search(r"^  metrics:\n(.*?)(?=^  \S)", rendered, flags=re.MULTILINE | re.DOTALL)
     assert service is not None, rendered
     assert "ONCELERY_METRICS_ADDR: 0.0.0.0" in service.group(1)
-    assert "- 127.0.0.1:19808:9808/tcp" in service.group(1)
+    assert "- 127.0.0.1:19734:10734/tcp" in service.group(1)
 
 
 def test_compose_refuses_without_each_secret(tmp_path: Path) -> None:
@@ -255,8 +255,8 @@ def test_every_long_running_service_has_a_health_check_it_can_run(services: dict
     assert "inspect" not in json.dumps(tests)
     assert tests["flower"] == ["CMD", "oncelery-healthcheck", "http", "http://127.0.0.1:5555/healthcheck"]
     assert [str(p).rsplit(":", 1)[-1] for p in services["flower"]["ports"]] == ["5555/tcp"]
-    assert tests["metrics"] == ["CMD", "oncelery-healthcheck", "http", "http://127.0.0.1:9808/healthz"]
-    assert services["metrics"]["environment"]["ONCELERY_METRICS_PORT"] == "9808"
+    assert tests["metrics"] == ["CMD", "oncelery-healthcheck", "http", "http://127.0.0.1:10734/healthz"]
+    assert services["metrics"]["environment"]["ONCELERY_METRICS_PORT"] == "10734"
     assert HEALTHCHECK.is_file() and os.access(HEALTHCHECK, os.X_OK)
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "COPY --chmod=0755 deploy/bin/ /usr/local/bin/" in dockerfile  # the check is in the image
@@ -313,7 +313,7 @@ def test_exporter_health_needs_no_login_and_no_database() -> None:
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Unreachable())  # type: ignore[arg-type]
-    app = Exporter(9808, user="prometheus", password="pw").app(registry)
+    app = Exporter(10734, user="prometheus", password="pw").app(registry)
 
     def get(path: str) -> tuple[str, bytes]:
         answer: list[str] = []

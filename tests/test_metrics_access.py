@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import re
 import shutil
 import signal
 import socket
@@ -172,3 +173,23 @@ def test_the_command_refuses_half_a_login_or_an_empty_password(
     argv = [a.format(password=password_file, empty=empty) for a in args]
     result = CliRunner().invoke(oncelery_cli, ["--database-url", claims, "metrics", "--port", "0", *argv])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+CELERY_EXPORTER_PORT = 9808  # danihodovic/celery-exporter's default, allocated to it on Prometheus' port list
+
+
+def test_the_default_port_is_not_celery_exporters() -> None:
+    """`oncelery metrics` defaults to a port no exporter holds on Prometheus' default-port list, so it runs beside
+    celery-exporter on one host; the compose file, the service script, the docs and the tests all say the same
+    port (only CHANGELOG.md may still name the old one)."""
+    result = CliRunner().invoke(oncelery_cli, ["metrics", "--help"])
+    assert result.exit_code == 0 and "default: 10734;" in " ".join(result.output.split()), result.output
+    here = Path(__file__).resolve()
+    root = here.parent.parent
+    places = [root / "docker-compose.yml", root / ".env.example", *(root / "deploy").rglob("*")]
+    for room in ("idempotency", "docs", "tests"):
+        places += [p for p in (root / room).rglob("*") if p.suffix in {".py", ".md", ".yml", ".yaml"}]
+    # A use of the port (":9808", "--port 9808", "PORT: 9808", "= 9808"; 19808 was its host side), not prose.
+    use = re.compile(rf"(:|--port |PORT\W+|= )1?{CELERY_EXPORTER_PORT}\b")
+    stale = [str(p.relative_to(root)) for p in places if p.is_file() and p != here and use.search(p.read_text())]
+    assert stale == []

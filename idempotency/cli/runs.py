@@ -11,6 +11,7 @@ import click
 from oncelery.cli.context import resolve_database_url
 from oncelery.cli.format import _cell, _utc, echo_json, format_table, json_option
 from oncelery.models import RunStatus
+from oncelery.runs.timeline import IntentView, ledger_label, read_intents
 from oncelery.runs.views import CallView, Runs, RunView, StepView
 from oncelery.store.database import safe_url
 
@@ -112,15 +113,22 @@ def runs_show(
     if not found:
         where = f" for task {task_name}" if task_name else ""
         raise click.ClickException(f"No run with key {key!r}{where} in {safe_url(url)}")
-    details = [(run, reader.steps(run.run_id), reader.model_calls(run.run_id)) for run in found]
+    details = [
+        (run, reader.steps(run.run_id), reader.model_calls(run.run_id), read_intents(reader, run.run_id))
+        for run in found
+    ]
     if as_json:
-        shown = [run_detail(run, steps, calls, show_payload) for run, steps, calls in details]
+        shown = [
+            {**run_detail(run, steps, calls, show_payload), "intents": [_intent(i, calls) for i in intents]}
+            for run, steps, calls, intents in details
+        ]
         echo_json({"count": len(shown), "runs": shown})
         return
-    for i, (run, steps, calls) in enumerate(details):
+    for i, (run, steps, calls, intents) in enumerate(details):
         if i:
             click.echo()
         _echo_run(run, steps, calls, show_payload)
+        _echo_intents(intents, calls)
 
 
 #: What `runs show` (and Flower's run page) prints instead of a run's stored message.
@@ -295,6 +303,39 @@ def _echo_calls(calls: Sequence[CallView]) -> None:
             for c in calls
         ]
         click.echo(_indent(format_table(call_headers, call_rows)))
+
+
+def _intent(intent: IntentView, calls: Sequence[CallView]) -> dict[str, Any]:
+    return {
+        "id": intent.public_id,
+        "step": intent.step,
+        "position": intent.position,
+        "attempt": intent.attempt,
+        "token": intent.token,
+        "state": intent.state,
+        "provider": intent.provider,
+        "model": intent.model,
+        "mode": intent.mode,
+        "reference": intent.reference,
+        "repeat_reason": intent.repeat_reason,
+        "label": ledger_label(intent, list(calls)),
+        "prepared_at": intent.prepared_at,
+        "sent_at": intent.sent_at,
+        "ended_at": intent.ended_at,
+    }
+
+
+def _echo_intents(intents: Sequence[IntentView], calls: Sequence[CallView]) -> None:
+    # The intents, not only the ledger: a call in flight has no ledger row and no checkpoint yet, and a call
+    # whose outcome is unknown shows its own state (lost, abandoned) beside the row's label.
+    click.echo(f"model call intents ({len(intents)}):")
+    if intents:
+        headers = ("step", "attempt", "state", "provider", "model", "reference", "repeat reason", "label", "sent_at")
+        rows = [
+            (i.step, i.attempt, i.state, i.provider, i.model, i.reference, i.repeat_reason, x["label"], i.sent_at)
+            for i, x in ((i, _intent(i, calls)) for i in intents)
+        ]
+        click.echo(_indent(format_table(headers, rows)))
 
 
 def _seconds(value: float | None) -> str | None:

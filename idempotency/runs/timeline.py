@@ -26,6 +26,8 @@ __all__ = [
     "ForkLink",
     "IntentView",
     "RunTimeline",
+    "ledger_label",
+    "read_intents",
     "read_timeline",
 ]
 
@@ -124,18 +126,29 @@ def _value(member: Any) -> str:
     return str(getattr(member, "value", member))
 
 
+def read_intents(reader: Runs, run_id: int) -> list[IntentView]:
+    """Every model-call intent of the run as stored now, in step position then attempt order: calls still in
+    flight (`prepared`, `sent`: no checkpoint, maybe no ledger row yet) included."""
+    i = INTENTS.c
+    with reader.db.read() as conn:
+        rows = conn.execute(select(INTENTS).where(i.run_id == run_id).order_by(i.position, i.attempt))
+        return [_intent(row) for row in rows]
+
+
+def ledger_label(intent: IntentView, calls: list[CallView]) -> str | None:
+    """The label of the ledger row written for `intent` (create_window, lost, unknown_outcome...); None if its row
+    has none, or if it has no row yet (a call in flight)."""
+    return next((c.reason for c in calls if c.ledger_call_id == intent.public_id), None)
+
+
 def read_timeline(reader: Runs, run_id: int) -> RunTimeline | None:
     """The run `run_id` with its steps, model calls, intents, letter, budget and forks; None if there is none."""
     run = reader.by_id(run_id)
     if run is None:
         return None
-    steps, calls = reader.steps(run_id), reader.model_calls(run_id)
-    i, f, r = INTENTS.c, FORKS.c, RUNS.c
+    steps, calls, intents = reader.steps(run_id), reader.model_calls(run_id), read_intents(reader, run_id)
+    f, r = FORKS.c, RUNS.c
     with reader.db.read() as conn:
-        intents = [
-            _intent(row)
-            for row in conn.execute(select(INTENTS).where(i.run_id == run_id).order_by(i.position, i.attempt))
-        ]
         letter_ids = [int(x) for x in conn.execute(select(LETTERS.c.id).where(LETTERS.c.run_id == run_id)).scalars()]
         budget = conn.execute(select(BUDGETS).where(BUDGETS.c.name == f"run:{run_id}")).mappings().first()
         # A fork's run is found by its key under the source's task and tenant (the unique index).

@@ -12,15 +12,31 @@ from collections.abc import Mapping
 from typing import Any
 
 from oncelery.llm.adapters.base import CallState, Capabilities, Observed, Usage
-from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, Transport
+from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, Transport, with_extra
 from oncelery.llm.errors import ProviderRejected
 
 INTENT_USER_PREFIX = "oncelery-intent:"
 API_VERSION = "2023-06-01"
 
 
+def anthropic_transport(
+    provider: str,
+    base_url: str,
+    api_key: str | None,
+    timeout_s: float,
+    headers: Mapping[str, str] | None,
+    proxy: str | None,
+) -> Transport:
+    """The wire of an Anthropic adapter: `x-api-key` ($ANTHROPIC_API_KEY unless given), `anthropic-version`, the
+    caller's extra `headers` (never logged), through `proxy` if given."""
+    key = api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY", "")
+    own = {"x-api-key": key, "anthropic-version": API_VERSION}
+    return Transport(provider, base_url, with_extra(own, headers), timeout_s, proxy=proxy)
+
+
 class AnthropicMessages(HTTPAdapter):
-    """`POST /v1/messages` over httpx, never streamed."""
+    """`POST /v1/messages` over httpx, never streamed; `headers=` adds headers to every request (never logged),
+    `proxy=` sends them through an HTTP(S) proxy."""
 
     endpoint = "messages"
 
@@ -31,11 +47,11 @@ class AnthropicMessages(HTTPAdapter):
         *,
         provider: str = "anthropic",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Mapping[str, str] | None = None,
+        proxy: str | None = None,
     ) -> None:
         self.provider = provider
-        key = api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY", "")
-        headers = {"x-api-key": key, "anthropic-version": API_VERSION}
-        self.http = Transport(provider, base_url, headers, timeout_s)
+        self.http = anthropic_transport(provider, base_url, api_key, timeout_s, headers, proxy)
 
     def capabilities(self, request: Mapping[str, Any]) -> Capabilities:
         """Synchronous: no background, no resume, no lookup, nothing retrievable."""

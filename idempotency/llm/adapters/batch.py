@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,7 +37,7 @@ from urllib.parse import quote
 
 import httpx
 
-from oncelery.llm.adapters.anthropic_messages import message_usage
+from oncelery.llm.adapters.anthropic_messages import anthropic_transport, message_usage
 from oncelery.llm.adapters.base import Usage
 from oncelery.llm.adapters.gemini_generate import GeminiAuthAdapter, model_name, request_body
 from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, OpenAIAuthAdapter, Transport
@@ -176,10 +175,11 @@ class AnthropicBatches(HTTPAdapter):
         *,
         provider: str = "anthropic",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Mapping[str, str] | None = None,
+        proxy: str | None = None,
     ) -> None:
         self.provider = provider
-        key = api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY", "")
-        self.http = Transport(provider, base_url, {"x-api-key": key, "anthropic-version": API_VERSION}, timeout_s)
+        self.http = anthropic_transport(provider, base_url, api_key, timeout_s, headers, proxy)
 
     def create(self, requests: list[tuple[str, dict[str, Any]]]) -> BatchState:
         """Create the batch of Messages requests (custom_id, params); it carries no tag (find it with `list_since`)."""

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oncelery.llm.adapters.base import CallState, Capabilities, Observed, Usage
-from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, Transport
+from oncelery.llm.adapters.http import DEFAULT_TIMEOUT_S, HTTPAdapter, Transport, with_extra
 from oncelery.llm.errors import ProviderRejected
 
 BASE_URL = "https://generativelanguage.googleapis.com/v1beta"
@@ -52,7 +52,8 @@ def gemini_usage(response: Mapping[str, Any]) -> Usage:
 
 
 class GeminiAuthAdapter(HTTPAdapter):
-    """An adapter of Gemini's REST API: its base URL, and the key in `x-goog-api-key` ($GEMINI_API_KEY if none)."""
+    """An adapter of Gemini's REST API: its base URL, and the key in `x-goog-api-key` ($GEMINI_API_KEY if none);
+    `headers=` adds headers to every request (never logged), `proxy=` sends them through an HTTP(S) proxy."""
 
     def __init__(
         self,
@@ -61,9 +62,12 @@ class GeminiAuthAdapter(HTTPAdapter):
         *,
         provider: str = "gemini",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Mapping[str, str] | None = None,
+        proxy: str | None = None,
     ) -> None:
         self.provider = provider
-        self.http = Transport(provider, base_url, {API_KEY_HEADER: api_key_of(api_key)}, timeout_s)
+        own = {API_KEY_HEADER: api_key_of(api_key)}
+        self.http = Transport(provider, base_url, with_extra(own, headers), timeout_s, proxy=proxy)
 
 
 class GeminiGenerateContent(GeminiAuthAdapter):

@@ -21,6 +21,7 @@ from oncelery.llm.errors import ProviderRateLimited, ProviderRejected, ProviderU
 from oncelery.llm.observe import on_request
 
 DEFAULT_TIMEOUT_S = 60.0
+AZURE_KEY_ENV = "AZURE_OPENAI_API_KEY"  # the variable Azure's own SDK reads
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|h|m|s)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -97,10 +98,26 @@ class Transport:
         headers: Mapping[str, str],
         timeout_s: float = DEFAULT_TIMEOUT_S,
         client: httpx.Client | None = None,
+        *,
+        proxy: str | None = None,
+        params: Mapping[str, str] | None = None,
     ) -> None:
         self.provider = provider
-        self.client = client or httpx.Client(base_url=base_url.rstrip("/"), headers=dict(headers), timeout=timeout_s)
+        # Query parameters every request carries (Azure's `api-version`). Not the client's `params=`: httpx replaces
+        # a path's own query with those (a stream resume's `?stream=true&starting_after=N` would be lost).
+        hooks = {"request": [_add_params(dict(params))]} if params else None
+        self.client = client or httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers=dict(headers),
+            timeout=timeout_s,
+            proxy=proxy,
+            event_hooks=hooks,
+        )
         self.last_hint = RateHint()
+
+    def __repr__(self) -> str:
+        # Never the headers: they hold the API key, and `headers=` may hold a gateway's secret.
+        return f"Transport({self.provider!r}, {str(self.client.base_url)!r})"
 
     def send(self, method: str, path: str, body: Mapping[str, Any] | None = None, model: str = "") -> httpx.Response:
         """Send one request and return its 2xx response; map every other outcome to a typed error."""
@@ -182,8 +199,17 @@ class HTTPAdapter:
         self.close()
 
 
+def with_extra(own: Mapping[str, str], extra: Mapping[str, str] | None) -> dict[str, str]:
+    """An adapter's own headers (auth, protocol version) with the caller's `headers=` added; the caller's win,
+    so a gateway can take over authentication."""
+    return {**own, **(extra or {})}
+
+
 class OpenAIAuthAdapter(HTTPAdapter):
-    """An adapter on an OpenAI-style API: a base URL and a bearer key ($OPENAI_API_KEY unless given)."""
+    """An adapter on an OpenAI-style API: a base URL and a bearer key ($OPENAI_API_KEY unless given); or Azure
+    OpenAI's form (`azure=True`, or the `azure` constructor): the key in `api-key` ($AZURE_OPENAI_API_KEY unless
+    given). `api_version` is sent as the `api-version` query parameter of every request, `headers` as extra headers
+    of every request (never logged), `proxy` is an HTTP(S) proxy URL every request goes through."""
 
     def __init__(
         self,
@@ -192,10 +218,42 @@ class OpenAIAuthAdapter(HTTPAdapter):
         *,
         provider: str = "openai",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Mapping[str, str] | None = None,
+        proxy: str | None = None,
+        api_version: str | None = None,
+        azure: bool = False,
     ) -> None:
         self.provider = provider
-        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.http = Transport(provider, base_url, {"Authorization": f"Bearer {key}"}, timeout_s)
+        if azure:
+            key = api_key if api_key is not None else os.environ.get(AZURE_KEY_ENV, "")
+            own = {"api-key": key}
+        else:
+            key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+            own = {"Authorization": f"Bearer {key}"}
+        params = {"api-version": api_version} if api_version else None
+        self.http = Transport(provider, base_url, with_extra(own, headers), timeout_s, proxy=proxy, params=params)
+
+    @classmethod
+    def azure(
+        cls,
+        endpoint: str,
+        api_key: str | None = None,
+        *,
+        api_version: str | None = None,
+        provider: str = "azure-openai",
+        **options: Any,
+    ) -> Self:
+        """The adapter on an Azure OpenAI resource (`https://NAME.openai.azure.com`): the deployment is the
+        request's `model`. No `api_version` (or "v1"): the v1 API, `{endpoint}/openai/v1/...`; "preview": the same
+        with `?api-version=preview`; a dated version ("2025-04-01-preview"): `{endpoint}/openai/...?api-version=`."""
+        # URL shapes from Microsoft Learn, "Azure OpenAI Responses API" (learn.microsoft.com/azure/ai-foundry/openai/
+        # how-to/responses) and "API version lifecycle": the v1 API needs no api-version and takes the deployment
+        # name as `model`; dated versions are the older `/openai/responses?api-version=...` surface.
+        root = endpoint.rstrip("/") + "/openai"
+        version = None if api_version in (None, "v1") else api_version
+        dated = version is not None and version[:1].isdigit()
+        base = root if dated else root + "/v1"
+        return cls(base, api_key, provider=provider, api_version=version, azure=True, **options)
 
 
 def retry_delay_s(response: httpx.Response) -> float | None:
@@ -211,6 +269,13 @@ def retry_delay_s(response: httpx.Response) -> float | None:
         if isinstance(detail, dict) and str(detail.get("@type", "")).endswith("google.rpc.RetryInfo"):
             return duration_s(str(detail.get("retryDelay") or ""))
     return None
+
+
+def _add_params(params: dict[str, str]) -> Any:
+    def add(request: httpx.Request) -> None:
+        request.url = request.url.copy_merge_params(params)
+
+    return add
 
 
 def _detail(response: httpx.Response) -> str:

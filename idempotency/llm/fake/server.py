@@ -340,7 +340,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(400, wire.anthropic_error(400, "anthropic-version: header is required"))
                 return False
             return True
-        if not (self.headers.get("Authorization") or "").startswith("Bearer "):
+        # Azure OpenAI takes its key in `api-key` instead of a bearer token.
+        if not (self.headers.get("Authorization") or "").startswith("Bearer ") and not self.headers.get("api-key"):
             self._json(401, wire.openai_error(401, "You didn't provide an API key."))
             return False
         return True
@@ -448,7 +449,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _target(self) -> tuple[str, dict[str, list[str]]]:
         parts = urlsplit(self.path)
-        return parts.path.rstrip("/"), parse_qs(parts.query)
+        path = parts.path.rstrip("/")
+        if not path.startswith("/_fake/"):
+            with self.server.state.lock:
+                self.server.state.stats.saw(self.command, self.path, {k.lower(): v for k, v in self.headers.items()})
+        # Azure OpenAI's two shapes of the same API: `/openai/v1/...` (the v1 API) and `/openai/...?api-version=`.
+        if path.startswith("/openai/v1/"):
+            path = path.removeprefix("/openai")
+        elif path.startswith("/openai/"):
+            path = "/v1/" + path.removeprefix("/openai/")
+        return path, parse_qs(parts.query)
 
     def _body(self) -> dict[str, Any] | None:
         length = int(self.headers.get("content-length") or 0)

@@ -129,6 +129,9 @@ class Call:
         return self.status(now) not in ("queued", "in_progress") and now > max(self.ends, self.created) + keep
 
 
+SEEN_REQUESTS = 50  # requests the counters keep (`Stats.requests_seen`)
+
+
 @dataclass
 class Stats:
     """The fake's counters: the oracle of what a real provider would have billed and served."""
@@ -159,6 +162,15 @@ class Stats:
     # The most calls generating at once, seen at each create: above the callers' worker slots, callers let go of
     # their slots while the provider worked (parked runs), instead of each blocking on its call.
     max_in_flight: int = 0
+    # The last `SEEN_REQUESTS` model-API requests as they arrived: method, path, query string and headers (names
+    # lower-cased), so a test can see what an adapter put on the wire (custom headers, Azure's `api-key`).
+    requests_seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def saw(self, method: str, target: str, headers: dict[str, str]) -> None:
+        """Record one request (the oldest is dropped past `SEEN_REQUESTS`)."""
+        path, _, query = target.partition("?")
+        self.requests_seen.append({"method": method, "path": path, "query": query, "headers": headers})
+        del self.requests_seen[:-SEEN_REQUESTS]
 
     def as_json(self) -> dict[str, Any]:
         """Return the counters as a JSON-ready dict."""
