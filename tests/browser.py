@@ -135,15 +135,23 @@ class Browser:
     def close(self) -> None:
         """Close the connection and stop Chromium."""
         ws = getattr(self, "ws", None)
-        if ws is not None:
-            ws.close()
-        self.process.terminate()
         try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
-        self.loop.close()
+            if ws is not None:
+                # Closed on its own loop: outside it, tornado asks asyncio for the current loop, which an earlier
+                # test of the session (asyncio.run) may have left unset: "There is no current event loop".
+                self.loop.run_until_complete(self._close(ws))
+        finally:  # Chromium is stopped and waited for whatever the close did: no process outlives the test
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+            self.loop.close()
+
+    @staticmethod
+    async def _close(ws: WebSocketClientConnection) -> None:
+        ws.close()
 
     def __enter__(self) -> Browser:
         return self

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, text
@@ -34,6 +33,7 @@ from oncelery.store.schema import upgrade_schema
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 from oncelery.task.metering import MeteredCall, _Origin, _record
 from oncelery.testing import OnceleryDb, WorkerProcess, wait_until
+from oncelery.testing.worker import import_app
 from tests import services
 
 TASK = "oncelery.crash_effect"  # tests/apps/crash_app.py
@@ -189,7 +189,9 @@ def _scrape(port: int) -> str | None:
 
 
 @pytest.mark.crash
-def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, redis_url: str, tmp_path: Path) -> None:
+def test_scrape_counts_what_two_workers_and_a_restart_did(
+    pg_metrics_url: str, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """100 deliveries (70 keys, 30 duplicates of completed ones) over two workers and a restart: 70 + 30 exactly."""
     db = OnceleryDb(pg_metrics_url)
     services.test_metadata.create_all(get_engine(pg_metrics_url))
@@ -200,7 +202,10 @@ def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, r
         "ONCELERY_CRASH_QUEUE": queue,
         "ONCELERY_TEST_LOG_DIR": str(tmp_path),
     }
-    client = Celery("metrics-client", broker=redis_url, backend=services.results_url(redis_url))
+    # The kit's workers isolate the app in this process too (its queues are the test's): this process imports
+    # the crash app on the same environment, and sends through it.
+    for name, value in {**env, "ONCELERY_DATABASE_URL": pg_metrics_url}.items():
+        monkeypatch.setenv(name, value)
     workers: list[WorkerProcess] = []
     exporter: subprocess.Popen[str] | None = None
 
@@ -210,8 +215,9 @@ def test_scrape_counts_what_two_workers_and_a_restart_did(pg_metrics_url: str, r
         return worker
 
     def send(*keys: str) -> None:
+        client = import_app("tests.apps.crash_app")  # the isolated app: its default queue is the test's
         for key in keys:
-            client.send_task(TASK, args=[key, 0.0], queue=queue)
+            client.send_task(TASK, args=[key, 0.0])
 
     def counts_reach(executed: int, replayed: int) -> bool:
         counts = db.outcome_counts(TASK)
