@@ -115,6 +115,7 @@ class Chaos(ModelFaults):
     victims: list[int] = field(default_factory=list)
     revoked: list[int] = field(default_factory=list)  # jobs whose parked run the runner revoked
     revokes_not_applied: list[int] = field(default_factory=list)  # of those, runs not DEAD soon after the revoke
+    killed: set[int] = field(default_factory=set)  # pids SIGKILLed: never a victim again (dying is not instant)
 
     def __post_init__(self) -> None:
         self.admin = Admin(self.cluster)
@@ -153,7 +154,9 @@ class Chaos(ModelFaults):
             ready = {n: self.workers[n] for n in names if self.workers[n].ready()}
             for att in self.ledger.open_attempts(tuple(ready), staged) if ready else []:
                 worker = ready[att.host]
-                if att.pid != worker.pid and worker.owns(att.pid) and self.sut.holds(att.job, att.token):
+                if att.pid in self.killed or att.pid == worker.pid or not worker.owns(att.pid):
+                    continue
+                if self.sut.holds(att.job, att.token):
                     return worker, att
             return None
 
@@ -183,6 +186,7 @@ class Chaos(ModelFaults):
         if found is None:
             return False
         worker, att = found
+        self.killed.add(att.pid)
         if how == "kill_child":
             os.kill(att.pid, signal.SIGKILL)
         elif how == "kill_main":

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 MODEL_FAULTS = ("kill_create", "kill_poll", "kill_relay", "revoke", "provider_5xx", "provider_429", "forget")
 BURST_ERRORS = 3  # creates refused per provider error burst
 REVOKE_AHEAD_S = 0.5  # a revoked run's wake is at least this far: the broadcast reaches the workers before it
-REVOKE_TAKES_S = 10.0  # a revoke applied makes its run DEAD by then: its wake is due, and discarded, well before
+REVOKE_TAKES_S = 20.0  # a revoke applied makes its run DEAD by then: its wake is due, queued and discarded before
 
 
 class ModelFaults:
@@ -64,6 +64,7 @@ class ModelFaults:
     arm: Path | None
     revoked: list[int]
     revokes_not_applied: list[int]
+    killed: set[int]
     counts: Counter[str]
     missed: Counter[str]
 
@@ -77,10 +78,13 @@ class ModelFaults:
         ready = {n: w for n, w in self.workers.items() if w.ready()}
         for att in self.ledger.open_attempts(tuple(ready)) if ready else []:
             worker = ready[att.host]
-            if att.pid != worker.pid and worker.owns(att.pid) and self.sut.holds(att.job, att.token):
+            if att.pid in self.killed or att.pid == worker.pid or not worker.owns(att.pid):
+                continue
+            if self.sut.holds(att.job, att.token):
                 yield worker, att
 
     def _kill_child(self, how: str, worker: Worker, att: Attempt, intent: Intent) -> None:
+        self.killed.add(att.pid)
         os.kill(att.pid, signal.SIGKILL)
         self.victims.append(att.job)
         self.log(
@@ -182,7 +186,13 @@ class ModelFaults:
         deadline = time.monotonic() + timeout
         gone = (self.counts["revoke"] + self.missed["revoke"]) % 2 == 1  # every second revoke: its cancel fails
         while time.monotonic() < deadline:
-            found = wait_for(lambda: next(iter(self._revocable(gone)), None), deadline - time.monotonic(), 0.1)
+            # Every worker up: a revoke is a broadcast to the workers consuming now (a worker restarted later
+            # never hears of it, and would run the wake).
+            found = wait_for(
+                lambda: all(w.ready() for w in self.workers.values()) and next(iter(self._revocable(gone)), None),
+                deadline - time.monotonic(),
+                0.1,
+            )
             if found is None:
                 return False
             job, task_id, reference = found

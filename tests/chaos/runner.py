@@ -37,7 +37,7 @@ RESERVE = 0.3  # the share of jobs held back to trickle while faults remain
 TRICKLE = 2.0  # jobs per second while they trickle, at most
 # A fault's usual time, its wait for a victim included: the trickle slows down so that the jobs held back last
 # as long as the faults still to run (at least one job every TRICKLE_SLOWEST seconds, so victims keep coming).
-FAULT_SECONDS = 3.0
+FAULT_SECONDS = 5.0
 TRICKLE_SLOWEST = 1.5
 BURST = 10  # originals sent at once when a fault asks for a backlog
 QUIET_IDLE = 3.0  # seconds past the last delivery and the last copy's ETA (nothing queued, held, running)
@@ -75,8 +75,8 @@ class Options:
     revokes: int = 0  # app.control.revoke of a parked (WAITING) run's message
     provider_errors: int = 0  # bursts of errors on creates, 5xx and 429 in turn
     forgets: int = 0  # a parked run's response forgotten by the provider (404 on its next poll)
-    generation: tuple[float, float] = (0.1, 2.0)  # seconds a call takes at the provider, from, to
-    inline_wait: float = 0.5  # seconds a delivery polls before it parks its run
+    generation: tuple[float, float] = (0.1, 1.2)  # seconds a call takes at the provider, from, to
+    inline_wait: float = 0.6  # seconds a delivery polls before it parks its run
     rewake_after: float = 15.0  # the relay re-sends a wake no delivery took after this
     release_after: float = 20.0  # oncelery_budget_release_s: a dead holder's prepared call's reservation
     rate_headroom: float = 1.2  # the shared limit: this times the submission rate (it throttles the bursts)
