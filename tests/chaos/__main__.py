@@ -21,7 +21,7 @@ Presets (an option given on the command line overrides the preset's value):
        parked run, a 503 burst and a 429 burst, a response forgotten; about 1.5 minutes on a 2-core machine.
 - full (for the docs): 10,000 jobs, 30 % duplicates, 51 kills, 3 flushes, 12 backend kills, 2 restarts,
        3 cuts, 3 zombies, 10 create-window kills, 10 mid-poll kills, 5 relay kills, 10 revokes, 10 provider
-       error bursts, 5 forgotten responses; jobs spread over 15 minutes.
+       error bursts, 5 forgotten responses; jobs spread over 30 minutes.
 - producer (outside CI; figures in docs/chaos.md): producers resend with producer dedupe on (the product's
        default, and the other presets' too: `--no-producer-dedupe` sends every copy to the broker): 300 jobs
        over 30 s, 60 % sent a second time (half straight through `.delay()`), 6 kills, 2 Redis flushes,
@@ -74,10 +74,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "restarts": 2,
         "cuts": 3,
         "zombies": 3,
-        "timeout": 2400.0,
+        "timeout": 4000.0,
         "workers": 2,
         "seed": 1,
-        "window": 900.0,
+        "window": 1800.0,  # ~5.6 jobs/s: what 5 worker slots keep up with on 2 cores (docs/chaos.md, Rates)
         "lease": 3.0,
         "visibility_timeout": 4.0,
         "long_share": 1.0,

@@ -207,9 +207,19 @@ class ModelFaults:
             how = f" (its response {reference} forgotten first: the cancel gets a 404)" if gone else ""
             self.log(f"  revoke: job {job} message {task_id}{how}: run {status}")
             if dead:
+                # The worker cancels the call after the run is DEAD, in a second transaction: the next fault must
+                # not land in between by chance (a kill there is another fault: the relay's sweep of the issue).
+                cancelled = gone or wait_for(lambda: self._call_ended(job), REVOKE_TAKES_S, 0.1)  # noqa: B023
+                if not cancelled:
+                    self.log(f"  revoke: job {job}: its call is still `sent` {REVOKE_TAKES_S:g}s after the run died")
                 return True
             self.revokes_not_applied.append(job)
         return False
+
+    def _call_ended(self, job: int) -> bool:
+        """Whether the job's latest call is no longer in flight (not `prepared` or `sent`)."""
+        intent = self.sut.latest_intent(job)
+        return intent is None or intent.state not in ("prepared", "sent")
 
     def _revocable(self, sent: bool = False) -> list[tuple[int, str, str | None]]:
         """Parked runs never revoked, whose wake is at least REVOKE_AHEAD_S away (`sent`: with a call in flight):
