@@ -1,13 +1,16 @@
 """Reads of the system under test, and the verdict: lost, duplicated and unexpected effects (Jepsen's queue checker).
 
-- lost: a submitted job (the ledger's `submissions`) with no committed effect row;
+- lost: a submitted job (the ledger's `submissions`) with no committed effect row, unless the runner revoked its
+  parked run and the run is DEAD with a dead letter of reason `revoked` (an expected non-completion);
 - duplicated: a job with more than one committed effect row (an effect applied more than once);
 - unexpected: a committed effect row for a job never submitted, or written by an attempt the ledger never
   staged (an effect nobody's code made);
 - inconsistent (checked too, reported on its own line): a job whose one effect does not match its COMPLETED
   run's stored result (other attempt, or a draft the fake model would not have given).
 
-The committed effect rows are read once, at the end, through the runner's own connection (a final read).
+The committed effect rows are read once, at the end, through the runner's own connection (a final read). The
+model-call counts (calls without a ledger row, unlabelled repeats, budgets, reservations left) are
+tests/chaos/model_ledger.py's.
 """
 
 from __future__ import annotations
