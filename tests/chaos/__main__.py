@@ -1,19 +1,27 @@
 """`python -m tests.chaos [--preset ci|full|producer|rabbitmq] [--jobs N --kills K ...]`: run the chaos checker.
 
-Prints `jobs=N faults=F lost=0 duplicated=0 unexpected=0` (plus per-fault counts, the fence and the LLM ledger
-summaries) and exits 0 only for a clean verdict (no job inconsistent with its stored result either), every
-fault kind at its minimum count, and a system that settled (no copy still delivered at the end); 1 otherwise;
-2 if the run could not start (no PostgreSQL binaries, no `postgres` user, a service that would not start);
-130 if interrupted (SIGINT/SIGTERM: every process is stopped first, the logs are kept).
+Prints `jobs=N faults=F lost=0 duplicated=0 unexpected=0 calls_without_a_row=0 unlabelled=0 over_budget=0
+reservations_left=0` on one line (plus per-fault counts, the fence and the model-call summaries) and exits 0 only
+for a clean verdict (every count 0, no job inconsistent with its stored result either), every fault kind at its
+minimum count, and a system that settled (no copy still delivered at the end); 1 otherwise; 2 if the run could not
+start (no PostgreSQL binaries, no `postgres` user, a service that would not start); 130 if interrupted
+(SIGINT/SIGTERM: every process is stopped first, the logs are kept).
+
+The job's model call is `self.llm()` in background mode against the fake provider (a process of the run's);
+every preset runs the model-call faults given by `--create-kills`, `--poll-kills`, `--relay-kills`, `--revokes`,
+`--provider-errors` (bursts of 503s and 429s in turn) and `--forgets` (tests/chaos/model_faults.py).
 
 Presets (an option given on the command line overrides the preset's value):
 
-- ci   (the default): 500 jobs, 20 % duplicates, 6 kills (2 pool children, 2 main processes, 2 whole workers),
+- ci   (the default): 170 jobs, 20 % duplicates, 6 kills (2 pool children, 2 main processes, 2 whole workers),
        1 Redis flush, 3 backend kills (claim, step, commit), 2 PostgreSQL restarts (a fast stop, then an
        immediate one: a crash), 1 proxy cut (of a holder about to commit), 2 zombies (one mid-steps, one
-       about to commit), 2 % long jobs past a 4 s visibility timeout; about 2 minutes on a 2-core machine.
+       about to commit), 2 % long jobs past a 4 s visibility timeout; and one of each model-call fault: a kill
+       in the create window, a kill mid-poll, a relay kill between a wake's mark and its send, a revoke of a
+       parked run, a 503 burst and a 429 burst, a response forgotten; about 1.5 minutes on a 2-core machine.
 - full (for the docs): 10,000 jobs, 30 % duplicates, 51 kills, 3 flushes, 12 backend kills, 2 restarts,
-       3 cuts, 3 zombies; jobs spread over 15 minutes.
+       3 cuts, 3 zombies, 10 create-window kills, 10 mid-poll kills, 5 relay kills, 10 revokes, 10 provider
+       error bursts, 5 forgotten responses; jobs spread over 30 minutes.
 - producer (outside CI; figures in docs/chaos.md): producers resend with producer dedupe on (the product's
        default, and the other presets' too: `--no-producer-dedupe` sends every copy to the broker): 300 jobs
        over 30 s, 60 % sent a second time (half straight through `.delay()`), 6 kills, 2 Redis flushes,
@@ -50,6 +58,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "visibility_timeout": 4.0,
         "long_share": 2.0,
         "republish_after": 10.0,
+        "create_kills": 1,
+        "poll_kills": 1,
+        "relay_kills": 1,
+        "revokes": 1,
+        "provider_errors": 2,
+        "forgets": 1,
     },
     "full": {
         "jobs": 10_000,
@@ -60,14 +74,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "restarts": 2,
         "cuts": 3,
         "zombies": 3,
-        "timeout": 2400.0,
+        "timeout": 4000.0,
         "workers": 2,
         "seed": 1,
-        "window": 900.0,
+        "window": 1800.0,  # ~5.6 jobs/s: what 5 worker slots keep up with on 2 cores (docs/chaos.md, Rates)
         "lease": 3.0,
         "visibility_timeout": 4.0,
         "long_share": 1.0,
         "republish_after": 10.0,
+        "create_kills": 10,
+        "poll_kills": 10,
+        "relay_kills": 5,
+        "revokes": 10,
+        "provider_errors": 10,
+        "forgets": 5,
     },
     # Producers resend (60 % of the jobs get a copy, half straight through .delay()) with producer dedupe on,
     # while the broker is flushed and workers are killed: a copy answered at the producer must never be a job
@@ -115,6 +135,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _span(text: str) -> tuple[float, float]:
+    low, _, high = text.partition(",")
+    return float(low), float(high or low)
+
+
 def parse(argv: list[str]) -> dict[str, Any]:
     """Return the run's values: the preset's, overridden by the options given."""
     p = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n\n", 1)[0])
@@ -140,6 +165,16 @@ def parse(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--visibility-timeout", type=float, help="Redis visibility timeout (shorter than long jobs)")
     p.add_argument("--long-share", type=float, help="percent of jobs that outlast the visibility timeout")
     p.add_argument("--republish-after", type=float, help="the relay's --republish-after in seconds")
+    p.add_argument("--create-kills", type=int, help="SIGKILLs in the create window (sent, intent prepared)")
+    p.add_argument("--poll-kills", type=int, help="SIGKILLs of a holder polling its sent call")
+    p.add_argument("--relay-kills", type=int, help="SIGKILLs of the relay between a wake's mark and its send")
+    p.add_argument("--revokes", type=int, help="revokes of a parked (WAITING) run's message")
+    p.add_argument("--provider-errors", type=int, help="bursts of refused creates, 503 and 429 in turn")
+    p.add_argument("--forgets", type=int, help="responses of parked runs forgotten by the provider (404)")
+    p.add_argument("--generation", type=_span, help="FROM,TO: seconds a call takes at the provider")
+    p.add_argument("--inline-wait", type=float, help="seconds a delivery polls its call before parking the run")
+    p.add_argument("--rewake-after", type=float, help="seconds before the relay sends again a wake no one took")
+    p.add_argument("--release-after", type=float, help="oncelery_budget_release_s (a dead holder's prepared call)")
     p.add_argument(
         "--producer-dedupe",
         action=argparse.BooleanOptionalAction,

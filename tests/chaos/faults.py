@@ -18,6 +18,8 @@ is bounded; a fault whose condition never held is not counted (and the run then 
   closes, the unacked messages are requeued and redelivered, workers and the relay reconnect.
 - backend_<phase>: pg_terminate_backend of a worker's backend caught inside a claim, a step or a commit.
 - restart: the throwaway cluster stopped ("fast", then "immediate" on the next one) and started, mid-job.
+- the model-call layer's (tests/chaos/model_faults.py): kill_create, kill_poll, kill_relay, revoke, provider_5xx,
+  provider_429, forget.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from tests.chaos.checker import Sut
 from tests.chaos.ledger import Attempt, Ledger
-from tests.chaos.procs import RabbitServer, RedisServer, Worker, wait_for
+from tests.chaos.model_faults import MODEL_FAULTS, ModelFaults
+from tests.chaos.procs import FakeProvider, RabbitServer, RedisServer, Relay, Worker, wait_for
 from tests.chaos.proxy import BlackholeProxy
 from tests.pg_cluster import PgCluster
 from tests.services import proc_state
@@ -89,7 +93,7 @@ class Admin:
 
 
 @dataclass
-class Chaos:
+class Chaos(ModelFaults):
     """What the faults act on, and what they did."""
 
     cluster: PgCluster
@@ -102,9 +106,16 @@ class Chaos:
     resend: Callable[[int], None]  # a client sends the job again (same key), directly to the broker
     burst: Callable[[], None]  # the runner sends its next few jobs at once (a backlog in the queue)
     log: Callable[[str], None]
+    fake: FakeProvider | None = None
+    relay: Relay | None = None
+    app: Any = None  # the chaos app (a revoke is its control broadcast)
+    arm: Path | None = None  # the folder whose files arm a fault inside another process (the relay's wake pause)
     counts: Counter[str] = field(default_factory=Counter)
     missed: Counter[str] = field(default_factory=Counter)
     victims: list[int] = field(default_factory=list)
+    revoked: list[int] = field(default_factory=list)  # jobs whose parked run the runner revoked
+    revokes_not_applied: list[int] = field(default_factory=list)  # of those, runs not DEAD soon after the revoke
+    killed: set[int] = field(default_factory=set)  # pids SIGKILLed: never a victim again (dying is not instant)
 
     def __post_init__(self) -> None:
         self.admin = Admin(self.cluster)
@@ -117,6 +128,8 @@ class Chaos:
                 hit = self.kill(kind)
             elif kind.startswith("backend_"):
                 hit = self.backend_kill(kind.removeprefix("backend_"))
+            elif kind in MODEL_FAULTS:
+                hit = getattr(self, kind)(FAULT_TIMEOUT)
             else:
                 hit = getattr(self, kind)()
         except Exception as exc:  # a fault that could not be injected is missed, and the run goes on
@@ -141,7 +154,9 @@ class Chaos:
             ready = {n: self.workers[n] for n in names if self.workers[n].ready()}
             for att in self.ledger.open_attempts(tuple(ready), staged) if ready else []:
                 worker = ready[att.host]
-                if att.pid != worker.pid and worker.owns(att.pid) and self.sut.holds(att.job, att.token):
+                if att.pid in self.killed or att.pid == worker.pid or not worker.owns(att.pid):
+                    continue
+                if self.sut.holds(att.job, att.token):
                     return worker, att
             return None
 
@@ -171,6 +186,7 @@ class Chaos:
         if found is None:
             return False
         worker, att = found
+        self.killed.add(att.pid)
         if how == "kill_child":
             os.kill(att.pid, signal.SIGKILL)
         elif how == "kill_main":

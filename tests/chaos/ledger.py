@@ -16,14 +16,16 @@ What is written, and by whom (Jepsen's history: every operation, recorded by the
   (LeaseLost raised inside the body), or `error:<type>`;
 - `staged`: an attempt about to write its effect in `self.effects()` (so every committed effect has a staged
   record; a committed effect without one was invented by the system under test);
-- `llm_calls`: each call of the fake model, as the job's code made it;
+- `revokes`: the runner, *before* it revokes a job's parked run (`app.control.revoke` of its task id);
+- `marks`: where a process stood when a fault was aimed at it (the relay between a wake's mark and its send);
 - `publishes`: each copy of a job any process sends (the runner, the relay, a worker re-sending a copy that
   waits), *before* it is sent, with the time it is due (its ETA, else the send's): the latest a copy held in a
   worker's memory can run, which the settle waits out.
 
 The effect itself is the row the job writes through the framework's fenced `effects()` session, tagged with
 its attempt id: only the system under test can say whether that commit happened (a zombie's staged effect
-must never commit), so the checker reads those rows at the end, like Jepsen's final drain of a queue.
+must never commit), so the checker reads those rows at the end, like Jepsen's final drain of a queue. The model
+calls are counted by the fake provider, a process of the runner's: its creates per intent are what was paid.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ CREATE TABLE IF NOT EXISTS attempts (attempt TEXT PRIMARY KEY, job INTEGER NOT N
 CREATE INDEX IF NOT EXISTS attempts_open ON attempts (ended, host);
 CREATE TABLE IF NOT EXISTS staged (attempt TEXT PRIMARY KEY, job INTEGER NOT NULL, token INTEGER NOT NULL,
     at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS llm_calls (id INTEGER PRIMARY KEY, job INTEGER NOT NULL, attempt TEXT, host TEXT,
-    pid INTEGER, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS revokes (id INTEGER PRIMARY KEY, job INTEGER NOT NULL, task_id TEXT NOT NULL,
+    at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS marks (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, job INTEGER, host TEXT, pid INTEGER,
+    at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS publishes (id INTEGER PRIMARY KEY, task_id TEXT, host TEXT, pid INTEGER, at REAL NOT NULL,
     due REAL NOT NULL);
 """
@@ -133,11 +137,15 @@ class Ledger:
             "INSERT INTO staged (attempt, job, token, at) VALUES (?, ?, ?, ?)", (attempt, job, token, time.time())
         )
 
-    def llm_call(self, job: int, attempt: str | None, host: str) -> None:
-        """Record one call of the fake model, as the job's code made it."""
+    def revoked(self, job: int, task_id: str) -> None:
+        """Record that the runner is about to revoke `job`'s parked run (its message `task_id`)."""
+        self._write("INSERT INTO revokes (job, task_id, at) VALUES (?, ?, ?)", (job, task_id, time.time()))
+
+    def mark(self, kind: str, job: int, host: str) -> None:
+        """Record that this process stands at `kind` for `job` (a fault's victim, waiting to be hit)."""
         self._write(
-            "INSERT INTO llm_calls (job, attempt, host, pid, at) VALUES (?, ?, ?, ?, ?)",
-            (job, attempt, host, os.getpid(), time.time()),
+            "INSERT INTO marks (kind, job, host, pid, at) VALUES (?, ?, ?, ?, ?)",
+            (kind, job, host, os.getpid(), time.time()),
         )
 
     def published(self, task_id: str | None, host: str, due: float | None) -> None:

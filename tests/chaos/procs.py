@@ -1,4 +1,5 @@
-"""The processes the runner starts: its own redis-server (and RabbitMQ node), the `celery worker`s, the outbox relay.
+"""The processes the runner starts: its own redis-server (and RabbitMQ node), the fake model provider, the
+`celery worker`s, the outbox relay.
 
 Each runs in a session of its own (`start_new_session=True`), so it is stopped by its PID and its process
 group (pool children included), never by name: tests.services.stop_sessions does it for every incarnation,
@@ -7,6 +8,7 @@ including the sessions of workers that were SIGKILLed and restarted (their orpha
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +21,7 @@ from typing import Any
 import amqp
 import redis
 
+from oncelery.testing import FakeProviderControl
 from oncelery.testing.faults import poll
 from tests.pg_cluster import free_port
 from tests.services import alive, stop_sessions
@@ -307,17 +310,25 @@ class Worker:
 
 
 class Relay:
-    """`oncelery relay` on the chaos app: publishes the outbox and re-publishes what a Redis flush lost."""
+    """The outbox relay on the chaos app (tests/chaos/relay.py: `oncelery relay` with a short `rewake_after`):
+    publishes the outbox, re-publishes what a Redis flush lost, wakes parked runs, releases stale reservations."""
 
-    def __init__(self, sessions: Sessions, env: dict[str, str], logdir: Path, republish_after: float) -> None:
+    def __init__(
+        self, sessions: Sessions, env: dict[str, str], logdir: Path, republish_after: float, rewake_after: float
+    ) -> None:
         self.log = logdir / "relay.log"
-        oncelery = str(Path(sys.executable).parent / "oncelery")
-        argv = [oncelery, "relay", "--app", "tests.chaos.jobs:app", "--interval", "0.2"]
-        argv += ["--republish-after", f"{republish_after:g}s", "--sweep-interval", "off", "--retention", "off"]
+        argv = [sys.executable, "-m", "tests.chaos.relay", "--interval", "0.2"]
+        argv += ["--republish-after", f"{republish_after:g}", "--rewake-after", f"{rewake_after:g}"]
         self.env = {**env, "CHAOS_ROLE": "relay"}
         self.argv = argv
         self.sessions = sessions
         self.proc = sessions.spawn(argv, self.env, self.log)
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int:
+        """The current incarnation's PID (also its session and process group id)."""
+        return self.proc.pid
 
     def ready(self) -> bool:
         """Whether the relay runs its rounds (it printed its start line)."""
@@ -327,8 +338,63 @@ class Relay:
             return False
 
     def keep_alive(self) -> bool:
-        """Restart the relay if it exited (e.g. it could not start while the database restarted); True if it did."""
+        """Restart the relay if it exited (killed, or it could not start while the database restarted)."""
         if self.proc.poll() is None:
             return False
         self.proc = self.sessions.spawn(self.argv, self.env, self.log)
+        self.restarts += 1
         return True
+
+
+class FakeProvider:
+    """The fake model provider as a process of its own (`python -m oncelery.llm.fake`), driven over its HTTP
+    control API: its counters (creates per intent, errors served, cancels, calls forgotten) are the runner's
+    ledger of what the provider billed, kept outside everything the faults hit."""
+
+    def __init__(self, sessions: Sessions, workdir: Path, knobs: dict[str, Any]) -> None:
+        self.log = workdir / "fake-provider.log"
+        argv = [sys.executable, "-m", "oncelery.llm.fake", "--port", "0", "--knobs", json.dumps(knobs)]
+        self.proc = sessions.spawn(argv, dict(os.environ), self.log)
+        self.url = ""
+        self.control: FakeProviderControl | None = None
+
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        """Wait until it printed its URL (its first line) and answers its health check."""
+
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                return False
+            if not self.url:
+                first = self.log.read_text(errors="replace").split("\n", 1)[0].strip() if self.log.exists() else ""
+                if not first.startswith("http://"):
+                    return False
+                self.url = first
+            try:
+                self.control = FakeProviderControl(self.url)
+                self.control.stats()
+                return True
+            except OSError:
+                return False
+
+        return bool(wait_for(answers, timeout, 0.05))
+
+    def stats(self) -> dict[str, Any]:
+        """Its counters now."""
+        return self._control().stats()
+
+    def knobs(self, **knobs: Any) -> dict[str, Any]:
+        """Change knobs (all or none); return every knob's value."""
+        return self._control().set_knobs(**knobs)
+
+    def release(self) -> int:
+        """Answer every held create now; return how many were held."""
+        return self._control().release()
+
+    def forget(self, call_id: str) -> int:
+        """Drop one call, as past the provider's retention (its retrieve answers 404); 1 if it was there."""
+        return self._control().forget(call_id)
+
+    def _control(self) -> FakeProviderControl:
+        if self.control is None:
+            raise RuntimeError("the fake provider is not ready")
+        return self.control

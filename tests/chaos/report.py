@@ -1,10 +1,12 @@
-"""The run's report: one verdict line, the per-fault counts, the fence and LLM ledger summaries; the exit code.
+"""The run's report: one verdict line, the per-fault counts, the fence and model-call summaries; the exit code.
 
-    jobs=500 faults=15 lost=0 duplicated=0 unexpected=0
+    jobs=170 faults=22 lost=0 duplicated=0 unexpected=0 calls_without_a_row=0 unlabelled=0 over_budget=0 \
+        reservations_left=0   (one line)
 
-The exit code is 0 only if lost, duplicated, unexpected and inconsistent are all 0, every fault kind reached
-its minimum count (the options), including >= 1 visibility-timeout redelivery when long jobs ran, and the
-system settled (runner.Run.settle: no copy still delivered, nothing RUNNING or queued) before the timeout.
+The exit code is 0 only if every count of the verdict line is 0 (tests/chaos/checker.py, tests/chaos/model_ledger.py)
+and inconsistent too, every fault kind reached its minimum count (the options), including >= 1
+visibility-timeout redelivery when long jobs ran, and the system settled (runner.Run.settle: no copy still
+delivered, nothing RUNNING, WAITING or queued) before the timeout.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tests.chaos.checker import check, key_of
 from tests.chaos.faults import KILLS, PHASES
+from tests.chaos.model_ledger import check_model_ledger, describe_calls
 
 if TYPE_CHECKING:
     from tests.chaos.faults import Chaos
@@ -33,6 +36,12 @@ def minimums(run: Run) -> dict[str, int]:
         "broker_restart": o.broker_restarts,
         "cut": o.cuts,
         "zombie": o.zombies,
+        "kill_create": o.create_kills,
+        "kill_poll": o.poll_kills,
+        "kill_relay": o.relay_kills,
+        "revoke": o.revokes,
+        "provider_errors": o.provider_errors,
+        "forget": o.forgets,
     }
 
 
@@ -47,12 +56,21 @@ def achieved(chaos: Chaos) -> dict[str, int]:
         "broker_restart": c["broker_restart"],
         "cut": c["cut"],
         "zombie": c["zombie"],
+        "kill_create": c["kill_create"],
+        "kill_poll": c["kill_poll"],
+        "kill_relay": c["kill_relay"],
+        "revoke": c["revoke"],
+        "provider_errors": c["provider_5xx"] + c["provider_429"],
+        "forget": c["forget"],
     }
 
 
 def report(run: Run, chaos: Chaos) -> int:
     """Check, print the report, and return the exit code."""
     verdict = check(run.ledger, run.sut)
+    stats = run.fake.stats() if run.fake is not None else {}
+    model = check_model_ledger(run.sut, stats, verdict.jobs)
+    without, unlabelled, over, left = model.counts()
     got, need = achieved(chaos), minimums(run)
     faults = sum(got.values())
     redeliveries = run.ledger.scalar("SELECT count(*) FROM deliveries WHERE redelivered = 1")
@@ -66,7 +84,8 @@ def report(run: Run, chaos: Chaos) -> int:
 
     print(
         f"jobs={verdict.jobs} faults={faults} lost={len(verdict.lost)} duplicated={len(verdict.duplicated)} "
-        f"unexpected={len(verdict.unexpected)}",
+        f"unexpected={len(verdict.unexpected)} calls_without_a_row={without} unlabelled={unlabelled} "
+        f"over_budget={over} reservations_left={left}",
         flush=True,
     )
     per_kind = " ".join(f"{k}={n}" for k, n in sorted(chaos.counts.items()))
@@ -86,8 +105,15 @@ def report(run: Run, chaos: Chaos) -> int:
     print(f"fence: staged_effects_refused={verdict.refused} completions_refused={verdict.completions_refused} "
           f"attempts_fenced_in_body={verdict.fenced} lease_lost={outcomes.get('lease_lost', 0)}")  # fmt: skip
     print("outcomes: " + " ".join(f"{k}={n}" for k, n in sorted(outcomes.items())))
-    for line in verdict.summary:
+    for line in model.lines + verdict.summary:
         print(line)
+    if chaos.revoked:
+        ended, logs = len(verdict.revoked), "".join(_text(w) for w in run.workdir.glob("worker-*.log"))
+        failed = len(re.findall(r"could not cancel the run of revoked message", logs))
+        print(
+            f"revoked: {len(chaos.revoked)} parked runs, {ended} ended DEAD (reason revoked, no effect); not applied "
+            f"in time: {chaos.revokes_not_applied} (workers' cancels that could not reach the database: {failed})"
+        )
     relay_log = _text(run.relay.log if run.relay else None)
     republished = sum(int(n) for n in re.findall(r"re-published (\d+) jobs", relay_log))
     print(f"relay: re-published {republished} jobs whose runs had not finished (lost by a flush, a killed worker...)")
@@ -99,7 +125,8 @@ def report(run: Run, chaos: Chaos) -> int:
         f"sent: outbox={sent['outbox']} direct={sent['direct']} fault_resends={sent['fault']} "
         f"deliveries={run.ledger.scalar('SELECT count(*) FROM deliveries')} "
         f"attempts={run.ledger.scalar('SELECT count(*) FROM attempts')} inconsistent={len(verdict.inconsistent)} "
-        f"settled={'yes' if run.settled else 'NO'} wall={wall:.1f}s"
+        f"settled={'yes' if run.settled else 'NO'} relay_restarts={run.relay.restarts if run.relay else 0} "
+        f"wall={wall:.1f}s"
     )
     if run.errors:
         print(f"client errors (retried): {len(run.errors)}, e.g. {run.errors[:3]}")
@@ -121,11 +148,31 @@ def report(run: Run, chaos: Chaos) -> int:
             describe(run, int(str(job)), int(str(job)) in chaos.victims)
     if verdict.unexpected:
         print(f"unexpected effects: {verdict.unexpected[:20]}")
+    if model.calls_without_a_row:
+        print(f"calls without a row (provider creates, no model_calls row): {len(model.calls_without_a_row)}")
+        for line in describe_calls(run.sut, stats, model.calls_without_a_row):
+            print(line)
+    if model.unlabelled:
+        print(f"unlabelled repeated creates (reason NULL): {model.unlabelled[:10]}")
+        for line in describe_calls(run.sut, stats, model.unlabelled):
+            print(line)
+    if model.over_budget:
+        print(f"budgets over or unmatched: {model.over_budget[:10]}")
+    if model.reservations_left:
+        print(f"reservations left: {model.reservations_left} micro-USD")
+        for line in describe_calls(run.sut, stats, held_reservations(run)):
+            print(line)
     if short:
         print(f"NOT reached: {', '.join(short)}")
-    code = 0 if verdict.ok() and not short else 1
+    code = 0 if verdict.ok() and model.ok() and not short else 1
     run.failed = code != 0
     return code
+
+
+def held_reservations(run: Run) -> list[str]:
+    """The intents still holding a reservation (not released)."""
+    rows = run.sut.rows("SELECT public_id FROM llm_intents WHERE reserved IS NOT NULL AND released_at IS NULL")
+    return [str(p) for (p,) in rows]
 
 
 def describe(run: Run, job: int, victim: bool) -> None:

@@ -10,6 +10,7 @@ seeded order. Then the run settles: every submitted job has its effect and nothi
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import random
 import shutil
@@ -18,20 +19,26 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from decimal import ROUND_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.engine import make_url
 
 from tests.chaos.ledger import Ledger
-from tests.chaos.procs import RabbitServer, RedisServer, Relay, Sessions, Worker, wait_for
+from tests.chaos.model import estimate_usd
+from tests.chaos.procs import FakeProvider, RabbitServer, RedisServer, Relay, Sessions, Worker, wait_for
 from tests.chaos.proxy import BlackholeProxy
 from tests.pg_cluster import PgCluster, postgres_bindir
 from tests.services import clean_env
 
 STARTUP_TIMEOUT = 90.0
 RESERVE = 0.3  # the share of jobs held back to trickle while faults remain
-TRICKLE = 2.0  # jobs per second while they trickle
+TRICKLE = 2.0  # jobs per second while they trickle, at most
+# A fault's usual time, its wait for a victim included: the trickle slows down so that the jobs held back last
+# as long as the faults still to run (at least one job every TRICKLE_SLOWEST seconds, so victims keep coming).
+FAULT_SECONDS = 5.0
+TRICKLE_SLOWEST = 1.5
 BURST = 10  # originals sent at once when a fault asks for a backlog
 QUIET_IDLE = 3.0  # seconds past the last delivery and the last copy's ETA (nothing queued, held, running)
 
@@ -61,6 +68,18 @@ class Options:
     queue_type: str = "classic"  # RabbitMQ's task queue: classic or quorum
     broker_restarts: int = 0  # RabbitMQ node restarts (the rabbitmq preset)
     producer_dedupe: bool = True  # the runner's direct copies are asked of the claims database first (the default)
+    # The model-call layer's faults (tests/chaos/model_faults.py) and the fake provider's pace.
+    create_kills: int = 0  # SIGKILLs in the create window (the create reached the provider, the intent prepared)
+    poll_kills: int = 0  # SIGKILLs of a holder polling its sent call
+    relay_kills: int = 0  # SIGKILLs of the relay between a wake's mark and its send
+    revokes: int = 0  # app.control.revoke of a parked (WAITING) run's message
+    provider_errors: int = 0  # bursts of errors on creates, 5xx and 429 in turn
+    forgets: int = 0  # a parked run's response forgotten by the provider (404 on its next poll)
+    generation: tuple[float, float] = (0.1, 1.2)  # seconds a call takes at the provider, from, to
+    inline_wait: float = 0.6  # seconds a delivery polls before it parks its run
+    rewake_after: float = 15.0  # the relay re-sends a wake no delivery took after this
+    release_after: float = 20.0  # oncelery_budget_release_s: a dead holder's prepared call's reservation
+    rate_headroom: float = 1.2  # the shared limit: this times the submission rate (it throttles the bursts)
 
 
 class Run:
@@ -78,9 +97,11 @@ class Run:
         self.proxy: BlackholeProxy | None = None
         self.workers: dict[str, Worker] = {}
         self.relay: Relay | None = None
+        self.fake: FakeProvider | None = None
         self.broker: RedisServer | RabbitServer | None = None
         self.stopping = threading.Event()
         self.faults_done = threading.Event()
+        self.faults_left = 0  # faults not yet tried (the trickle's pace follows it)
         self.burst_left = 0  # originals to send at once (a fault asked for a backlog in the queue)
         self.seconds: dict[int, float | None] = {}
         self.sent = {"outbox": 0, "direct": 0, "fault": 0}
@@ -112,6 +133,15 @@ class Run:
         self.cluster = PgCluster(bindir)
         self.cluster.start()
         self.database, url = self.cluster.create_database("chaos")
+        rpm, budget = self.model_limits()
+        generation = opts.generation
+        self.fake = FakeProvider(self.sessions, self.workdir, {
+            "generation_s": generation[0], "generation_max_s": generation[1], "poll_after_ms": 250,
+            "hold_timeout_s": 20.0,
+            # The provider's own limit, above the fleet's shared one: a 429 it serves means the limiter let too many
+            # through (the injected 429 bursts are counted apart).
+            "rpm_limit": int(rpm * 1.5),
+        })  # fmt: skip
         self.proxy = BlackholeProxy("127.0.0.1", self.cluster.port).start()
         cut_url = make_url(url).set(port=self.proxy.port).render_as_string(hide_password=False)
         if not redis.wait_ready():
@@ -119,6 +149,9 @@ class Run:
         self.redis = redis
         if rabbit is not None and not rabbit.wait_ready():
             raise RuntimeError(f"rabbitmq-server did not start: see {self.workdir / 'rabbitmq.log'}")
+        if not self.fake.wait_ready():
+            raise RuntimeError(f"the fake provider did not start: see {self.fake.log}")
+        (self.workdir / "arm").mkdir()
         self.broker = rabbit or redis
         env = clean_env(
             ONCELERY_DATABASE_URL=url,
@@ -131,6 +164,12 @@ class Run:
             CHAOS_LEASE=f"{opts.lease:g}",
             CHAOS_QUEUE_TYPE=opts.queue_type,
             CHAOS_PRODUCER_DEDUPE="1" if opts.producer_dedupe else "0",
+            CHAOS_FAKE_URL=self.fake.url,
+            CHAOS_INLINE_WAIT=f"{opts.inline_wait:g}",
+            CHAOS_RPM=str(rpm),
+            CHAOS_BUDGET_USD=str(budget),
+            CHAOS_RELEASE_S=f"{opts.release_after:g}",
+            CHAOS_ARM_DIR=str(self.workdir / "arm"),
         )
         # This process is a client of the same app (outbox writes, direct sends): the same settings.
         os.environ.update({k: v for k, v in env.items() if k.startswith(("ONCELERY_", "CHAOS_"))})
@@ -154,14 +193,27 @@ class Run:
         self.workers["cut"] = Worker(self.sessions, "cut", 1, {**env, "ONCELERY_DATABASE_URL": cut_url}, self.workdir)
         for worker in self.workers.values():
             worker.start()
-        self.relay = Relay(self.sessions, env, self.workdir, opts.republish_after)
+        self.relay = Relay(self.sessions, env, self.workdir, opts.republish_after, opts.rewake_after)
         ready = wait_for(lambda: all(w.ready() for w in self.workers.values()) and self.relay.ready(), STARTUP_TIMEOUT)
         if not ready:
             raise RuntimeError(f"workers or relay not ready after {STARTUP_TIMEOUT}s: see {self.workdir}")
         broker = f"rabbitmq {rabbit.port} ({opts.queue_type}), " if rabbit is not None else ""
         self.log(
-            f"ready: {broker}redis {redis.port}, postgres {self.cluster.port}, proxy {self.proxy.port}, {self.workdir}"
+            f"ready: {broker}redis {redis.port}, postgres {self.cluster.port}, proxy {self.proxy.port}, "
+            f"fake provider {self.fake.url} (shared limit {rpm} rpm, day budget ${budget}), {self.workdir}"
         )
+
+    def model_limits(self) -> tuple[int, Decimal]:
+        """The shared limit (requests per minute) and the fleet's day budget (USD) for this run.
+
+        The limit is `rate_headroom` times the submission rate: the steady flow fits, the bursts (a flush's
+        backlog, the duplicates' copies that find nothing to replay yet, the retries after a fault) wait for it.
+        The budget is what every job's call reserves, 1.5 times over (repeats, unknown outcomes at their estimate).
+        """
+        opts = self.opts
+        rpm = max(60, math.ceil(60 * opts.jobs / opts.window * opts.rate_headroom))
+        budget = (estimate_usd() * opts.jobs * Decimal("1.5")).quantize(Decimal("0.01"), ROUND_UP)
+        return rpm, budget
 
     # -- submissions ---------------------------------------------------------------------------------
 
@@ -213,8 +265,9 @@ class Run:
     def submitter(self, plan: list[tuple[bool, str | None]]) -> None:
         """Send the originals at jobs/window per second, each duplicate 0.05-3 s after its original.
 
-        The last RESERVE of the jobs trickle at TRICKLE per second until every fault was tried, so the faults
-        always find jobs in flight; a fault may ask for a burst (a backlog in the queue) through ask_burst().
+        The last RESERVE of the jobs trickle, at most TRICKLE per second and slower while many faults remain,
+        until every fault was tried, so the faults always find jobs in flight; a fault may ask for a burst (a
+        backlog in the queue) through ask_burst().
         """
         jobs = self.opts.jobs
         interval = self.opts.window / jobs
@@ -236,7 +289,8 @@ class Run:
                 if burst:
                     self.burst_left -= 1
                 slow = job >= trickle_from and not self.faults_done.is_set()
-                next_at = max(next_at + interval, now + 1 / TRICKLE) if slow else next_at + interval
+                pace = min(TRICKLE_SLOWEST, max(1 / TRICKLE, FAULT_SECONDS * self.faults_left / max(1, jobs - job)))
+                next_at = max(next_at + interval, now + pace) if slow else next_at + interval
                 continue
             wakes = [c[0] for c in copies[:1]] + ([next_at] if job < jobs else [])
             wake = min(wakes, default=now + 0.5)
@@ -268,6 +322,9 @@ class Run:
         kinds += [f"backend_{('claim', 'step', 'commit')[i % 3]}" for i in range(opts.backend_kills)]
         kinds += ["flush"] * opts.flushes + ["restart"] * opts.restarts + ["broker_restart"] * opts.broker_restarts
         kinds += ["cut"] * opts.cuts + ["zombie"] * opts.zombies
+        kinds += ["kill_create"] * opts.create_kills + ["kill_poll"] * opts.poll_kills
+        kinds += ["kill_relay"] * opts.relay_kills + ["revoke"] * opts.revokes + ["forget"] * opts.forgets
+        kinds += [("provider_5xx", "provider_429")[i % 2] for i in range(opts.provider_errors)]
         self.rng.shuffle(kinds)
         return kinds
 
@@ -295,25 +352,29 @@ class Run:
         if self.cluster is None or self.proxy is None or self.broker is None:
             raise RuntimeError("drive() needs start() first")
         chaos = Chaos(self.cluster, self.database, self.broker, self.workers, self.proxy, self.ledger, self.sut,
-                      self.resend, self.ask_burst, self.log)  # fmt: skip
+                      self.resend, self.ask_burst, self.log, fake=self.fake, relay=self.relay, app=self.jobs.app,
+                      arm=self.workdir / "arm")  # fmt: skip
         self.threads = threads = [
             threading.Thread(target=self.submitter, args=(self.plan(),), name="submitter", daemon=True),
             threading.Thread(target=self.keeper, name="keeper", daemon=True),
         ]
+        kinds = self.schedule()  # after the plan: the seed draws the plan first, then the faults' order
+        self.faults_left = len(kinds)
         for thread in threads:
             thread.start()
         started = time.monotonic()
-        kinds = self.schedule()
         fault_window = self.opts.window * 0.85
         for i, kind in enumerate(kinds):
             due = started + fault_window * (i + 0.5) / max(1, len(kinds))
             if self.left() < 30 or self.stopping.wait(max(0.0, due - time.monotonic())):
                 break
             chaos.inject(kind)
+            self.faults_left = len(kinds) - i - 1
         self.faults_done.set()
         threads[0].join(self.left())
         self.log(f"submitted: {self.sent}; settling")
         self.settle()
+        self.wait_released()
         self.stopping.set()
         return report(self, chaos)
 
@@ -333,11 +394,13 @@ class Run:
         quiet_for = max(WAIT_BACKOFF_CAP, self.opts.visibility_timeout) + 2.0
 
         def progress() -> bool:
-            done = self.sut.jobs_done()
+            # A DEAD run never runs again (a revoked job's, or one the checker will count lost): waiting for it
+            # would only wait out the timeout.
+            done, dead = self.sut.jobs_done(), self.sut.dead_runs()
             if time.monotonic() - self._last_note > 10:
                 self._last_note = time.monotonic()
-                self.log(f"  {done}/{jobs} jobs have their effect")
-            return done >= jobs
+                self.log(f"  {done}/{jobs} jobs have their effect, {dead} runs are DEAD")
+            return done + dead >= jobs
 
         def looks_quiet() -> bool:
             latest = max(self.ledger.last_delivery(), self.ledger.last_due())
@@ -360,6 +423,12 @@ class Run:
         # a late one that wrongly applied an effect again must be counted.
         self.settled = bool(wait_for(quiet, min(quiet_for + 60.0, self.left()), 0.5))
         self.log("settled" if self.settled else "settle: deliveries, runs or messages still in flight at the end")
+
+    def wait_released(self) -> None:
+        """Wait (bounded) until no budget holds a reservation: every call ended, or its prepared intent's
+        reservation released by the relay (`release_after` past its prepare, once no live holder has it)."""
+        if not wait_for(lambda: self.sut.reserved_micros() == 0, min(self.opts.release_after + 15.0, self.left()), 0.5):
+            self.log(f"reservations still held after {self.opts.release_after + 15:g}s: {self.sut.reserved_micros()}")
 
     def stop(self) -> None:
         """Stop every process this run started, by PID, and remove the cluster (always: also on errors)."""
