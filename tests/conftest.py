@@ -17,6 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from oncelery import CELERY_DELIVERY_DEFAULTS, IdempotentTask
+from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.models.migrate import JOBS, upgrade
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.testing import in_process_worker
@@ -168,6 +169,13 @@ def offline_job(app: Celery, name: str, **options: Any) -> Any:
         return str(doc)
 
     return job
+
+
+@pytest.fixture
+def responses(fake: Any) -> Iterator[OpenAIResponses]:
+    """An OpenAI Responses adapter (background mode) on the module's `fake` provider fixture, closed afterwards."""
+    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
+        yield adapter
 
 
 @pytest.fixture

@@ -33,13 +33,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake, closed afterwards."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def jobs(app: Celery, adapter: OpenAIResponses) -> tuple[Any, Any]:
     """A paid summary keyed by its document, and a keyless link after it (scoped by the pipeline key)."""
 

@@ -48,13 +48,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake (background mode)."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def scorer(app: Celery, adapter: Any, on_running: str = "supersede", **options: Any) -> Any:
     """A two-call article scorer debounced per document; its effect row names the version it scored."""
 

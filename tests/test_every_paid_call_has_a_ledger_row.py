@@ -42,13 +42,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake (background mode)."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def summarizer(app: Celery, adapter: Any, **options: Any) -> Any:
     """A one-call task with a global budget and a price; its call polls inline for up to `llm_inline_wait`."""
     app.conf.oncelery_prices = PRICE

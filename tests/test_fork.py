@@ -49,13 +49,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def article(app: Celery, adapter: Any, **options: Any) -> Any:
     """A 3-step pipeline (summarize -> keywords -> quality, each a model call) with effects and an outbox job."""
     app.conf.oncelery_prices = PRICES

@@ -57,13 +57,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def budget_rows(db_url: str) -> dict[str, dict[str, Any]]:
     with get_engine(db_url).connect() as conn:
         return {r.name: dict(r._mapping) for r in conn.execute(select(BUDGETS))}

@@ -53,13 +53,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def summarizer(app: Celery, adapter: Any, **options: Any) -> Any:
     """A one-call task with an output limit (token limits need one)."""
 

@@ -44,13 +44,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake, closed afterwards."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def summarizer(app: Celery, adapter: Any, name: str = "oncelery.t_llm", **options: Any) -> Any:
     """A one-call task: the summary of `text`, keyed by `doc`."""
 

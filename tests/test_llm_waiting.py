@@ -40,13 +40,6 @@ def fake() -> Iterator[FakeProvider]:
         yield provider
 
 
-@pytest.fixture
-def responses(fake: FakeProvider) -> Iterator[OpenAIResponses]:
-    """An OpenAI Responses adapter on the fake (background mode), closed afterwards."""
-    with OpenAIResponses(fake.openai_base_url, "sk") as adapter:
-        yield adapter
-
-
 def summarizer(app: Celery, adapter: Any, **options: Any) -> Any:
     """A one-call task that parks after 0.1 s of polling, and may not retry at all (a park is not a retry)."""
 
