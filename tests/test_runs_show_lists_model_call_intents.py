@@ -16,9 +16,9 @@ from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.fake import FakeProvider, generate_text
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_SQLITE
-from tests.test_llm_waiting import JOB, TEXT, fake, responses, summarizer, waiting
+from tests.test_llm_waiting import JOB, TEXT, fake, summarizer, waiting
 
-__all__ = ["fake", "responses"]  # fixtures, used by name
+__all__ = ["fake"]  # a fixture, used by name (`responses` is conftest's, on it)
 
 
 def show(db_url: str, *options: str) -> Any:
