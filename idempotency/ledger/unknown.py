@@ -31,7 +31,7 @@ from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import ItemState
 from oncelery.store.database import Database, rowcount
 from oncelery.store.dialects import Dialect
-from oncelery.store.tables import BATCH_ITEMS, INTENTS, RUNS
+from oncelery.store.tables import BATCH_ITEMS, BUDGETS, INTENTS, RUNS
 
 __all__ = [
     "OPEN_STATES",
@@ -82,6 +82,7 @@ def end_unanswered_txn(
     if rowcount(ended) != 1:
         return None  # ended by another writer between the two statements: its row is that writer's
     reservation = Reservation.of(found.reserved)
+    _lock_budgets(conn, reservation)
     release_txn(conn, dialect, public_id, reservation)
     if not label:
         return None
@@ -122,6 +123,17 @@ def abandon_finished(db: Database, batch: int = 100) -> int:
             row = end_unanswered_txn(conn, db.dialect, public_id, IntentState.ABANDONED, UNKNOWN_OUTCOME, why)
             ended += row is not None
     return ended
+
+
+def _lock_budgets(conn: Connection, reservation: Reservation | None) -> None:
+    """Lock the call's budget rows first, in its reservation's order (the order reserve and release take them):
+    a reservation already released by the sweeper would otherwise be charged only after the ledger's totals row
+    was locked, the reverse of a settling call's order, and two such transactions can deadlock."""
+    if reservation is None:
+        return
+    c = BUDGETS.c
+    for name in reservation.budgets:
+        conn.execute(update(BUDGETS).where(c.name == name).values(spent_micros=c.spent_micros))
 
 
 def _unqueued(conn: Connection, custom_id: str) -> bool:
