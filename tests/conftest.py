@@ -54,6 +54,7 @@ ORDERED_TABLES = [
     "dead_letters",
     "outbox",
     "oncelery_debounce",
+    "oncelery_forks",
     "entity_versions",
     "delivery_outcomes",
     "task_runs",
