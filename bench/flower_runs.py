@@ -26,11 +26,14 @@ import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.support
+from bench.support.harness import percentile
 from oncelery.models import RunStatus
 from oncelery.runs.browse import RunFilter, browse_runs
 from oncelery.store.database import Database, dispose_engines, get_engine
@@ -235,16 +238,11 @@ def time_pages(url: str, broker_url: str, requests: int) -> list[tuple[str, list
                     raise SystemExit(f"{name}: {target} failed")
                 took.append((time.perf_counter() - started) * 1000)
             out.append((name, took))
-            print(f"{name}: p50 {statistics.median(took):.1f} ms, p95 {_percentile(took, 0.95):.1f} ms", flush=True)
+            print(f"{name}: p50 {statistics.median(took):.1f} ms, p95 {percentile(took, 0.95):.1f} ms", flush=True)
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> None:
@@ -272,7 +270,7 @@ def main() -> None:
         print(f"\n{runs:,} runs, {args.requests} requests per URL after 5 warm-ups, HTTP to `oncelery flower`\n")
         print("| page | p50 ms | p95 ms | goal p95 |\n|---|---|---|---|")
         for name, took in timed:
-            print(f"| {name} | {statistics.median(took):.1f} | {_percentile(took, 0.95):.1f} | 100 ms |")
+            print(f"| {name} | {statistics.median(took):.1f} | {percentile(took, 0.95):.1f} | 100 ms |")
         print("\nlist statements reading task_runs with a Seq Scan: " + (", ".join(bad) if bad else "none"))
         if bad:
             raise SystemExit(1)

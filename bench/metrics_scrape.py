@@ -27,6 +27,8 @@ from typing import Any
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.support
+from bench.support.harness import percentile
 from oncelery.ops.metrics import ClaimsCollector
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.store.schema import upgrade_schema
@@ -218,11 +220,6 @@ def time_scrapes(url: str, scrapes: int) -> list[float]:
         proc.wait(30)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def main() -> None:
     """Fill, explain, time, and print the figures for docs/benchmarks.md."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,7 +238,7 @@ def main() -> None:
         fill(url, args.runs, args.letters)
         bad = explain(url)
         took = time_scrapes(url, args.scrapes)
-        p50, p99 = statistics.median(took), _percentile(took, 0.99)
+        p50, p99 = statistics.median(took), percentile(took, 0.99)
         print("\n| runs | letters | scrapes | p50 ms | p99 ms | goal p99 |\n|---|---|---|---|---|---|")
         print(f"| {args.runs:,} | {args.letters:,} | {args.scrapes} | {p50:.1f} | {p99:.1f} | 50 ms |")
         print("\nqueries reading a growing table (Seq Scan) or dead_letters: " + (str(len(bad)) if bad else "none"))
