@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +32,10 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.support
-from bench.support.harness import percentile
+from bench.support.harness import admin_engine, drop_database, new_database, percentile
 from oncelery.models import RunStatus
 from oncelery.runs.browse import RunFilter, browse_runs
-from oncelery.store.database import Database, dispose_engines, get_engine
+from oncelery.store.database import Database, get_engine
 from oncelery.store.schema import upgrade_schema
 
 TASKS = 5
@@ -91,22 +90,6 @@ INSERT INTO delivery_outcomes (task_name, tenant, outcome, shard, count)
 SELECT 'bench.task_' || t, CASE WHEN n = 0 THEN '' ELSE 'tenant_' || n END, 'executed', 0, 1
 FROM generate_series(0, {tasks} - 1) AS t, generate_series(0, {tenants} - 1) AS n
 """
-
-
-def create_database(admin_url: str) -> str:
-    """Create `flower_bench_<random>` on the admin URL's server and return its URL."""
-    name = f"flower_bench_{uuid.uuid4().hex[:10]}"
-    with get_engine(admin_url).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-
-
-def drop_database(admin_url: str, url: str) -> None:
-    """Drop the benchmark's database (connections of this process are closed first)."""
-    dispose_engines()
-    name = make_url(url).database
-    with get_engine(admin_url).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def fill(url: str, runs: int) -> None:
@@ -258,7 +241,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--keep", action="store_true", help="Keep the filled database (its URL is printed).")
     args = parser.parse_args()
-    url = args.url or create_database(args.admin_url)
+    url = args.url or new_database(args.admin_url, "flower_bench")
     print(f"database: {make_url(url).database}", flush=True)
     try:
         if args.url is None:
@@ -278,7 +261,7 @@ def main() -> None:
         if args.keep or args.url:
             print(f"kept: {url}")
         else:
-            drop_database(args.admin_url, url)
+            drop_database(admin_engine(url), make_url(url).database or "")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,9 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.support
-from bench.support.harness import percentile
+from bench.support.harness import admin_engine, drop_database, new_database, percentile
 from oncelery.ops.metrics import ClaimsCollector
-from oncelery.store.database import dispose_engines, get_engine
+from oncelery.store.database import get_engine
 from oncelery.store.schema import upgrade_schema
 
 ONCELERY = str(Path(sys.executable).parent / "oncelery")
@@ -112,22 +111,6 @@ SELECT (SELECT array_agg(x ORDER BY x) FROM (SELECT task_name || reason || sum(l
                                               WHERE status IN ('FAILED', 'DEAD') GROUP BY task_name, status) AS r(x))
 """
 GROWING = ("task_runs", "step_results", "model_calls", "dead_letters")
-
-
-def create_database(admin_url: str) -> str:
-    """Create `metrics_bench_<random>` on the admin URL's server and return its URL."""
-    name = f"metrics_bench_{uuid.uuid4().hex[:10]}"
-    with get_engine(admin_url).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-
-
-def drop_database(admin_url: str, url: str) -> None:
-    """Drop the benchmark's database (connections of this process are closed first)."""
-    dispose_engines()
-    name = make_url(url).database
-    with get_engine(admin_url).connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def fill(url: str, runs: int, letters: int) -> None:
@@ -232,7 +215,7 @@ def main() -> None:
     parser.add_argument("--scrapes", type=int, default=50)
     parser.add_argument("--keep", action="store_true", help="Keep the filled database (its URL is printed).")
     args = parser.parse_args()
-    url = create_database(args.admin_url)
+    url = new_database(args.admin_url, "metrics_bench")
     print(f"database: {make_url(url).database}", flush=True)
     try:
         fill(url, args.runs, args.letters)
@@ -248,7 +231,7 @@ def main() -> None:
         if args.keep:
             print(f"kept: {url}")
         else:
-            drop_database(args.admin_url, url)
+            drop_database(admin_engine(url), make_url(url).database or "")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,13 @@ def noop_task(url: str, name: str, key: str) -> Any:
 
     app.finalize()
     return noop
+
+
+def new_database(admin_url: str, prefix: str) -> str:
+    """Create a fresh `<prefix>_<random>` database on the admin URL's server (`create_database`); return its URL."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    create_database(admin_engine(admin_url), name, fresh=True)
+    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
 
 
 def percentile(values: list[float], q: float) -> float:
