@@ -54,17 +54,17 @@ def started(c: Cluster, tmp_path: Path, fake: FakeProvider) -> None:
     c.wait_ready(c.start("llm", concurrency=2))
 
 
-def intents_of(c: Cluster, key: str) -> list[dict[str, Any]]:
-    run = c.store.get(LLM_TASK, f"llm:{key}")
+def intents_of(c: Cluster, key: str, task: str = LLM_TASK, prefix: str = "llm") -> list[dict[str, Any]]:
+    run = c.store.get(task, f"{prefix}:{key}")
     assert run is not None
     with c.engine.connect() as conn:
         rows = conn.execute(select(INTENTS).where(INTENTS.c.run_id == run.run_id).order_by(INTENTS.c.attempt))
         return [dict(r._mapping) for r in rows]
 
 
-def ledger_of(c: Cluster, key: str) -> list[dict[str, Any]]:
+def ledger_of(c: Cluster, key: str, prefix: str = "llm") -> list[dict[str, Any]]:
     with c.engine.connect() as conn:
-        rows = conn.execute(select(CALLS).where(CALLS.c.idempotency_key == f"llm:{key}").order_by(CALLS.c.id))
+        rows = conn.execute(select(CALLS).where(CALLS.c.idempotency_key == f"{prefix}:{key}").order_by(CALLS.c.id))
         return [dict(r._mapping) for r in rows]
 
 

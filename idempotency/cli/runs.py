@@ -10,6 +10,7 @@ import click
 
 from oncelery.cli.context import resolve_database_url
 from oncelery.cli.format import _cell, _utc, echo_json, format_table, json_option
+from oncelery.ledger.unknown import ESTIMATED_LABELS
 from oncelery.models import RunStatus
 from oncelery.runs.timeline import IntentView, ledger_label, read_intents
 from oncelery.runs.views import CallView, Runs, RunView, StepView
@@ -208,6 +209,14 @@ def _step_timeline(run: RunView, steps: Sequence[StepView]) -> list[dict[str, An
     return timeline
 
 
+def call_outcome(call: CallView) -> str:
+    """How a model call ended, as far as anyone can know: `ok`, `failed` (the provider said so), or `unknown`
+    (its holder died or its run ended before the answer was recorded: the row is at the intent's estimate)."""
+    if call.reason in ESTIMATED_LABELS:
+        return "unknown"
+    return "ok" if call.ok else "failed"
+
+
 def _call(call: CallView) -> dict[str, Any]:
     return {
         "id": call.call_id,
@@ -218,6 +227,7 @@ def _call(call: CallView) -> dict[str, Any]:
         "output_tokens": call.output_tokens,
         "latency_ms": call.latency_ms,
         "ok": call.ok,
+        "outcome": call_outcome(call),
         "error": call.error,
         "cost": None if call.cost is None else float(call.cost),  # USD, at most 6 decimals (as `costs --json`)
         "token": call.token,
@@ -287,7 +297,10 @@ def _echo_steps(run: RunView, steps: Sequence[StepView]) -> None:
 def _echo_calls(calls: Sequence[CallView]) -> None:
     click.echo(f"model calls ({len(calls)}):")
     if calls:
-        call_headers = ("step", "model", "prompt", "tokens in", "tokens out", "latency ms", "ok", "cost USD", "token")
+        call_headers = (
+            *("step", "model", "prompt", "tokens in", "tokens out"),
+            *("latency ms", "outcome", "cost USD", "token"),
+        )
         call_rows = [
             (
                 c.step,
@@ -296,7 +309,7 @@ def _echo_calls(calls: Sequence[CallView]) -> None:
                 c.input_tokens,
                 c.output_tokens,
                 f"{c.latency_ms:.1f}",
-                "yes" if c.ok else "no",
+                call_outcome(c),
                 None if c.cost is None else f"{c.cost:.6f}",
                 c.token,
             )

@@ -34,6 +34,7 @@ from oncelery.store.dialects import Dialect
 from oncelery.store.tables import BATCH_ITEMS, BUDGETS, INTENTS, RUNS
 
 __all__ = [
+    "ESTIMATED_LABELS",
     "OPEN_STATES",
     "REVOKED_LABEL",
     "SUPERSEDED_LABEL",
@@ -48,6 +49,8 @@ OPEN_STATES = (IntentState.PREPARED, IntentState.SENT)
 UNKNOWN_OUTCOME = "unknown_outcome"  # the ledger label of a call whose bill cannot be known (estimated usage)
 REVOKED_LABEL = "run_revoked"  # ... of a call open when its run was revoked (Celery's revoke)
 SUPERSEDED_LABEL = "run_superseded"  # ... of a call open when a newer debounced edit superseded its run
+#: The labels of rows written at the intent's estimate: the call's outcome, and its bill, are unknown.
+ESTIMATED_LABELS = frozenset({UNKNOWN_OUTCOME, REVOKED_LABEL, SUPERSEDED_LABEL})
 FINISHED = (RunStatus.COMPLETED, RunStatus.DEAD)  # a run nobody will hold again (without a person's replay)
 
 _i, _r = INTENTS.c, RUNS.c

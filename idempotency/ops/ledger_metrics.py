@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import Connection, select
 
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME
 from oncelery.llm.limits import limiter_views
 from oncelery.models.intents import IntentState
 from oncelery.models.money import MICROS_PER_USD, usd
@@ -30,7 +31,6 @@ __all__ = [
     "open_call_families",
 ]
 
-UNKNOWN_OUTCOME = "unknown_outcome"  # the ledger label of a call whose holder died before it was answered
 REATTACHED = "reattached"  # the ledger label of a call a later holder took the answer of
 
 _LIFETIME = {

@@ -5,10 +5,15 @@ only after the visibility timeout. A run that kept its message (embedded broker,
 and is RUNNING with a lease expired by the database clock is sent again by the sweeper, at most once per
 `interval` (its `swept_at`). So is a FAILED run whose retry has been due for an `interval` with no delivery
 taking it: a run demoted because its entity's holder vanished, or a retry whose message the broker lost. The
-claim absorbs the copy if the broker redelivers the original as well. The waker (`wake_waiting_runs`) re-sends
-a WAITING run's message when its wake time comes: the one way a parked run (a model call still running) wakes. The
-sweeper runs inside `oncelery relay` (and `oncelery process`), never inside a worker: a worker that is down
-cannot sweep, and one sweeper is enough for any number of workers.
+claim absorbs the copy if the broker redelivers the original as well.
+
+On Redis, a RUNNING run that kept no message has its unacked message put back on its queue instead, as soon as
+its lease has expired (oncelery.ops.unacked): a killed worker's job is back within the lease, not the
+visibility timeout, and nothing of it is kept at rest for that.
+
+The waker (`wake_waiting_runs`) re-sends a WAITING run's message when its wake time comes: the one way a parked
+run (a model call still running) wakes. The sweeper runs inside `oncelery relay` (and `oncelery process`), never
+inside a worker: a worker that is down cannot sweep, and one sweeper is enough for any number of workers.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 from sqlalchemy import and_, or_, select, update
 
 from oncelery.models import RunStatus
 from oncelery.ops.outbox import CONTINUATION, send_keyed
+from oncelery.ops.unacked import on_redis, restore_unacked
 from oncelery.settings import HEADER_WOKEN
 from oncelery.store.clock import lease_expired, stored_message
 from oncelery.store.database import Database
@@ -57,7 +65,45 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
     sent = sum(_resend(app, row) for row in rows)
     if sent:
         logger.warning("sweeper: re-sent %d jobs whose worker was lost (lease expired, message kept)", sent)
-    return sent
+    return sent + _restore_lost_on_redis(app, db, interval, batch)
+
+
+def _restore_lost_on_redis(app: Celery, db: Database, interval: float, batch: int) -> int:
+    """Put back the unacked Redis messages of up to `batch` RUNNING runs whose lease expired and that kept no
+    message (oncelery.ops.unacked); return how many messages went back."""
+    if not _on_redis(app):
+        return 0
+    r = RUNS.c
+    dia = db.dialect
+    due = and_(
+        r.status == RunStatus.RUNNING,
+        lease_expired(dia.now()),
+        ~stored_message(r.message),
+        r.celery_task_id.is_not(None),
+        or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
+    )
+    rows = _mark_due(db, due, r.lease_expires_at, interval, batch)
+    if not rows:
+        return 0
+    try:
+        restored = restore_unacked(app, [row.celery_task_id for row in rows])
+    except (OperationalError, redis.RedisError, OSError) as exc:  # Redis down: the next sweep after `interval`
+        logger.warning(
+            "sweeper: could not put back %d lost jobs on Redis (%s); retrying in %.0fs", len(rows), exc, interval
+        )
+        return 0
+    if restored:
+        logger.warning("sweeper: put back %d jobs whose worker was lost (lease expired) from Redis's unacked", restored)
+    return restored
+
+
+def _on_redis(app: Celery) -> bool:
+    """Whether the app's broker is Redis, asked once per app configuration (a connection object is not free)."""
+    seen = app.__dict__.get("_oncelery_on_redis")
+    if seen is None or seen[0] is not app.conf:
+        seen = (app.conf, on_redis(app))
+        app.__dict__["_oncelery_on_redis"] = seen
+    return bool(seen[1])
 
 
 def wake_waiting_runs(app: Celery, db: Database, rewake_after: float, batch: int = 100) -> int:

@@ -15,13 +15,12 @@ transport options, so a global_keyprefix, priority_steps or a `sep` of the app's
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 import redis
 
-from oncelery.errors import ConfigurationError
+from oncelery.ops.unacked import on_redis, redis_channel, restore_unacked
 
 __all__ = [
     "TEST_RESTORE_INTERVAL",
@@ -44,15 +43,6 @@ TEST_WORKER_POLL = 0.1
 
 # kombu's bookkeeping options and the suffix of the kit's own names for them (<default queue>.<suffix>).
 _UNACKED = (("unacked_key", "unacked"), ("unacked_index_key", "unacked_index"), ("unacked_mutex_key", "unacked_mutex"))
-
-
-def on_redis(app: Any) -> bool:
-    """Whether the app's broker is kombu's Redis transport (redis://, rediss://, sentinel://)."""
-    conn = app.connection_for_write()
-    try:
-        return str(getattr(conn.transport, "driver_type", "")) == "redis"
-    finally:
-        conn.release()
 
 
 def kit_transport_options(app: Any, visibility_timeout: float | None) -> dict[str, Any]:
@@ -79,31 +69,10 @@ def kit_transport_options(app: Any, visibility_timeout: float | None) -> dict[st
     return options
 
 
-@contextmanager
-def _channel(app: Any, options: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A kombu Redis channel of the app (its transport options, merged with `options`)."""
-    url = str(app.conf.broker_url or "")
-    conn = app.connection_for_write(transport_options=options or {})
-    try:
-        if str(getattr(conn.transport, "driver_type", "")) != "redis":
-            raise ConfigurationError(f"the kit's broker helpers need a Redis broker, not {url.split(':')[0]}://")
-        yield conn.default_channel
-    finally:
-        conn.release()
-
-
 def restore_delivery(app: Any, task_id: str, options: dict[str, Any] | None = None) -> int:
     """Put the unacked message(s) of Celery task `task_id` back on their queue now, as kombu's visibility
     sweep would later (its own restore_by_tag); return how many. Only for a holder known to be dead."""
-    restored = 0
-    with _channel(app, options) as channel:
-        client = redis.Redis(connection_pool=channel.pool)
-        for tag, payload in client.hscan_iter(channel.global_keyprefix + channel.unacked_key):
-            message = json.loads(payload)[0]
-            if (message.get("headers") or {}).get("id") == task_id:
-                channel.qos.restore_by_tag(_text(tag))
-                restored += 1
-    return restored
+    return restore_unacked(app, [task_id], options)
 
 
 def flush_broker(app: Any, queues: Iterable[str] = ()) -> dict[str, int]:
@@ -116,7 +85,7 @@ def flush_broker(app: Any, queues: Iterable[str] = ()) -> dict[str, int]:
     """
     names = set(app.amqp.queues) | set(queues)
     gone = {"queue_lists": 0, "bindings": 0, "unacked": 0}
-    with _channel(app) as channel:
+    with redis_channel(app) as channel:
         prefix = channel.global_keyprefix
         client = redis.Redis(connection_pool=channel.pool)
         tables = _remove_bindings(client, channel, names, gone)
@@ -133,7 +102,7 @@ def drop_queues(app: Any, prefix: str) -> int:
     many keys went."""
     ours = [q for q in app.amqp.queues.values() if q.name.startswith(prefix)]
     bookkeeping = dict(_UNACKED)
-    with _channel(app) as channel:
+    with redis_channel(app) as channel:
         head = channel.global_keyprefix
         keys = [head + channel._q_for_pri(q.name, pri) for q in ours for pri in channel.priority_steps]
         exchanges = {q.exchange.name for q in ours if q.exchange is not None and q.exchange.name.startswith(prefix)}

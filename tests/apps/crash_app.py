@@ -229,6 +229,31 @@ def crash_llm(self: IdempotentTask, key: str, text: str, at: str | None = None, 
 
 
 @app.task(
+    base=IdempotentTask,
+    bind=True,
+    name="oncelery.crash_llm_sync",
+    idempotency_key="llmsync:{key}",
+    fingerprint=("key", "text"),
+    lease=LEASE,  # and no store_message: what a user's task declares (the default keeps no message on Redis)
+)
+def crash_llm_sync(
+    self: IdempotentTask, key: str, text: str, at: str | None = None, sig: str = "SIGKILL"
+) -> dict[str, Any]:
+    """One synchronous model call (no provider reference to re-attach to) then one effect; `at`: a fault point
+    where this process gets `sig` the first time."""
+    record_execution(key)
+    with OpenAIResponses(os.environ["ONCELERY_FAKE_PROVIDER_URL"] + "/v1", "sk-crash") as adapter:
+        stop = _signal_once_at(at, key, signal.Signals[sig]) if at else nullcontext()
+        with stop:
+            response = self.llm(
+                "summary", adapter=adapter, model="gpt-crash", input=text, max_output_tokens=40, background=False
+            )
+    with self.effects() as session:
+        session.execute(insert(effects_table).values(key=key, pid=os.getpid()))
+    return {"key": key, "text": output_text(response), "pid": os.getpid()}
+
+
+@app.task(
     base=IdempotentTask, bind=True, name="oncelery.crash_llm_twice", idempotency_key="llm2:{key}",
     fingerprint=("key", "text"), lease=LEASE, store_message=True,
 )  # fmt: skip
