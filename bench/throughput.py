@@ -60,6 +60,7 @@ from pathlib import Path
 
 import redis
 from kombu import Queue
+from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -90,6 +91,8 @@ from bench.support.harness import (
 )
 from bench.support.pyspy import attach_py_spy, print_profile
 from bench.support.report import PhaseResult, report, write_json
+from bench.support.what_if import BROWSE_INDEXES
+from oncelery.store.database import dispose_engines, get_engine
 
 PHASES = ("plain", "once", "idem", "dup", "floor", "floordup", "idemc", "dupc", "cachedup")
 # A phase that answers the keys another phase just completed runs right after it.
@@ -378,6 +381,11 @@ def run(args: argparse.Namespace, phases: list[str]) -> int:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     admin = admin_engine(args.database_url)
     prepare_database(args.database_url, admin, args.fresh_db)
+    if "no-browse-indexes" in (args.what_if or "").split(","):
+        with get_engine(args.database_url).begin() as conn:
+            for name in BROWSE_INDEXES:
+                conn.execute(text(f'DROP INDEX IF EXISTS "{name}"'))
+        dispose_engines()
     stats = redis.Redis.from_url(args.stats_url)
     by_phase: dict[str, list[PhaseResult]] = {p: [] for p in phases}
     print(

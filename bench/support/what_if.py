@@ -9,13 +9,24 @@ the internals of commit 74b8352 (async-claim refuses to run where those moved):
                    the completion stays synchronous
     all-async      every transaction synchronous_commit=off (an upper bound: completion is not durable)
     floor-async-claim  bench_floor's claim INSERT runs on a synchronous_commit=off connection (read by bench_app)
+    no-browse-indexes  the five task_runs indexes of migration 0028 (Flower's Runs pages) are dropped from the
+                   bench database before the rounds (throughput.py; nothing is patched in the worker): what
+                   those indexes cost each claim and completion
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-KNOWN_WHAT_IF = {"no-heartbeat", "no-pre-ping", "async-claim", "all-async", "floor-async-claim"}
+KNOWN_WHAT_IF = {"no-heartbeat", "no-pre-ping", "async-claim", "all-async", "floor-async-claim", "no-browse-indexes"}
+#: The indexes `no-browse-indexes` drops (models/migrations/versions/0028).
+BROWSE_INDEXES = (
+    "ix_task_runs_status_id",
+    "ix_task_runs_task_name_status_id",
+    "ix_task_runs_tenant_status_id",
+    "ix_task_runs_taken_over",
+    "ix_task_runs_replayed",
+)
 
 
 def apply_what_if(what_if: set[str]) -> None:
