@@ -50,7 +50,9 @@ PRICES = {"gpt-a": {"input": 1.0, "output": 2.0}, "gpt-b": {"input": 5.0, "outpu
 SECRET = "sk-live-51HxQ9SECRETdoNotShow"
 AUTH = ("ops", "runs-pw-7")
 TEXT = "The council approved the new library budget on Tuesday after a long debate."
-SHOTS = Path(os.environ.get("ONCELERY_SCREENSHOTS") or "")
+# Where to keep the screenshots (docs/img for the docs); unset: the test's own temporary folder. Not Path(""):
+# that is ".", the working directory.
+SHOTS = os.environ.get("ONCELERY_SCREENSHOTS") or ""
 REPO = Path(__file__).parents[1]
 
 
@@ -87,7 +89,7 @@ def shown_ids(dom: str) -> set[int]:
 
 
 def shot(browser: Browser, tmp_path: Path, name: str) -> None:
-    browser.screenshot((SHOTS if str(SHOTS) else tmp_path) / name)
+    browser.screenshot((Path(SHOTS) if SHOTS else tmp_path) / name)
 
 
 @ON_POSTGRESQL
