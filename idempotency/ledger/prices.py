@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from oncelery.errors import ConfigurationError
-from oncelery.settings import CONF_PRICE_FILE, price_file
+from oncelery.settings import CONF_PRICE_FILE, CONF_PRICES, price_file
 
 __all__ = [
     "PER_TOKENS",
@@ -43,8 +43,8 @@ __all__ = [
     "trim",
 ]
 
-PER_TOKENS = 1_000_000  # prices are per this many tokens (LiteLLM's are per one)
-PER_TOKENS_EXPONENT = 6  # PER_TOKENS as a power of ten: a per-token price is scaled by moving its exponent
+PER_TOKENS_EXPONENT = 6  # a per-token price is scaled to PER_TOKENS by moving its exponent: exact
+PER_TOKENS: int = 10**PER_TOKENS_EXPONENT  # prices are per this many tokens (1M; LiteLLM's are per one)
 SHIPPED_PRICE_FILE = Path(__file__).with_name("data") / "model_prices.json"
 INPUT_FIELD = "input_cost_per_token"
 OUTPUT_FIELD = "output_cost_per_token"
@@ -55,7 +55,7 @@ _ONE = Decimal(1)
 _EXACT = Context(prec=80)  # scaling by 10**6 only moves the exponent: no digit is ever rounded
 _FIX = (
     f"give app.conf.{CONF_PRICE_FILE} the path of a file in LiteLLM's model_prices_and_context_window.json format, "
-    f"or None to price from app.conf.oncelery_prices alone"
+    f"or None to price from app.conf.{CONF_PRICES} alone"
 )
 
 
