@@ -27,6 +27,7 @@ __all__ = [
     "CONF_MAX_PAYLOAD_BYTES",
     "CONF_ON_IN_PROGRESS",
     "CONF_PRICES",
+    "CONF_PRICE_FILE",
     "CONF_PRODUCER_DEDUPE",
     "CONF_PRODUCER_TIMEOUT",
     "CONF_REPLAY_CACHE",
@@ -99,6 +100,7 @@ __all__ = [
     "is_embedded_database",
     "pass_through",
     "payload_limits",
+    "price_file",
     "require_database_url",
     "sqlite_busy_timeout_ms",
     "startup_wait_seconds",
@@ -141,6 +143,10 @@ DEFAULT_KEPT_ARGUMENTS_RETENTION = "7d"
 # task with no tenant option of its own; the tenant travels with the message as a header.
 CONF_TENANT = "oncelery_tenant"
 CONF_PRICES = "oncelery_prices"  # {model: {"input": USD per 1M tokens, "output": USD per 1M tokens}}
+# The price table below those overrides (oncelery.ledger.prices): a file in LiteLLM's
+# model_prices_and_context_window.json format. Unset: the copy shipped in the wheel; None or False: none (only
+# oncelery_prices); a path: that file (e.g. a newer LiteLLM file).
+CONF_PRICE_FILE = "oncelery_price_file"
 # Shared limits of model calls across the fleet (oncelery.llm.limits): {scope: {"rpm": n, "tpm": n, "burst": n}}
 # with scopes "provider:model", "provider:*", "tenant:*" (one limiter per tenant), "tenant:<id>", "task:<name>".
 CONF_LIMITS = "oncelery_limits"
@@ -202,6 +208,7 @@ KNOWN_SETTINGS = frozenset(
         CONF_STORE_MESSAGE,
         CONF_TENANT,
         CONF_PRICES,
+        CONF_PRICE_FILE,
         CONF_LIMITS,
         CONF_BUDGETS,
         CONF_BUDGET_RELEASE,
@@ -419,6 +426,21 @@ def _bytes_setting(conf: Any, name: str, default: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(f"app.conf.{name}={value!r}: give bytes as an int (e.g. {1 << 20}), or 0 for off")
     return value
+
+
+def price_file(conf: Any, shipped: Path) -> Path | None:
+    """The price file app.conf.oncelery_price_file names: `shipped` when unset, None when None or False (off), else
+    that path; any other value raises ConfigurationError saying what to give."""
+    value = shipped if conf is None else conf.get(CONF_PRICE_FILE, shipped)
+    if value is None or value is False:
+        return None
+    if isinstance(value, str | os.PathLike) and str(os.fspath(value)).strip():
+        return Path(os.fspath(value)).expanduser()
+    raise ConfigurationError(
+        f"app.conf.{CONF_PRICE_FILE}={value!r}: give the path of a price file in LiteLLM's "
+        f"model_prices_and_context_window.json format, None to price from app.conf.{CONF_PRICES} alone, or leave it "
+        f"unset for the table shipped with Oncelery"
+    )
 
 
 def pass_through() -> bool:

@@ -40,7 +40,7 @@ class ModelCall(Base):
     ok: Mapped[bool] = mapped_column(Boolean, nullable=False)
     error: Mapped[str | None] = mapped_column(Text)
     # Estimated cost in micro-USD (models/money.py: integer, rounded up per call) at the price of the day the
-    # row was written (app.conf.oncelery_prices); NULL: no price.
+    # row was written (app.conf.oncelery_prices, else the price file); NULL: no price.
     cost_micros: Mapped[int | None] = mapped_column(BigInteger)
     # A batch item's row: what the synchronous price would have cost more, exactly (NULL: not a batch call, or
     # no price). `oncelery costs` sums it as the amount batching saved.

@@ -26,9 +26,11 @@ STOP_TIMEOUT = 30.0
 OUTER_PTH = "zz_outer_dependencies.pth"
 # pyproject's package-dir: each repository folder's files and where the wheel must have them.
 PACKAGE_DIRS = {"idempotency": "oncelery", "models": "oncelery/models", "tasks": "oncelery/tasks"}
-PACKAGED_SUFFIXES = {".py", ".mako", ".typed", ".jsonl"}
+PACKAGED_SUFFIXES = {".py", ".mako", ".typed", ".jsonl", ".json", ".md"}
 # The sample articles `oncelery process --sample` scores: package data of oncelery.tasks (samples/ links to it).
 SAMPLE_IN_WHEEL = "oncelery/tasks/samples/articles.jsonl"
+# The default price table (LiteLLM's, trimmed) and the note of its source and licence: package data of oncelery.ledger.
+PRICES_IN_WHEEL = ("oncelery/ledger/data/model_prices.json", "oncelery/ledger/data/NOTICE.md")
 # The repository's folders and the module that the wheel maps into `oncelery`: none may be installed top-level.
 REPO_TOP_LEVEL = ("models", "tasks", "idempotency", "celeryconfig")
 
@@ -64,8 +66,8 @@ def packaged_sources(source: Path) -> set[str]:
 def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
     """The wheel installs only `oncelery/` and its dist-info: every module, migration, template, py.typed and
     sample file of idempotency/, models/ and tasks/ is in it under oncelery/ (nothing more), the celeryconfig
-    link is packaged as the real file, the sample articles are package data, and both entry points are declared
-    (and no pytest plugin: the kit loads only where asked)."""
+    link is packaged as the real file, the sample articles and the price table are package data, and both entry
+    points are declared (and no pytest plugin: the kit loads only where asked)."""
     wheel = built.wheel
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -91,6 +93,7 @@ def test_the_wheel_holds_one_oncelery_package(built: Built) -> None:
         "oncelery/tasks/__init__.py",
         "oncelery/tasks/app.py",
         SAMPLE_IN_WHEEL,
+        *PRICES_IN_WHEEL,
     ):
         assert required in names, f"{required} is missing from {wheel.name}"
     # Every subpackage must be listed in pyproject's `packages`: a folder left out is missing from the wheel.
@@ -217,7 +220,11 @@ for room in rooms:
 # What `oncelery process --sample` reads: the articles shipped as package data.
 from oncelery.tasks.commands.article_file import load_sample
 sample = load_sample()
-print(json.dumps({"rooms": seen, "sample": [len(sample), sample[0].id]}))
+# What price_of reads when the app names no price file: the table shipped as package data.
+from oncelery.ledger.prices import SHIPPED_PRICE_FILE, load_price_table
+price = load_price_table(SHIPPED_PRICE_FILE).per_million("gpt-4o-mini")
+shipped = [str(SHIPPED_PRICE_FILE), str(price.input), str(price.output)]
+print(json.dumps({"rooms": seen, "sample": [len(sample), sample[0].id], "prices": shipped}))
 """
 
 
@@ -245,7 +252,7 @@ def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_p
     later) and every module and nested package in it (llm.adapters, llm.fake) imports from the installed wheel,
     not from the repository: a room or a nested package missing from pyproject's `packages` fails here, and so
     does a module that runs on import (a `__main__` without its guard). In that folder (no samples/), the
-    sample articles of `oncelery process --sample` load from the installed package."""
+    sample articles of `oncelery process --sample` and the default price table load from the installed package."""
     rooms = source_rooms(built.source)
     assert {"task", "delivery", "runs", "store", "ops", "cli", "testing"} <= set(rooms), rooms
     neutral = tmp_path / "elsewhere"
@@ -256,6 +263,7 @@ def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_p
     assert probe["sample"] == [112, "a001"], probe["sample"]
     seen = probe["rooms"]
     installed = fresh_venv.site_packages / "oncelery"
+    assert probe["prices"] == [str(installed / "ledger" / "data" / "model_prices.json"), "0.15", "0.6"], probe["prices"]
     for room in rooms:
         assert Path(seen[room]["file"]) == installed / room / "__init__.py", seen[room]
         expected = room_modules(built.source / "idempotency" / room, f"oncelery.{room}")

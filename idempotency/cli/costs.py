@@ -38,7 +38,7 @@ def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json
 
     Saved: each duplicate delivery answered from a run's stored result made none of that run's calls, so a
     run saved its replays times its ok calls, tokens and cost. Costs are USD at the price of the day each
-    call was recorded (app.conf.oncelery_prices); '-' where no model had a price.
+    call was recorded (app.conf.oncelery_prices, else the price file); '-' where no model had a price.
     """
     # Imported here: oncelery.cli adds this module's command to its group when it is imported.
     report = cost_report(resolve_database_url(ctx), task_name, tenant)
@@ -51,7 +51,8 @@ def costs(ctx: click.Context, task_name: str | None, tenant: str | None, as_json
     click.echo(format_table(_HEADERS, rows))
     unpriced = report.made.unpriced_calls
     if unpriced:
-        click.echo(f"({unpriced} call{'s' if unpriced != 1 else ''} of models without a price in oncelery_prices)")
+        plural = "s" if unpriced != 1 else ""
+        click.echo(f"({unpriced} call{plural} of models without a price in oncelery_prices or the price file)")
     if report.labels:
         click.echo(_labelled(dict(report.labels)))
     batched = report.batched

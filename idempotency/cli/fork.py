@@ -50,7 +50,7 @@ def _echo_preview(seen: ForkPreview) -> None:
     click.echo(format_table(headers, rows))
     click.echo(f"preview total: {_usd(seen.total_micros)} USD")
     if seen.unpriced:
-        click.echo(f"(no price in oncelery_prices for: {', '.join(sorted(set(seen.unpriced)))})")
+        click.echo(f"(no price in oncelery_prices or the price file for: {', '.join(sorted(set(seen.unpriced)))})")
 
 
 _SET_HELP = "STEP.NAME=VALUE with NAME one of model, prompt, temperature, seed (repeatable)."

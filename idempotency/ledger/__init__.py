@@ -1,8 +1,9 @@
 """The cost ledger's writes (below the call layer, beside the run protocol): rows, settlement, unknown outcomes.
 
-Reading order: `rows` (one model call's row, written once per call id, with the running totals), `settle` (a
-call's budget reservation released and its cost charged, once), `unknown` (an intent that may have been created
-and will never be answered ends with a row at its estimate: provider creates never exceed ledger rows).
+Reading order: `prices` (a model's price from LiteLLM's table shipped in `data/`, or the file the app names),
+`rows` (one model call's row, written once per call id, with the running totals), `settle` (a call's budget
+reservation released and its cost charged, once), `unknown` (an intent that may have been created and will never
+be answered ends with a row at its estimate: provider creates never exceed ledger rows).
 Imports no celery, kombu, redis or click.
 """
 

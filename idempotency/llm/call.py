@@ -310,7 +310,8 @@ def _estimate(policy: CallPolicy, request: Mapping[str, Any]) -> int:
     """The call's estimated cost in micro-USD (input estimate + output limit at the model's price; 0: no budget)."""
     if policy.budgets is None or not policy.budgets.active:
         return 0
-    return estimate_micros(policy.budgets.price, estimate_tokens(input_text(request)), output_limit(request))
+    tokens = estimate_tokens(input_text(request), str(request.get("model", "")))
+    return estimate_micros(policy.budgets.price, tokens, output_limit(request))
 
 
 def _check_retry_budget(step: _Step, exc: ProviderError) -> None:
@@ -334,7 +335,7 @@ def _admissions(
     if not policy.limits:
         return ()
     model = str(request.get("model", ""))
-    tokens = (estimate_tokens(input_text(request)), output_limit(request))
+    tokens = (estimate_tokens(input_text(request), model), output_limit(request))
     chosen = limiters_for(policy.limits, adapter.provider, model, claim.tenant, claim.task_name, tokens)
     if tokens[1] == 0 and any(a.rule.kind in ("tpm", "otpm") for a in chosen):
         raise ConfigurationError(
@@ -630,4 +631,4 @@ def _record_unknown(step: _Step, unanswered: Intent, why: str = "outcome unknown
 
 def estimate_usage(request: Mapping[str, Any]) -> Usage:
     """A conservative usage of a call whose bill is unknown: its input's estimated tokens plus its output limit."""
-    return Usage(estimate_tokens(input_text(request)), output_limit(request))
+    return Usage(estimate_tokens(input_text(request), str(request.get("model", ""))), output_limit(request))

@@ -3,7 +3,9 @@ and a conservative estimate of a real provider's count, for limits, budgets and 
 
 Standard library only (the fake provider uses it). The estimate errs high: the larger of one token per word or
 punctuation mark and one per three UTF-8 bytes (English runs about four bytes per token on OpenAI's and
-Anthropic's tokenizers), so a budget or a limit reserved with it is rarely short.
+Anthropic's tokenizers), so a budget or a limit reserved with it is rarely short. Given an OpenAI model, it is
+also never below tiktoken's exact count where tiktoken and the model's encoding are at hand without a download
+(oncelery.llm.tokenizer: the `oncelery[tokens]` extra, imported only then).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from oncelery.llm.tokenizer import tiktoken_count
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 BYTES_PER_TOKEN_FLOOR = 3
@@ -58,9 +62,12 @@ def input_text(request: Mapping[str, Any]) -> str:
     return "\n".join(filter(None, (request_text(request.get(name)) for name in INPUT_FIELDS)))
 
 
-def estimate_tokens(text: str) -> int:
-    """Return a conservative estimate of a real tokenizer's count of `text` (see the module's docstring)."""
-    return max(count_tokens(text), math.ceil(len(text.encode()) / BYTES_PER_TOKEN_FLOOR))
+def estimate_tokens(text: str, model: str | None = None) -> int:
+    """Return a conservative estimate of a real tokenizer's count of `text`: never below the built-in floor, nor
+    below tiktoken's count for an OpenAI `model` where that is at hand offline (see the module's docstring)."""
+    floor = max(count_tokens(text), math.ceil(len(text.encode()) / BYTES_PER_TOKEN_FLOOR))
+    exact = tiktoken_count(text, model) if model else None
+    return floor if exact is None else max(floor, exact)
 
 
 def output_limit(request: Mapping[str, Any]) -> int:

@@ -238,7 +238,7 @@ class BatchSavings:
     batches: int  # provider batches their items went through
     calls: int  # batch items applied (ledger rows of mode batch)
     cost: Decimal | None  # at the batch price, as the ledger recorded it (None: no call had a price)
-    synchronous: Decimal | None  # the same calls at oncelery_prices' synchronous price
+    synchronous: Decimal | None  # the same calls at the synchronous price (price_of)
     saved: Decimal | None
 
 

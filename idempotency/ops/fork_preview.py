@@ -3,7 +3,8 @@
 Preview: for each step the fork executes (the from-step and every later one), the source's ledger row for that
 step gives the input tokens (exact: the same input, unless a prompt override changes it) and the output tokens
 (an estimate: the new model may answer at another length); the step's model (its override, else the source's)
-gives the price from `oncelery_prices`. A step with no ledger row (not a model call) costs nothing.
+gives the price (`price_of`: `oncelery_prices`, else the price file). A step with no ledger row (not a model call)
+costs nothing.
 
 Diff: per step of the fork's run, the source's output beside the fork's (a unified diff of their text), the
 token, cost and latency deltas from the ledger, and the user's scorer, `score(source_output, fork_output)`.

@@ -139,7 +139,7 @@ class Relay:
         )  # fmt: skip
 
     def _sync_price(self, model: str, input_tokens: int, output_tokens: int) -> int | None:
-        """A call's cost at the synchronous price (micro-USD) in the app's `oncelery_prices` of now; None: no price."""
+        """A call's cost at the synchronous price (micro-USD) of now (`price_of`); None: no price."""
         price = price_of(model, self.app.conf)
         return None if price is None else price.cost_micros(input_tokens, output_tokens)
 

@@ -86,7 +86,7 @@ class CallView:
     latency_ms: float
     ok: bool
     error: str | None
-    cost: Decimal | None  # exact USD (stored as micro-USD); None: the model had no price in oncelery_prices
+    cost: Decimal | None  # exact USD (stored as micro-USD); None: the model had no price when recorded
     token: int | None  # the fencing token of the attempt that made the call
     created_at: datetime | None
     # The row's `call_id`: for a `self.llm` call, its intent's public id (`llm_intents.public_id`).

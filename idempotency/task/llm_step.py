@@ -1,8 +1,8 @@
 """`self.llm(step, **request)`: a model call as a checkpointed step, through the write-ahead intent protocol.
 
 The task room's part is what the call layer (`oncelery.llm`, which knows no Celery) leaves to it: which adapter,
-which policy, and the ledger row, priced from `oncelery_prices` and written in the transaction that ends the
-intent (with the step's checkpoint when the call is done).
+which policy, and the ledger row, priced by `price_of` (`oncelery_prices`, else the price file) and written in the
+transaction that ends the intent (with the step's checkpoint when the call is done).
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def budget_plan(
     price = price_of(model, conf)
     if price is None:
         raise ConfigurationError(
-            f"{task.name}: a budget applies to this call, and model {model!r} has no price: add it to "
-            f"app.conf.{CONF_PRICES} ({{'{model}': {{'input': usd_per_1M, 'output': usd_per_1M}}}})"
+            f"{task.name}: a budget applies to this call, and model {model!r} has no price (in the price file "
+            f"neither): add it to app.conf.{CONF_PRICES} ({{'{model}': {{'input': usd_per_1M, 'output': usd_per_1M}}}})"
         )
     return BudgetPlan(rules, job, (price.input, price.output), task.on_budget, call, shared)
 

@@ -13,8 +13,9 @@ Guarantees:
 - the block's error is re-raised as it was; a ledger that cannot be written is logged, never raised;
 - record-only: budgets and shared limits govern `self.llm()` calls, not these (a task they apply to warns once:
   oncelery.task.unbudgeted);
-- the cost is computed when the row is written, at that day's price (`app.conf.oncelery_prices`), exactly
-  (Decimal), and stored as integer micro-USD rounded up (oncelery.models.money).
+- the cost is computed when the row is written, at that day's price (`price_of`: `app.conf.oncelery_prices`, else
+  the price file, LiteLLM's table shipped in the wheel), exactly (Decimal), and stored as integer micro-USD rounded
+  up (oncelery.models.money).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from celery._state import get_current_task
 
 from oncelery.delivery.steps import current_step
 from oncelery.errors import ConfigurationError, StoreUnavailable
+from oncelery.ledger.prices import PER_TOKENS, file_price
 from oncelery.ledger.rows import write_call
 from oncelery.models.money import as_decimal, micros_up, usd
 from oncelery.runs.faults import fault_point
@@ -50,7 +52,6 @@ __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_
 
 logger = logging.getLogger("oncelery.ledger")  # a stable name (users filter on it)
 
-PER_TOKENS = 1_000_000  # prices are per this many tokens
 MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
 # Where SDKs put token counts: Anthropic and OpenAI Responses, OpenAI Chat Completions, Google Gemini.
 _INPUT_FIELDS = ("input_tokens", "prompt_tokens", "prompt_token_count")
@@ -109,15 +110,18 @@ def _amount(model: str, name: str, value: Any) -> Decimal:
 
 
 def price_of(model: str, conf: Any = None) -> Price | None:
-    """The price of `model` in `conf`'s `oncelery_prices` (default: the current Celery app's), or None."""
+    """The price of `model` for `conf` (default: the current Celery app's): its `oncelery_prices[model]` if given
+    (the user's overrides win), else the price file's (`oncelery_price_file`: default, LiteLLM's table shipped in
+    the wheel), else None. A bad table or file raises ConfigurationError naming the fix."""
     conf = current_app.conf if conf is None else conf
     table = conf.get(CONF_PRICES)
-    if table is None:
-        return None
-    if not isinstance(table, Mapping):
+    if table is not None and not isinstance(table, Mapping):
         raise ConfigurationError(f"{CONF_PRICES} must be a dict of model -> {{'input': usd, 'output': usd}}")
-    entry = table.get(model)
-    return None if entry is None else Price.of(model, entry)
+    entry = None if table is None else table.get(model)
+    if entry is not None:
+        return Price.of(model, entry)
+    found = file_price(model, conf)
+    return None if found is None else Price(found.input, found.output)
 
 
 class MeteredCall:

@@ -121,7 +121,7 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: WAITING until the window resets, holding no worker slot). A job's own cap always dead-letters.
     on_budget: str = "dead_letter"
     #: The models this task's self.llm() calls use (e.g. ("gpt-4.1-mini",)): under a budget, a worker refuses to
-    #: start if one has no price in oncelery_prices, instead of dead-lettering its first call.
+    #: start if one has no price (oncelery_prices, the price file), instead of dead-lettering its first call.
     llm_models: tuple[str, ...] = ()
     #: The default BatchPolicy of this task's self.llm(..., mode="batch") calls (None: BatchPolicy()).
     llm_batch: Any = None

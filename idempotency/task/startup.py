@@ -21,11 +21,13 @@ from celery import signals
 from sqlalchemy.exc import DBAPIError
 
 from oncelery.errors import ConfigurationError, OnceleryError, StoreUnavailable
+from oncelery.ledger.prices import price_table
 from oncelery.llm.budgets import parse_budgets
 from oncelery.llm.limits import parse_limits
 from oncelery.settings import (
     CONF_BUDGETS,
     CONF_LIMITS,
+    CONF_PRICE_FILE,
     CONF_PRICES,
     CONF_STARTUP_WAIT,
     ENV_PASS_THROUGH,
@@ -139,9 +141,14 @@ def watch_worker_start(task_class: type) -> None:
 
 
 def check_spending_settings(app: Any, task_class: type) -> None:
-    """Refuse (ConfigurationError) a bad `oncelery_limits` or `oncelery_budgets`, and under a budget a model
-    without a price: every model named in `oncelery_limits` and in a task's `llm_models` must be in
-    `oncelery_prices`, or its calls could not be reserved for."""
+    """Refuse (ConfigurationError) a bad `oncelery_limits`, `oncelery_budgets` or `oncelery_price_file`, and under a
+    budget a model without a price: every model named in `oncelery_limits` and in a task's `llm_models` must have
+    one (`oncelery_prices`, else the price file), or its calls could not be reserved for."""
+    # Imported here: the metering module imports the task class, whose module imports this one.
+    from oncelery.task.metering import price_of
+
+    if app.conf.get(CONF_PRICE_FILE, None) is not None:
+        price_table(app.conf)  # a price file the app names that cannot be read refuses here, not at its first call
     rules = parse_limits(app.conf.get(CONF_LIMITS), CONF_LIMITS)
     budgets = parse_budgets(app.conf.get(CONF_BUDGETS), CONF_BUDGETS)
     ours = [task for task in app.tasks.values() if isinstance(task, task_class)]
@@ -149,12 +156,11 @@ def check_spending_settings(app: Any, task_class: type) -> None:
         return
     models = {rule.scope.split(":", 1)[1] for rule in rules if not rule.scope.startswith(("tenant:", "task:"))}
     models |= {str(m) for task in ours for m in getattr(task, "llm_models", None) or ()}
-    prices = app.conf.get(CONF_PRICES) or {}
-    missing = sorted(m for m in models - {"*"} if m not in prices)
+    missing = sorted(m for m in models - {"*"} if price_of(m, app.conf) is None)
     if missing:
         raise ConfigurationError(
-            f"a budget applies, and these models have no price in {CONF_PRICES}: {', '.join(missing)}; "
-            f"add {{'<model>': {{'input': usd_per_1M, 'output': usd_per_1M}}}} for each"
+            f"a budget applies, and these models have no price in {CONF_PRICES}: {', '.join(missing)} (nor in the "
+            f"price file, {CONF_PRICE_FILE}); add {{'<model>': {{'input': usd_per_1M, 'output': usd_per_1M}}}} for each"
         )
 
 
