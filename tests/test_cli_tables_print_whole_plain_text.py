@@ -48,15 +48,17 @@ def check_table(text: str, headers: list[str], task: str) -> list[str]:
 
 
 def test_a_wide_table_is_whole_plain_and_shows_none_as_a_dash() -> None:
-    """A 200-character cell is printed whole on its line, None as "-", markup-looking data as it is; the rule
-    under the header is one run of dashes per column."""
-    text = format_table(["id", "name", "note", "n"], [[1, LONG, "[bold]x[/] :smile:", None], [2, "b", None, 3]])
+    """A 200-character cell is printed whole on its line, None as "-", markup-looking data and a tab's neighbours
+    as they are; the rule under the header is one run of dashes per column."""
+    rows = [[1, LONG, "[bold]x[/] :smile:", None], [2, "b", None, 3], [3, "tab\there", "-", "end"]]
+    text = format_table(["id", "name", "note", "n"], rows)
     lines = text.splitlines()
     assert "\x1b" not in text
     assert lines[0].split() == ["id", "name", "note", "n"]
     assert RULE.match(lines[1]) and len(lines[1].split()) == 4
     assert lines[2].split() == ["1", LONG, "[bold]x[/]", ":smile:", "-"]
     assert lines[3].split() == ["2", "b", "-", "3"]
+    assert lines[4].split() == ["3", "tab", "here", "-", "end"]  # a tab is spaces, and nothing after it is lost
     # Left-aligned: each column starts where its header does.
     for header, cell in (("name", LONG), ("note", "[bold]x[/]"), ("n", "-")):
         assert start(lines[2], cell) == start(lines[0], header), (header, lines)

@@ -64,7 +64,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         # nothing for "ignore" to cut.
         table.add_column(Text(header), no_wrap=True, overflow="ignore")
     for row in cells:
-        table.add_row(*(Text(value) for value in row))  # Text: data is never read as markup or emoji
+        # Text: data is never read as markup or emoji. Tabs expanded first: rich measures a tab as no width but
+        # renders it as spaces, so "ignore" would cut what follows it.
+        table.add_row(*(Text(value.expandtabs()) for value in row))
     out = io.StringIO()
     # Not a terminal and no colour system: never an ANSI code, whatever stdout is. Its width bounds the table's
     # from above (a cell takes at most 2 columns per character, plus a separator each), so nothing is cut.
@@ -85,7 +87,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def _width_bound(lines: Sequence[Sequence[str]]) -> int:
-    widest = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    widest = [max(len(line[i].expandtabs()) for line in lines) for i in range(len(lines[0]))]
     return max(80, sum(2 * width + 1 for width in widest))
 
 
