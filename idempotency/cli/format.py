@@ -14,9 +14,9 @@ The one table shape (`format_table`, laid out by rich), which scripts parse and 
 - no cell wrapped, cut or folded, however wide the table: an id or key is always whole on its line;
 - None shows as "-"; statuses as their value; datetimes as `YYYY-MM-DD HH:MM:SS` in UTC; no trailing spaces;
 - a cell's text is printed as it is: `[bold]` or `:smile:` in data is never read as rich markup or emoji, and
-  wide characters (CJK) are measured by the cells they take, so the columns after them stay aligned; only tabs
-  (expanded to spaces) and the control characters that move a terminal's cursor (\r, \b, \v, \f, bell:
-  rich drops them) differ; a cell with a line break takes as many lines, the other cells on its first.
+  wide characters (CJK) are measured by the cells they take, so the columns after them stay aligned. Only tabs
+  (expanded to spaces) and the control characters that move a terminal's cursor (carriage return, backspace,
+  vertical tab, form feed, bell: rich drops them) differ; a cell with line breaks takes as many lines.
 
 The one `--json` shape (docs/cli.md): exactly one JSON object on stdout, indented, keys sorted, every key always
 present (`null` for no value), times ISO 8601 in UTC, statuses as their strings; a command about several
