@@ -52,6 +52,7 @@ __all__ = [
     "ENV_DATABASE_URL",
     "ENV_DATA_DIR",
     "ENV_DIGEST_KEY",
+    "ENV_EXTRA_SECRETS",
     "ENV_HEARTBEAT_FILE",
     "ENV_LEDGER_SPOOL_DIR",
     "ENV_METRICS_MAX_TENANTS",
@@ -83,6 +84,7 @@ __all__ = [
     "MIN_LEASE_SECONDS",
     "PASS_THROUGH_SEEN",
     "PRODUCER_COOLDOWN",
+    "PROVIDER_KEY_SETTINGS",
     "SECRET_SETTINGS",
     "SQLITE_BUSY_TIMEOUT_MS",
     "STARTUP_RETRY_CAP",
@@ -287,6 +289,19 @@ ENV_METRICS_MAX_TENANTS = "ONCELERY_METRICS_MAX_TENANTS"
 DEFAULT_METRICS_MAX_TENANTS = 20
 # The settings that may hold a secret: each is also read from the file VAR_FILE names (oncelery.settings_files).
 SECRET_SETTINGS = (ENV_DATABASE_URL, ENV_BROKER_URL, ENV_RESULT_BACKEND, ENV_DIGEST_KEY, ENV_REPLAY_CACHE)
+# The model providers' keys, as Oncelery's adapters and the providers' own SDKs name them. Those read only VAR, so
+# the deploy scripts' start guard (oncelery.cli.service_env) reads each from VAR_FILE too and exports it as VAR,
+# and refuses a placeholder: a key mounted as a secret reaches a worker's and the relay's model calls.
+PROVIDER_KEY_SETTINGS = (
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "AZURE_OPENAI_API_KEY",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+)
+# More variables the start guard treats as those keys (names separated by spaces or commas): an app's own secrets
+# (another provider's key, a vector store's token), so they too can come from VAR_FILE.
+ENV_EXTRA_SECRETS = "ONCELERY_EXTRA_SECRETS"
 
 
 def env_seconds(name: str, default: float, *, zero_ok: bool = False) -> float:

@@ -1,7 +1,10 @@
 """The deployment: docker-compose.yml validates (and refuses to without its secrets), every long-running service
 has a health check it can run and memory/CPU limits, and every service's command, a deploy/bin script, runs
 outside containers against real PostgreSQL and Redis: the health checks against the running processes, the
-placeholder refusal with the example's values, secrets read from files.
+placeholder refusal with the example's values, secrets read from files. docker-compose.app.yml, merged over it,
+runs a user's own app instead of the demo: every oncelery service from the user's image (examples/compose-app's
+Dockerfile, FROM oncelery:latest) and app, the provider keys only where the app is imported and never in a build;
+the example app itself runs on the deploy scripts with a key read from a file.
 
 No Docker engine is needed: `docker-compose config` only parses and interpolates (rendered once per module and
 read with the YAML parser of docker-compose's own Python). The scripts run against a database of this module's
@@ -30,6 +33,8 @@ import redis
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
+from oncelery.llm.fake import FakeProvider
+from oncelery.settings import PROVIDER_KEY_SETTINGS
 from tests.services import PG_ADMIN_URL, need, port_open, postgres_available, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +50,25 @@ STOP_TIMEOUT = 30.0
 LONG_RUNNING = ("postgres", "redis", "worker", "relay", "flower", "metrics")
 SCRIPT_SERVICES = ("migrate", "worker", "relay", "flower", "metrics")
 HEALTHCHECK = BIN / "oncelery-healthcheck"
+# The user's own app (docs/compose.md): the override file, the example app it builds by default, and test values.
+APP_COMPOSE_FILE = ROOT / "docker-compose.app.yml"
+APP_DIR = ROOT / "examples" / "compose-app"
+USER_APP = "myapp.celery:app"
+BASE_IMAGE = "registry.example/oncelery:test"
+APP_IMAGE = "registry.example/myapp-oncelery:test"
+IMPORTS_THE_APP = ("worker", "relay", "flower")  # the services that get the provider keys
+# Each provider key in the .env of the merged configuration: some as values, some as files (*_FILE).
+KEY_VALUES = {
+    "OPENAI_API_KEY": "sk-test-" + uuid.uuid4().hex,
+    "AZURE_OPENAI_API_KEY": "az-test-" + uuid.uuid4().hex,
+    "GOOGLE_API_KEY": "gk-test-" + uuid.uuid4().hex,
+}
+KEY_FILES = {
+    "ANTHROPIC_API_KEY_FILE": "/run/secrets/anthropic_api_key",
+    "GEMINI_API_KEY_FILE": "/run/secrets/gemini_api_key",
+}
+# Variables of this shell that would override an env file's (compose gives the shell precedence): never inherited.
+NOT_INHERITED = (*REQUIRED_SECRETS, *PROVIDER_KEY_SETTINGS, *(f"{k}_FILE" for k in PROVIDER_KEY_SETTINGS))
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -68,8 +92,9 @@ def compose_exe() -> str:
 def compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[str]:
     """Run `docker-compose --env-file ENV_FILE ARGS` with none of the secrets inherited from this shell."""
     exe = compose_exe()
-    # The shell's environment overrides an env file in compose: drop the secrets so only ENV_FILE counts.
-    env = {k: v for k, v in os.environ.items() if k not in REQUIRED_SECRETS}
+    # The shell's environment overrides an env file in compose: drop the secrets, the keys and every ONCELERY_*
+    # setting, so only ENV_FILE counts.
+    env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED and not k.startswith("ONCELERY_")}
     return subprocess.run(
         [exe, "--env-file", str(env_file), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
@@ -158,7 +183,13 @@ def rendered() -> str:
 
 @pytest.fixture(scope="module")
 def services(rendered: str) -> dict[str, dict[str, Any]]:
-    """The rendered services, parsed by the YAML library of docker-compose's own Python (v1 depends on it)."""
+    """The rendered services of docker-compose.yml with .env.example."""
+    return parsed_services(rendered)
+
+
+def parsed_services(rendered: str) -> dict[str, dict[str, Any]]:
+    """The services of a `config` output, parsed by the YAML library of docker-compose's own Python (v1 depends on
+    it)."""
     with open(compose_exe()) as script:
         python = script.readline().removeprefix("#!").strip() or "python3"
     parse = "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"
@@ -220,6 +251,121 @@ def test_dev_compose_file_is_valid_and_needs_no_secrets(tmp_path: Path) -> None:
     done = compose("-p", "oncelery-dev", "-f", str(DEV_COMPOSE_FILE), "config", env_file=empty)
     assert done.returncode == 0, done.stderr
     assert "127.0.0.1:15432:5432/tcp" in done.stdout and "127.0.0.1:16379:6379/tcp" in done.stdout
+
+
+# -- docker-compose.app.yml: the user's own app -----------------------------------------------------------------
+
+
+def app_env_file(tmp_path: Path, **drop_or_set: str | None) -> Path:
+    """An .env for the merged configuration: real-looking secrets, the user's app and image, the keys (test values);
+    each keyword sets a variable, or drops it when None."""
+    values: dict[str, str | None] = {
+        "POSTGRES_PASSWORD": "pg-" + uuid.uuid4().hex,
+        "REDIS_PASSWORD": "redis-" + uuid.uuid4().hex,
+        "FLOWER_BASIC_AUTH": "ops:flower-" + uuid.uuid4().hex,
+        "ONCELERY_CELERY_APP": USER_APP,
+        "ONCELERY_IMAGE": BASE_IMAGE,
+        "ONCELERY_APP_IMAGE": APP_IMAGE,
+        **KEY_VALUES,
+        **KEY_FILES,
+    }
+    values.update(drop_or_set)
+    path = tmp_path / f"app-{uuid.uuid4().hex[:8]}.env"
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items() if v is not None))
+    return path
+
+
+@pytest.fixture(scope="module")
+def app_rendered(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`docker-compose config` of docker-compose.yml merged with docker-compose.app.yml, with app_env_file()."""
+    env_file = app_env_file(tmp_path_factory.mktemp("app-env"))
+    done = compose("-f", str(COMPOSE_FILE), "-f", str(APP_COMPOSE_FILE), "config", env_file=env_file)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def app_services(app_rendered: str) -> dict[str, dict[str, Any]]:
+    """The merged configuration's services."""
+    return parsed_services(app_rendered)
+
+
+def test_every_oncelery_service_runs_the_users_image_and_app(app_services: dict[str, Any]) -> None:
+    """Merged over the stack, the app file gives every oncelery service the user's image (built from the user's
+    folder FROM the base image compose builds, under a tag of its own) and ONCELERY_CELERY_APP; each still runs its
+    deploy/bin script, with its health check and limits; PostgreSQL and Redis are untouched."""
+    assert set(app_services) == set(SERVICES)
+    for name in SCRIPT_SERVICES:
+        service = app_services[name]
+        assert service["image"] == APP_IMAGE, name
+        assert Path(service["build"]["context"]) == APP_DIR, name
+        assert service["build"]["args"] == {"ONCELERY_BASE_IMAGE": BASE_IMAGE}, name
+        assert service["environment"]["ONCELERY_CELERY_APP"] == USER_APP, name
+        assert service["command"] == [f"oncelery-{name}"], name
+        assert service["deploy"]["resources"]["limits"], name
+        assert name == "migrate" or service["healthcheck"]["test"], name
+    for name in ("postgres", "redis"):
+        assert "build" not in app_services[name] and app_services[name]["image"] in ("postgres:16", "redis:7")
+    # The scripts of the services that import an app take it from ONCELERY_CELERY_APP, the demo only as a default.
+    for script in ("oncelery-worker", "oncelery-relay", "oncelery-flower"):
+        assert "${ONCELERY_CELERY_APP:-oncelery.tasks.app}" in (BIN / script).read_text(), script
+
+
+def test_the_keys_reach_only_the_services_that_import_the_app(app_services: dict[str, Any]) -> None:
+    """The worker, the relay and Flower get each provider key from .env, as a value or as a file (*_FILE), and the
+    app's settings from its env file; migrate, the exporter, PostgreSQL and Redis get none, and no key is in any
+    build, image or command. Only the keys' names are passed, never the whole .env (no database password)."""
+    lines = (APP_DIR / "app.env").read_text().splitlines()
+    settings = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    assert settings, "the example's env file sets nothing"
+    for name in IMPORTS_THE_APP:
+        env = app_services[name]["environment"]
+        assert {k: env[k] for k in KEY_VALUES} == KEY_VALUES, name
+        assert {k: env[k] for k in KEY_FILES} == KEY_FILES, name
+        for key in PROVIDER_KEY_SETTINGS:  # each as a value and as a file, whichever the user gives
+            assert key in env and f"{key}_FILE" in env, (name, key)
+        assert {k: env[k] for k in settings} == settings, name
+        assert not {"POSTGRES_PASSWORD", "REDIS_PASSWORD"} & set(env), name
+    secrets = [*KEY_VALUES.values(), *KEY_FILES.values()]
+    for name, service in app_services.items():
+        shown = json.dumps(service)
+        elsewhere = json.dumps({k: v for k, v in service.items() if k != "environment"})
+        assert not any(secret in elsewhere for secret in secrets), name  # never a build arg, an image, a command
+        if name not in IMPORTS_THE_APP:
+            assert not any(secret in shown for secret in secrets), name
+            assert "_API_KEY" not in shown, name
+
+
+def test_the_app_file_refuses_to_run_the_demo_by_default(tmp_path: Path) -> None:
+    """Without ONCELERY_CELERY_APP, the merged configuration does not parse and names it: the user's image never
+    runs the demo app by accident. The base file alone still runs the demo."""
+    done = compose(
+        "-f", str(COMPOSE_FILE), "-f", str(APP_COMPOSE_FILE), "config",
+        env_file=app_env_file(tmp_path, ONCELERY_CELERY_APP=None),
+    )  # fmt: skip
+    assert done.returncode != 0 and "set ONCELERY_CELERY_APP" in done.stderr, done.stderr
+    alone = compose("-f", str(COMPOSE_FILE), "config", env_file=app_env_file(tmp_path, ONCELERY_CELERY_APP=None))
+    assert alone.returncode == 0 and "ONCELERY_CELERY_APP: oncelery.tasks.app" in alone.stdout, alone.stderr
+
+
+def test_the_users_image_is_built_from_the_base_image_with_no_secret() -> None:
+    """The example's Dockerfile starts FROM the base image (a build argument, oncelery:latest by default), installs
+    its requirements within the base's versions, runs as the non-root user; no key is an ARG or ENV of it, and its
+    .dockerignore keeps .env files and secrets/ out of the build context."""
+    dockerfile = (APP_DIR / "Dockerfile").read_text()
+    instructions = [line for line in dockerfile.splitlines() if line and not line.startswith(("#", " "))]
+    assert instructions[:2] == ["ARG ONCELERY_BASE_IMAGE=oncelery:latest", "FROM ${ONCELERY_BASE_IMAGE}"]
+    assert instructions[-1] == "USER oncelery"
+    assert (
+        "-c /opt/app/base-constraints.txt" in dockerfile and "pip freeze > /opt/app/base-constraints.txt" in dockerfile
+    )
+    declared = [line.split()[1] for line in instructions if line.split()[0] in ("ARG", "ENV")]
+    assert not [name for name in declared if re.search(r"KEY|SECRET|TOKEN|PASSWORD", name, flags=re.IGNORECASE)]
+    assert not re.search(r"^(COPY|ADD)\s.*(\.env\b|secrets)", dockerfile, flags=re.MULTILINE)  # no key file copied
+    ignored = set((APP_DIR / ".dockerignore").read_text().splitlines())
+    assert {".env", ".env.*", "*.env", "secrets/"} <= ignored
+    (package,) = {line.split()[1] for line in instructions if line.startswith("COPY myapp")}
+    assert package == "myapp/" and "ENV PYTHONPATH=/opt/app" in instructions
 
 
 def test_every_service_command_is_a_shipped_script(rendered: str) -> None:
@@ -624,6 +770,62 @@ def test_relay_starts_and_stops_on_sigterm(migrated: dict[str, str], tmp_path: P
         code = stop(relay)
     assert code == 0, log.read_text(errors="replace")
     assert log_has(log, "relay stopped:")
+
+
+def test_the_users_app_runs_on_the_scripts_with_a_key_from_a_file(
+    migrated: dict[str, str], app_services: dict[str, Any], tmp_path: Path
+) -> None:
+    """The example app, with the merged configuration's worker and relay environment (their URLs this module's
+    services, the package on PYTHONPATH as the image's ENV puts it): oncelery-worker runs the app's job, whose model
+    call reaches the provider with the key read from OPENAI_API_KEY_FILE; oncelery-relay runs with the same app."""
+    key = "sk-file-" + uuid.uuid4().hex
+    (tmp_path / "openai_api_key").write_text(key + "\n")
+    local = ("ONCELERY_DATABASE_URL", "ONCELERY_BROKER_URL", "ONCELERY_RESULT_BACKEND", "ONCELERY_LEDGER_SPOOL_DIR")
+    keys = {*PROVIDER_KEY_SETTINGS, *(f"{k}_FILE" for k in PROVIDER_KEY_SETTINGS)}  # the config test's values
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with FakeProvider() as provider:
+        try:
+            for name in ("worker", "relay"):
+                rendered = app_services[name]["environment"]
+                env = dict(migrated, **{k: str(v) for k, v in rendered.items() if k not in (*local, *keys)})
+                env.update(
+                    OPENAI_API_KEY_FILE=str(tmp_path / "openai_api_key"),
+                    MYAPP_OPENAI_BASE_URL=provider.openai_base_url,
+                    PYTHONPATH=str(APP_DIR),
+                    ONCELERY_LEDGER_SPOOL_DIR=str(tmp_path / f"{name}-spool"),
+                    ONCELERY_HEARTBEAT_FILE=str(tmp_path / f"{name}-heartbeat"),
+                )
+                assert env["ONCELERY_CELERY_APP"] == USER_APP and env["MYAPP_MODEL"]
+                args = ("-n", f"compose-app-{uuid.uuid4().hex[:8]}@%h") if name == "worker" else ()
+                procs[name] = start(f"oncelery-{name}", env, tmp_path / f"{name}.log", *args)
+            worker_log, relay_log = tmp_path / "worker.log", tmp_path / "relay.log"
+            wait_for(
+                lambda: exited(procs["worker"], worker_log) or log_has(worker_log, "ready."),
+                timeout=90,
+                what="the user's app's worker to be ready",
+            )
+            assert "myapp.summarize" in worker_log.read_text(errors="replace")  # its task list: the user's app
+            wait_for(
+                lambda: exited(procs["relay"], relay_log) or log_has(relay_log, "relay: publishing"),
+                timeout=60,
+                what="the relay with the user's app",
+            )
+            from celery import Celery
+
+            client = Celery(broker=migrated["ONCELERY_BROKER_URL"], backend=migrated["ONCELERY_RESULT_BACKEND"])
+            try:
+                doc = f"compose-app-{uuid.uuid4().hex[:8]}"
+                kwargs = {"doc_id": doc, "version": 1, "text": "One short sentence. Another one."}
+                result = client.send_task("myapp.summarize", kwargs=kwargs).get(timeout=90)
+            finally:
+                client.close()
+            assert result["doc_id"] == doc and result["summary"], result
+            seen = provider.stats()["requests_seen"]
+            assert seen and all(r["headers"].get("authorization") == f"Bearer {key}" for r in seen), seen
+        finally:
+            codes = {name: stop(proc) for name, proc in procs.items()}
+    assert codes == {"worker": 0, "relay": 0}, {n: (tmp_path / f"{n}.log").read_text(errors="replace") for n in codes}
+    assert key not in (tmp_path / "worker.log").read_text(errors="replace")
 
 
 def test_metrics_answers(migrated: dict[str, str], tmp_path: Path) -> None:

@@ -85,3 +85,38 @@ def test_the_start_guard_exports_files_and_refuses_placeholders_and_gaps(tmp_pat
         service_environ(in_file, secrets=["FLOWER_BASIC_AUTH"])
     with pytest.raises(ConfigurationError, match=r"^set ONCELERY_BROKER_URL \(or ONCELERY_BROKER_URL_FILE"):
         service_environ({"ONCELERY_BROKER_URL": ""}, required=["ONCELERY_BROKER_URL"])
+
+
+def test_the_start_guard_reads_provider_keys_and_the_apps_own_secrets_from_files(tmp_path: Path) -> None:
+    """Every provider key (PROVIDER_KEY_SETTINGS) and each name in ONCELERY_EXTRA_SECRETS: VAR from VAR_FILE and
+    exported as VAR (a provider's SDK reads VAR only), empty as unset, both set refused, a placeholder refused; a
+    name in ONCELERY_EXTRA_SECRETS that is not a variable's name is refused, naming it."""
+    environ = {
+        "OPENAI_API_KEY_FILE": secret(tmp_path, "openai", "sk-from-file\n"),
+        "ANTHROPIC_API_KEY": "ak-direct",
+        "AZURE_OPENAI_API_KEY": "",
+        "AZURE_OPENAI_API_KEY_FILE": "",
+        "GEMINI_API_KEY_FILE": secret(tmp_path, "gemini", "gk-from-file"),
+        "ONCELERY_EXTRA_SECRETS": "MISTRAL_API_KEY, VECTOR_TOKEN",
+        "MISTRAL_API_KEY_FILE": secret(tmp_path, "mistral", "mk-from-file\n"),
+        "VECTOR_TOKEN": "vt-direct",
+        "MYAPP_SETTING_FILE": "/not/a/secret",  # not a listed name: left as it is
+    }
+    env = service_environ(environ)
+    assert env == {
+        "OPENAI_API_KEY": "sk-from-file",
+        "ANTHROPIC_API_KEY": "ak-direct",
+        "GEMINI_API_KEY": "gk-from-file",
+        "ONCELERY_EXTRA_SECRETS": "MISTRAL_API_KEY, VECTOR_TOKEN",
+        "MISTRAL_API_KEY": "mk-from-file",
+        "VECTOR_TOKEN": "vt-direct",
+        "MYAPP_SETTING_FILE": "/not/a/secret",
+    }
+    with pytest.raises(SettingFileError, match=r"both OPENAI_API_KEY and OPENAI_API_KEY_FILE are set"):
+        service_environ(dict(environ, OPENAI_API_KEY="sk-direct"))
+    with pytest.raises(PlaceholderSecret, match=r"^ANTHROPIC_API_KEY holds the placeholder 'change-me'"):
+        service_environ({"ANTHROPIC_API_KEY": "change-me-anthropic-key"})
+    with pytest.raises(PlaceholderSecret, match=r"^MISTRAL_API_KEY holds"):
+        service_environ({"ONCELERY_EXTRA_SECRETS": "MISTRAL_API_KEY", "MISTRAL_API_KEY": "change-me"})
+    with pytest.raises(ConfigurationError, match=r"^ONCELERY_EXTRA_SECRETS lists 'MISTRAL-KEY', not a variable's"):
+        service_environ({"ONCELERY_EXTRA_SECRETS": "OK_NAME MISTRAL-KEY"})

@@ -1,5 +1,23 @@
 """How every `oncelery` command prints: plain-text tables, times in UTC, and the `--json` documents.
 
+The one table shape (`format_table`, laid out by rich), which scripts parse and docs/cli.md shows:
+
+    key       status     created_at
+    --------- ---------- -------------------
+    doc:7:v1  COMPLETED  2026-01-02 03:04:05
+    doc:8:v1  -          2026-01-02 03:04:06
+
+- a header line of the column names, then a rule of ASCII dashes (one run per column), then one line per row;
+  columns left-aligned, two spaces apart (a rule's run covers its column and the space after it);
+- never an ANSI code, whatever the output is (a terminal, a pipe, Click's CliRunner), and only ASCII besides
+  the data: a pipe into a script or a file reads the same text a terminal shows;
+- no cell wrapped, cut or folded, however wide the table: an id or key is always whole on its line;
+- None shows as "-"; statuses as their value; datetimes as `YYYY-MM-DD HH:MM:SS` in UTC; no trailing spaces;
+- a cell's text is printed as it is: `[bold]` or `:smile:` in data is never read as rich markup or emoji, and
+  wide characters (CJK) are measured by the cells they take, so the columns after them stay aligned. Only tabs
+  (expanded to spaces) and the control characters that move a terminal's cursor (carriage return, backspace,
+  vertical tab, form feed, bell: rich drops them) differ; a cell with line breaks takes as many lines.
+
 The one `--json` shape (docs/cli.md): exactly one JSON object on stdout, indented, keys sorted, every key always
 present (`null` for no value), times ISO 8601 in UTC, statuses as their strings; a command about several
 records lists them under a plural key (`runs`, `letters`, `replayed`) with `count`, how many it lists, beside it.
@@ -7,6 +25,7 @@ records lists them under a plural key (`runs`, `letters`, `replayed`) with `coun
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -14,6 +33,10 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 import click
+from rich.box import Box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from oncelery.models import Outcome, RunStatus
 
@@ -29,12 +52,45 @@ JSON_HELP = "Print one JSON document (for scripts; its shape: docs/cli.md) inste
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+# The header rule of rich's SIMPLE_HEAD, in ASCII dashes: a pipe with a non-UTF-8 encoding prints it, and `grep
+# -- '---'` still finds it. Only the third line (the rule under the header) draws anything.
+_HEADER_RULE = Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Return `rows` as a left-aligned plain-text table under `headers` (None shows as "-")."""
+    """Return `rows` under `headers` as the plain-text table above: no ANSI, no cell cut or wrapped, None as "-"."""
     cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    lines = [headers, ["-" * w for w in widths], *cells]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    table = Table(box=_HEADER_RULE, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="none")
+    for header in headers:
+        # no_wrap + overflow "ignore" never wrap, fold or add an ellipsis; the console's width below then leaves
+        # nothing for "ignore" to cut.
+        table.add_column(Text(header), no_wrap=True, overflow="ignore")
+    for row in cells:
+        # Text: data is never read as markup or emoji. Tabs expanded first: rich measures a tab as no width but
+        # renders it as spaces, so "ignore" would cut what follows it.
+        table.add_row(*(Text(value.expandtabs()) for value in row))
+    out = io.StringIO()
+    # Not a terminal and no colour system: never an ANSI code, whatever stdout is. Its width bounds the table's
+    # from above (a cell takes at most 2 columns per character, plus a separator each), so nothing is cut.
+    console = Console(
+        file=out,
+        width=_width_bound([list(headers), *cells]),
+        force_terminal=False,
+        force_jupyter=False,
+        color_system=None,
+        no_color=True,
+        markup=False,
+        emoji=False,
+        highlight=False,
+        soft_wrap=False,
+    )
+    console.print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+
+
+def _width_bound(lines: Sequence[Sequence[str]]) -> int:
+    widest = [max(len(line[i].expandtabs()) for line in lines) for i in range(len(lines[0]))]
+    return max(80, sum(2 * width + 1 for width in widest))
 
 
 def _cell(value: Any) -> str:

@@ -5,9 +5,11 @@
 Every deploy/bin script runs itself through it once (docker-compose.yml starts each service with one). It
 then execs COMMAND, so the service stays PID 1 of its container and gets `docker stop`'s SIGTERM, with:
 
-- every secret setting (oncelery.settings.SECRET_SETTINGS, and each --secret) read from VAR_FILE when that
-  is set (oncelery.settings_files: THE rule, the same a worker started any other way follows), and exported
-  as VAR with VAR_FILE removed, so Flower or any other program that reads VAR alone sees the value;
+- every secret setting (oncelery.settings.SECRET_SETTINGS), every model provider's key (PROVIDER_KEY_SETTINGS:
+  OPENAI_API_KEY, ANTHROPIC_API_KEY, AZURE_OPENAI_API_KEY ...), each name in $ONCELERY_EXTRA_SECRETS (an app's
+  own secrets, separated by spaces or commas) and each --secret read from VAR_FILE when that is set
+  (oncelery.settings_files: THE rule, the same a worker started any other way follows), and exported as VAR with
+  VAR_FILE removed, so Flower, a provider's SDK or any other program that reads VAR alone sees the value;
 - a secret that still holds .env.example's `change-me...` placeholder refused, naming the variable;
 - each --require VAR that is set neither way refused, naming it.
 
@@ -25,12 +27,13 @@ from pathlib import Path
 
 from oncelery.cli.context import EXIT_CONFIGURATION
 from oncelery.errors import ConfigurationError, PlaceholderSecret
-from oncelery.settings import SECRET_SETTINGS
+from oncelery.settings import ENV_EXTRA_SECRETS, PROVIDER_KEY_SETTINGS, SECRET_SETTINGS
 from oncelery.settings_files import FILE_SUFFIX, env_value
 
 __all__ = [
     "CHECKED",
     "PLACEHOLDER",
+    "extra_secrets",
     "main",
     "service_environ",
 ]
@@ -47,7 +50,8 @@ def service_environ(
     """The environment to start a service with (secrets read from their files), or the ConfigurationError why not."""
     required = tuple(required)
     env = dict(environ)
-    for name in dict.fromkeys([*SECRET_SETTINGS, *secrets, *required]):
+    names = [*SECRET_SETTINGS, *PROVIDER_KEY_SETTINGS, *extra_secrets(environ), *secrets, *required]
+    for name in dict.fromkeys(names):
         value = env_value(name, environ)
         env.pop(name + FILE_SUFFIX, None)
         if value is None:
@@ -59,6 +63,20 @@ def service_environ(
             raise PlaceholderSecret.of(name, PLACEHOLDER)
         env[name] = value
     return env
+
+
+def extra_secrets(environ: Mapping[str, str]) -> list[str]:
+    """The names $ONCELERY_EXTRA_SECRETS lists (spaces or commas between them), or ConfigurationError for one
+    that is not a variable's name."""
+    names = environ.get(ENV_EXTRA_SECRETS, "").replace(",", " ").split()
+    for name in names:
+        # A name is spliced into VAR_FILE and exported: refuse what no shell could have set (a typo, a value).
+        if not name.isidentifier() or not name.isascii():
+            raise ConfigurationError(
+                f"{ENV_EXTRA_SECRETS} lists {name!r}, not a variable's name: give names like MISTRAL_API_KEY",
+                setting=ENV_EXTRA_SECRETS,
+            )
+    return names
 
 
 def main(argv: Sequence[str] | None = None) -> None:
