@@ -29,7 +29,9 @@ FLOOR = max(count_tokens(TEXT), math.ceil(len(TEXT.encode()) / 3))  # the built-
 BYTES = "oncelery_bytes"  # a tiny encoding: every byte is one token (no merges)
 BYTES_URL = "https://tiktoken.invalid/oncelery_bytes.tiktoken"  # never fetched: it is read from the cache or refused
 BYTES_MODEL = "oncelery-bytes-model"
-FAST_S = 1.0
+# A bound on a hang (a download waiting on a network that is not there), not a benchmark: a loaded 2-core
+# machine can take a second to import tiktoken.
+FAST_S = 10.0
 
 
 ATTEMPTS: list[Any] = []  # connections tried during the test (each refused); the fixture checks none was
