@@ -128,11 +128,16 @@ def test_runs_superseded_mid_call_write_no_effects_and_their_spend_stays_labelle
 ) -> None:
     task = scorer(app, responses, lease=0.6)  # renewed (and asked about newer edits) every 0.2 s
     docs = 4
-    fake.set_knobs(generation_s=1.5)  # a call is in flight for 1.5 s: superseded well before it ends
+    fake.set_knobs(generation_s=2.5)  # a call is in flight for 2.5 s: superseded well before it ends
     with worker_factory(app, concurrency=docs), relay_running(app, db_url):
         old = [task.delay(f"s{d}", 1, f"Old text {d}.") for d in range(docs)]
-        # Each old run has paid its first call (a ledger row) and is in its second when the new edits come.
+        # Each old run has paid its first call (a ledger row) and is in its second when the new edits come: its
+        # second create is at the provider (waiting for the rows alone raced a slow run still between its calls).
         wait_until(lambda: len(rows(db_url, CALLS)) == docs, timeout=JOB, what="each old run's first call paid")
+        wait_until(
+            lambda: sum(fake.stats()["creates_by_intent"].values()) == 2 * docs,
+            timeout=JOB, what="each old run's second call created",
+        )  # fmt: skip
         new = [task.delay(f"s{d}", 2, f"New text {d}.") for d in range(docs)]
         wait_until(lambda: task.outcome_counts().get("superseded") == docs, timeout=JOB, what="old runs superseded")
         fake.set_knobs(generation_s=0.01)
