@@ -20,9 +20,14 @@ What stands in for what (no network in tests):
   database) and SUMMARIES_QUEUE (a queue of its own), which its celeryconfig.py reads with defaults, and
   PYTEST_ADDOPTS with `-p no:cacheprovider` and a --basetemp of its own.
 
+The walk starts the user's own dev worker (`celery -A tasks worker --detach`) on the project's database and
+queue, sends it a document, and leaves it running beside the user's pytest; the doc stops it at the end with
+`kill $(cat worker.pid)` (the test waits for that PID to exit, and SIGKILLs it if it does not).
+
 After the walk: the user's pytest ran and passed every test of its test file (counted in its summary line),
-`oncelery db upgrade` created the framework's tables only (no demo jobs' table, no user table), and the user's
-tests wrote nothing to the project's own database (the kit gave each test a database of its own).
+`oncelery db upgrade` created the framework's tables only (no demo jobs' table), and the dev worker beside the
+kit received one job, its own: the project's database holds that one run and one summary, nothing of the tests
+(the kit gave each test a database, queues and results of its own; before it did, the dev worker took them).
 The kill test's duration is a benchmark figure (bench/adoption_walk.py, docs/benchmarks.md), not asserted here.
 """
 
@@ -43,6 +48,8 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
 from oncelery.models.migrate import FRAMEWORK, JOBS
+from oncelery.testing import wait_until
+from oncelery.testing.waiting import poll
 from tests import services
 from tests.wheel_venv import Built, OfflineInstaller, Venv, new_venv, run
 
@@ -135,6 +142,7 @@ class Walker:
     replaced: dict[str, str] = field(default_factory=dict)
     outputs: dict[str, services.Done] = field(default_factory=dict)
     importable: list[dict[str, bool]] = field(default_factory=list)
+    background: list[int] = field(default_factory=list)  # the PIDs of workers the walk started with --detach
 
     def step(self, step: Command | File) -> None:
         """Write the file, or run the command (or its stand-in) and check it against the doc."""
@@ -155,6 +163,10 @@ class Walker:
             self.env[name] = self.exports[name]
             return
         self._check(step, run(["bash", "-c", step.line], self.project, self.env, timeout=PYTEST_TIMEOUT))
+        if "--pidfile" in argv:  # a detached worker: its PID, to wait for its exit (or kill it) after the walk
+            pidfile = self.project / argv[argv.index("--pidfile") + 1]
+            wait_until(pidfile.exists, timeout=30, what=f"{pidfile} to be written")
+            self.background.append(int(pidfile.read_text().strip()))
 
     def _check(self, step: Command, done: services.Done) -> None:
         self.outputs[step.line] = done
@@ -177,6 +189,17 @@ class Walker:
         done = run([self.venv.python, "-c", _PROBE, *OPTIONAL], self.project, self.env)
         assert done.code == 0, done.err
         return dict(zip(OPTIONAL, (v == "True" for v in done.out.split()), strict=True))
+
+
+def wait_for_exit(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """Wait up to `timeout` s for each of `pids` (not our children) to exit; SIGKILL and return those that did not."""
+    alive = lambda: [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # noqa: E731
+    poll(lambda: not alive(), timeout)
+    left = alive()
+    for pid in left:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def stop_leftovers(project: Path) -> list[int]:
@@ -249,8 +272,10 @@ def test_the_adoption_walk_ends_in_a_green_test_of_the_users_task(
         for step in walk.steps:
             walker.step(step)
     finally:
+        unstopped = wait_for_exit(walker.background)  # the doc stops its worker: `kill $(cat worker.pid)`
         leftovers = stop_leftovers(walker.project)
         services.delete_queue_keys(services.REDIS_URL, queue)
+    assert walker.background and unstopped == [], "the walk's own worker did not stop on SIGTERM (SIGKILLed)"
     assert leftovers == [], "the user's pytest left processes running (SIGKILLed)"
 
     # -- installs: nothing the user did not ask for ---------------------------------------------------------------
@@ -274,10 +299,15 @@ def test_the_adoption_walk_ends_in_a_green_test_of_the_users_task(
     try:
         tables = set(inspect(engine).get_table_names())
         with engine.connect() as conn:
-            runs = conn.execute(text("SELECT count(*) FROM task_runs")).scalar_one()
+            keys = conn.execute(text("SELECT idempotency_key FROM task_runs")).scalars().all()
+            summarised = conn.execute(text("SELECT doc_id FROM summaries")).scalars().all()
     finally:
         engine.dispose()
     assert FRAMEWORK.tables | {FRAMEWORK.version_table} <= tables, sorted(tables)
-    # Not the demo jobs' schema (a branch of its own), nor the user's table (theirs to migrate).
-    assert not tables & (JOBS.tables | {JOBS.version_table, "summaries"}), sorted(tables)
-    assert runs == 0, "the user's tests ran on the project's own claims database"
+    # Not the demo jobs' schema (a branch of its own); the user's table is the one models.create_tables made.
+    assert not tables & (JOBS.tables | {JOBS.version_table}), sorted(tables)
+    # -- the dev worker beside the kit: it ran its own job and none of the tests', whose runs are elsewhere -------
+    assert keys == ["summary:welcome"], f"the user's tests ran on the project's own claims database: {keys}"
+    assert summarised == ["welcome"], f"the user's tests wrote to the project's own table: {summarised}"
+    received = re.findall(r"Task summaries\.summarise\[[\w-]+\] received", (walker.project / "worker.log").read_text())
+    assert len(received) == 1, f"the dev worker took the tests' jobs: {len(received)} received"
