@@ -15,6 +15,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
 from oncelery.models.base import Base
@@ -140,7 +141,6 @@ def run_env(context: Any) -> None:
     if connection is not None:
         run(connection)
         return
-    from sqlalchemy import create_engine
 
     engine = create_engine(context.config.get_main_option("sqlalchemy.url") or "")
     with engine.begin() as conn:

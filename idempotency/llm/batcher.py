@@ -191,8 +191,9 @@ class _Changed(Exception):
     """The items changed under a claim: its transaction rolls back."""
 
 
-class LeaseLost(Exception):
-    """The batcher's lease passed to another: this one writes nothing more this round."""
+class BatcherLeaseLost(Exception):
+    """The batcher's lease passed to another: this one writes nothing more this round (a batcher's own lease, not a
+    run's: the public `oncelery.errors.LeaseLost` is a run holder's fencing token gone stale)."""
 
 
 class Batcher:
@@ -253,13 +254,13 @@ class Batcher:
             return True
 
     def _fence(self, conn: Connection) -> None:
-        """In the caller's transaction: raise LeaseLost unless this batcher still holds its lease."""
+        """In the caller's transaction: raise BatcherLeaseLost unless this batcher still holds its lease."""
         c = LEASES.c
         held = conn.execute(
             select(c.name).where(c.name == LEASE_NAME, c.owner == self.owner, c.token == self.token)
         ).first()
         if held is None:
-            raise LeaseLost(f"batcher {self.owner} lost its lease")
+            raise BatcherLeaseLost(f"batcher {self.owner} lost its lease")
 
     # -- a round -------------------------------------------------------------------------------------------
     def run_once(self) -> BatchRound:
@@ -273,7 +274,7 @@ class Batcher:
                 self._guarded(self._submit, batch, done)
             for batch in self._due_polls():
                 self._guarded(self._poll, batch, done)
-        except LeaseLost as exc:
+        except BatcherLeaseLost as exc:
             done.errors.append(str(exc))
         return done
 

@@ -20,6 +20,7 @@ from oncelery.errors import ConfigurationError
 from oncelery.ledger.rows import add_call
 from oncelery.ledger.settle import charge_txn
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
+from oncelery.llm.adapters.factory import made_adapter, task_adapter
 from oncelery.llm.batches import BatchPolicy, batch_micros
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, parse_usd
 from oncelery.llm.call import CallPolicy, call_batched, call_model
@@ -64,7 +65,6 @@ ON_LOST = ("recall", "dead_letter")
 
 def resolve_adapter(task: Any, adapter: Any) -> Adapter:
     """Return the call's adapter: `adapter=`, else the task's `llm_adapter` (an adapter or a factory of one)."""
-    from oncelery.llm.adapters.factory import made_adapter, task_adapter
 
     chosen = task_adapter(task) if adapter is None else made_adapter(task, adapter)
     if chosen is None or not all(hasattr(chosen, name) for name in ("create", "poll", "capabilities", "usage")):

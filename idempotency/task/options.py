@@ -18,6 +18,7 @@ from celery import Task
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
 from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.llm.adapters.factory import unbind_factories
+from oncelery.llm.budgets import ON_BUDGET, parse_usd
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import EntityVersionOf
 from oncelery.runs.keys import CallKey, FingerprintSpec, Identity, KeyBuilder, KeySpec
@@ -170,7 +171,6 @@ class TaskOptions(Task):  # type: ignore[misc]
         _ = self._keys, self._concurrency_keys
 
     def _check_budget_options(self) -> None:
-        from oncelery.llm.budgets import ON_BUDGET, parse_usd
 
         if self.max_cost_usd is not None:
             parse_usd(self.max_cost_usd, f"{self.name}: max_cost_usd")

@@ -264,7 +264,7 @@ class PgCluster:
 
     def execute(self, sql: str, params: tuple[object, ...] = (), dbname: str = "postgres") -> list[tuple[object, ...]]:
         """Run one statement on a short-lived autocommit admin connection; return its rows."""
-        import psycopg
+        import psycopg  # the `postgres` extra: a throwaway cluster is PostgreSQL, the kit runs without it
 
         with psycopg.connect(self._dsn(dbname), autocommit=True) as conn:
             cur = conn.execute(sql.encode(), params)  # type: ignore[arg-type]
@@ -283,7 +283,7 @@ class PgCluster:
 
     def terminate_backends(self, exclude_pid: int | None = None, database: str | None = None) -> int:
         """pg_terminate_backend every other client backend (of `database`, if given); return how many."""
-        import psycopg
+        import psycopg  # the `postgres` extra, as in execute()
 
         with psycopg.connect(self._dsn(), autocommit=True) as conn:
             rows = conn.execute(

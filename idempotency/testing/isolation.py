@@ -37,12 +37,17 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery.app.backends import by_url
 from celery.app.routes import Router
+from celery.backends.base import BaseKeyValueStoreBackend
+from celery.backends.database import DatabaseBackend
 from kombu.entity import Exchange, Queue, binding
+from sqlalchemy.engine import make_url
 
 from oncelery.errors import ConfigurationError
 from oncelery.settings import CONF_DATABASE_URL, ENV_DATABASE_URL
 from oncelery.settings_files import FILE_SUFFIX
+from oncelery.testing.broker import drop_queues, on_redis
 
 __all__ = ["NAMESPACE_PREFIX", "Isolation", "Namespace", "isolate", "isolated", "namespace_of"]
 
@@ -213,9 +218,6 @@ def _routing(conf: Any, namespace: Namespace) -> dict[str, Any]:
 
 def _results(app: Any, url: str, namespace: Namespace) -> dict[str, Any]:
     """The result backend's settings for the test: its keys under the namespace, or the test database."""
-    from celery.app.backends import by_url
-    from celery.backends.base import BaseKeyValueStoreBackend
-    from celery.backends.database import DatabaseBackend
 
     configured = app.conf.result_backend
     if not configured or not isinstance(configured, str):
@@ -264,7 +266,6 @@ def _leave(isolation: Isolation) -> None:
 
 
 def _drop_queues(app: Any, namespace: Namespace) -> None:
-    from oncelery.testing.broker import drop_queues, on_redis
 
     try:
         if on_redis(app):
@@ -291,7 +292,6 @@ def _put_env(before: dict[str, str | None]) -> None:
 
 
 def _hidden(url: str) -> str:
-    from sqlalchemy.engine import make_url
 
     try:
         return make_url(url).render_as_string(hide_password=True)

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.app.utils import find_app
+from celery.utils.imports import symbol_by_name
 from sqlalchemy.engine import make_url
 
 from oncelery.errors import ConfigurationError
@@ -87,7 +89,7 @@ def prepare_worker_app(app: Any, url: str, visibility_timeout: float | None) -> 
     queues and results: oncelery.testing.isolation), merge the kit's transport options (returned), and have the
     worker re-assert the database at celeryd_init and refuse at worker_init if it changed. Called in the worker
     subprocess, before Celery's command line starts the worker."""
-    from celery import signals
+    from celery import signals  # imported here: only the worker subprocess connects these handlers
 
     isolate(app, url)  # loads the app's configuration first; the test's database, queues and results win over it
     options = kit_transport_options(app, visibility_timeout)  # named after the test's default queue
@@ -113,9 +115,8 @@ def prepare_worker_app(app: Any, url: str, visibility_timeout: float | None) -> 
 def main(argv: list[str] | None = None) -> None:
     """`python -m oncelery.testing <app path> worker [options]`: Celery's `celery -A <app path> worker
     [options]` on the test database ($ONCELERY_TEST_WORKER_DATABASE_URL) whatever the app configures."""
-    from celery.app.utils import find_app
+    # Imported here: Celery's command line (click and every subcommand) loads only in the worker subprocess.
     from celery.bin.celery import main as celery_main
-    from celery.utils.imports import symbol_by_name
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or ENV_WORKER_DATABASE_URL not in os.environ:
@@ -135,8 +136,6 @@ def main(argv: list[str] | None = None) -> None:
 def import_app(path: str) -> Any:
     """The Celery app at the import path `path` ("pkg.module:app"), imported in this process as `celery -A`
     finds it; ConfigurationError naming the path if it cannot be."""
-    from celery.app.utils import find_app
-    from celery.utils.imports import symbol_by_name
 
     try:
         return find_app(path, symbol_by_name=symbol_by_name)
