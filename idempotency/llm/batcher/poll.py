@@ -7,7 +7,7 @@
    again after a crash applies nothing twice. Gemini's responses carry no custom_id: they are matched by
    position to the batch's items in the order they were sent (by item id), so no item leaves a batch before
    the batch has ended (its re-queues commit with the batch's end, in one transaction).
-5. A batch with **suspects** (Anthropic only) is polled with them (`batch_suspects.SuspectWatch`).
+5. A batch with **suspects** (Anthropic only) is polled with them (`suspects.SuspectWatch`).
 
 Crash points (`oncelery.runs.faults`): batch_downloaded, batch_applying.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, select, update
 
-from oncelery.llm.batch_stage import BatcherLease, BatchRound, Stage, wake_run
-from oncelery.llm.batch_suspects import Suspects, SuspectWatch
+from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, wake_run
+from oncelery.llm.batcher.suspects import Suspects, SuspectWatch
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database, rowcount

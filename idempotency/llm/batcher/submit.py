@@ -9,7 +9,7 @@
 3. **Create**, tagged with the batch's id (OpenAI `metadata`, Gemini's `displayName`, whose requests go inline
    with no upload). Before creating, the provider's list is searched for that tag: a batch created in the window
    before a crash is found again, never created twice. Anthropic's batches carry no tag (`_submit_untagged`): a
-   create repeated past the search bound keeps the batches running then as its suspects (`batch_suspects`).
+   create repeated past the search bound keeps the batches running then as its suspects (`suspects`).
 
 Crash points (`oncelery.runs.faults`): batch_claimed, batch_uploaded, batch_created, batch_created_again,
 batch_saved.
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select, update
 
-from oncelery.llm.batch_stage import BatcherLease, BatchRound, Stage, epoch_of, logger
-from oncelery.llm.batch_suspects import Suspects, items_digest
+from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, epoch_of, logger
+from oncelery.llm.batcher.suspects import Suspects, items_digest
 from oncelery.llm.batches import batch_url
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.runs.faults import fault_point

@@ -5,12 +5,12 @@ makes is fenced by that lease's token, so a batcher that lost its lease (paused,
 It runs inside `oncelery relay` (`Relay.run_once`). A round takes the lease, then runs its stages, each in a
 module of its own that documents its protocol and its crash points (`oncelery.runs.faults`):
 
-- `batch_stage`: what the stages share: the round's tally (`BatchRound`), the lease (`BatcherLease`), the reads.
-- `batch_submit` (`Submitter`): 1. **claim** due groups under batch rows, 2. **upload** (OpenAI), 3. **create**
+- `stage`: what the stages share: the round's tally (`BatchRound`), the lease (`BatcherLease`), the reads.
+- `submit` (`Submitter`): 1. **claim** due groups under batch rows, 2. **upload** (OpenAI), 3. **create**
   each provider batch once, found again by its tag after a crash (Anthropic's untagged batches by their items).
-- `batch_poll` (`Poller`): 4. **poll** each submitted batch at its pace; once it ended, **apply** each line once
+- `poll` (`Poller`): 4. **poll** each submitted batch at its pace; once it ended, **apply** each line once
   by `custom_id` and wake its run.
-- `batch_suspects` (`SuspectWatch`): 5. **suspects** (Anthropic only): the batches that may run a batch's
+- `suspects` (`SuspectWatch`): 5. **suspects** (Anthropic only): the batches that may run a batch's
   requests a second time; the first to end is applied, a duplicate is labelled `duplicate_batch` in the ledger.
 
 This module keeps the round (`Batcher.run_once`) and what happens to a batch the provider refuses.
@@ -23,13 +23,13 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from oncelery.llm.batch_poll import POLL_S as POLL_S
-from oncelery.llm.batch_poll import Poller
-from oncelery.llm.batch_stage import LEASE_S as LEASE_S
-from oncelery.llm.batch_stage import BatcherLease, BatcherLeaseLost, BatchRound, logger, wake_run
-from oncelery.llm.batch_submit import UNTAGGED_SEARCH_S as UNTAGGED_SEARCH_S
-from oncelery.llm.batch_submit import FileBatches, InlineBatches, Submitter
-from oncelery.llm.batch_suspects import DUPLICATE_BATCH, LedgerWriter, Suspects, SuspectWatch, SyncPrice
+from oncelery.llm.batcher.poll import POLL_S as POLL_S
+from oncelery.llm.batcher.poll import Poller
+from oncelery.llm.batcher.stage import LEASE_S as LEASE_S
+from oncelery.llm.batcher.stage import BatcherLease, BatcherLeaseLost, BatchRound, logger, wake_run
+from oncelery.llm.batcher.submit import UNTAGGED_SEARCH_S as UNTAGGED_SEARCH_S
+from oncelery.llm.batcher.submit import FileBatches, InlineBatches, Submitter
+from oncelery.llm.batcher.suspects import DUPLICATE_BATCH, LedgerWriter, Suspects, SuspectWatch, SyncPrice
 from oncelery.llm.errors import ProviderError, ProviderRejected
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.store.database import Database

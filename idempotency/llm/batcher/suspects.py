@@ -2,7 +2,7 @@
 
 A batch whose create may have been sent before a crash, and which is created again past the search bound
 (`untagged_search_s`) because a batch was still running, keeps the batches running then as its suspects
-(`llm_batches.suspects`). The poller (`batch_poll`) polls them with its own batch: the first of them to end with
+(`llm_batches.suspects`). The poller (`poll`) polls them with its own batch: the first of them to end with
 exactly this batch's custom_ids (or its own batch) is applied; each other one that ends with them is the
 duplicate, and each of its lines is written to the ledger once, labelled `duplicate_batch`, at the batch price,
 without touching the items. A suspect with other custom_ids, or gone, is forgotten. The batch ends once every
@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from oncelery.llm.adapters.base import Usage
-from oncelery.llm.batch_stage import BatcherLease, BatchRound, Stage, logger
+from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, logger
 from oncelery.llm.batches import batch_micros
 from oncelery.llm.errors import ProviderRejected, ResponseGone
 from oncelery.models.batches import BatchState
