@@ -13,12 +13,17 @@ Standard library only: it imports without pytest, the demo or any provider SDK, 
 on a plain `pip install oncelery`. Run it in a thread (`FakeProvider()`) or as a process
 (`python -m oncelery.llm.fake --port 0`), and drive either over HTTP with `FakeProviderControl`.
 
-Reading order: `generate` (text and tokens), `state` (responses, knobs, counters), `protocol` (wire shapes),
-`batches` (files and batches), `server` (HTTP).
+Reading order: `generate` (text and tokens), `state` (responses, knobs, counters), `protocol` (wire shapes);
+the batch APIs: `batch_records` (files, batches, their items), `files` (OpenAI's Files API), `batch_checks`
+(creates validated), `batches` (a batch's life, time compressed), `batch_shapes` (the providers' batch objects);
+HTTP: `exchange` (reading a request, answering in a provider's shapes), `batch_routes` (the Files and batch
+routes), `handler` (the routes, the model creates, the `/_fake/*` control API), `server` (the server, in a thread
+or as the process), `control` (`FakeProviderControl`, the control API's client).
 """
 
+from oncelery.llm.fake.control import FakeProviderControl
 from oncelery.llm.fake.generate import generate_text
-from oncelery.llm.fake.server import FakeProvider, FakeProviderControl
+from oncelery.llm.fake.server import FakeProvider
 from oncelery.llm.fake.state import Knobs
 from oncelery.llm.tokens import count_tokens
 

@@ -14,12 +14,10 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from oncelery.llm.fake.batch_records import Batch, StoredFile
 from oncelery.llm.tokens import count_tokens, output_limit, truncate_tokens
-
-if TYPE_CHECKING:
-    from oncelery.llm.fake.batches import Batch, StoredFile
 
 #: The metadata key whose value the fake counts creates by (the opaque intent id a client sends).
 INTENT_KEY = "oncelery_intent"
@@ -228,7 +226,7 @@ class ProviderState:
         self.window = RateWindow()
         self.stats = Stats()
         self.released = 0  # held answers released so far (a generation counter the holders wait on)
-        # Batch APIs (`batches`): uploaded and produced files, batches of both providers, one creation order.
+        # Batch APIs (`files`, `batches`): uploaded and produced files, batches of every provider, one creation order.
         self.files: dict[str, StoredFile] = {}
         self.batches: dict[str, Batch] = {}
         self.sequence = itertools.count()
