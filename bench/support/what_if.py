@@ -43,7 +43,7 @@ def apply_what_if(what_if: set[str]) -> None:
 
 def _no_heartbeat() -> None:
     """no-heartbeat: the delivery starts a Heartbeat that does nothing."""
-    import oncelery.delivery.decision_table as task_module  # where the delivery starts its Heartbeat
+    import oncelery.delivery.claimed as task_module  # where the delivery starts its Heartbeat (ClaimedRow._attach)
 
     class _NoHeartbeat:
         def __init__(self, store: Any, claim: Any) -> None:

@@ -20,6 +20,9 @@
 A message that waits for a live holder counts `in_progress` on its first find only; its re-checks count
 nothing, and the delivery that stops waiting observes the wait's length (`_end_wait`, runs/waits.py).
 
+The CLAIMED row and its sub-rows (`_execute` ... `_lease_lost`) are `ClaimedRow`'s methods (`claimed.py`), which
+`Delivery` inherits; this module holds the table, the rows before and after a claim, and what the rows share.
+
 The task (Celery glue) supplies how to re-send; this module decides when. It knows the task only through
 `DeliveredTask`, the few things a delivery asks of it.
 """
@@ -28,46 +31,22 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore
 
-from oncelery.delivery.call import UNFIXABLE_ERRORS, Call, DeliveredTask, RunContext, max_retries
-from oncelery.delivery.debounce import debounced, superseded, superseding_watch
-from oncelery.delivery.effects import EffectsScope
-from oncelery.delivery.renewal import Heartbeat
+from oncelery.delivery.call import Call, DeliveredTask
+from oncelery.delivery.claimed import ClaimedRow
+from oncelery.delivery.debounce import debounced
 from oncelery.delivery.replay_cache import ReplayCache
-from oncelery.delivery.resend import SendAgain, after_store_fault, can_resend, direct_backoff, seconds_until
-from oncelery.delivery.steps import StepRunner, load_checkpoints
-from oncelery.errors import (
-    ConfigurationError,
-    IdempotencyConflict,
-    InProgress,
-    LeaseLost,
-    RunIsDead,
-    RunParked,
-    StaleVersion,
-    StoreError,
-)
-from oncelery.llm.errors import BudgetExceeded
+from oncelery.delivery.resend import SendAgain, after_store_fault, can_resend, direct_backoff
+from oncelery.errors import IdempotencyConflict, InProgress, RunIsDead, StaleVersion, StoreError
 from oncelery.models import Outcome
 from oncelery.runs.claims import RunStore
-from oncelery.runs.decisions import (
-    REASON_BUDGET,
-    REASON_NEVER_SUCCEEDS,
-    REASON_RETRIES_EXHAUSTED,
-    Claim,
-    ClaimResult,
-    Death,
-    Decision,
-    EntityVersionOf,
-    encode_result,
-)
+from oncelery.runs.decisions import ClaimResult, Decision, EntityVersionOf
 from oncelery.runs.faults import fault_point
-from oncelery.runs.forks import ForkSpec
 from oncelery.runs.keys import Identity, differing_fields, digest_key_rotated
 from oncelery.runs.waits import record_wait, wait_started
 from oncelery.settings import DIRECT_WAIT_TIMEOUT, HEADER_WAITING_SINCE
@@ -77,7 +56,7 @@ __all__ = ["Delivery", "conflict_error"]
 logger = logging.getLogger("oncelery.delivery")  # a stable name (users filter on it)
 
 
-class Delivery:
+class Delivery(ClaimedRow):
     """One delivery of `task` for a call: claims, then executes, replays, waits or refuses (one outcome)."""
 
     def __init__(self, task: DeliveredTask, call: Call, send_again: SendAgain) -> None:
@@ -260,161 +239,6 @@ class Delivery:
     def _in_progress(self, why: str) -> InProgress:
         return InProgress(f"{self.task.name}[{self.ident.key}] {why}", task_name=self.task.name, key=self.ident.key)
 
-    # -- CLAIMED: run the body, then complete, fail, wait for a retry, or give the run up ---------------
-
-    def _execute(self, res: ClaimResult, args: tuple[Any, ...], kwargs: dict[str, Any], _deadline: float) -> Any:
-        """CLAIMED: run the body under a renewed lease; its effects commit with the fenced completion."""
-        claim = res.claim
-        if claim is None:  # a CLAIMED decision always carries its claim (a typed error, not an assert)
-            raise StoreError(f"{self.task.name}[{self.ident.key}]: a claim was decided without a claim")
-        logger.info("claimed %s[%s] token=%d attempt=%d", self.task.name, claim.key, claim.token, claim.attempts)
-        try:
-            fork = self.call.fork  # read and checked against this call before the claim (task/idempotent.py)
-            checkpoints = self._checkpoints(claim, fork)
-        except StoreError as exc:
-            return self._store_failed(exc, "loading the checkpoints of")
-        ctx = self._attach(claim, checkpoints, fork)
-        try:
-            return self._run_body(ctx, args, kwargs)
-        except LeaseLost:
-            return self._lease_lost(ctx)
-        except StoreError as exc:
-            ctx.effects.discard()
-            # Nothing committed; the run stays RUNNING until its lease expires, then a re-delivery takes it.
-            return self._store_failed(exc, "finishing")
-        except Retry as retry:
-            self._retry_requested(ctx, retry)
-            raise
-        except RunParked as parked:
-            return self._parked(ctx, parked)
-        except BaseException as exc:
-            return self._failed(ctx, exc)
-        finally:
-            ctx.effects.close()
-            self.task.detach(ctx)
-
-    def _checkpoints(self, claim: Claim, fork: ForkSpec | None = None) -> list[Any]:
-        # Only a taken-over run can have checkpoints: a fresh insert has none (saves a query per job).
-        own: list[Any] = []
-        if claim.takeover:
-            fault_point("load_checkpoints", task=self.task.name, key=claim.key)
-            own = load_checkpoints(self.store, claim.run_id)
-        if fork is None:
-            return own
-        # A fork replays the steps before its from-step from the SOURCE run's checkpoints; from there it executes.
-        mine = {c.position for c in own}
-        source = load_checkpoints(self.store, fork.source_run_id)
-        replayed = [c for c in source if c.position < fork.from_position and c.position not in mine]
-        return sorted(own + replayed, key=lambda c: c.position)
-
-    def _attach(self, claim: Claim, checkpoints: list[Any], fork: ForkSpec | None = None) -> RunContext:
-        hb = Heartbeat(self.store, claim, self.task.max_lease_seconds(), superseding_watch(self, claim)).start()
-        ctx = RunContext(
-            claim, hb, StepRunner(self.store, claim, checkpoints), EffectsScope(self.store, fork), parkable=self.resend,
-            fork=fork,
-        )  # fmt: skip
-        self.task.attach(ctx)
-        # Celery's max_retries counts this run's retries, whichever message (a duplicate, a re-send)
-        # carries the attempt: never a fresh allowance per copy.
-        self.request.retries = max(int(self.request.retries or 0), claim.retries)
-        return ctx
-
-    def _run_body(self, ctx: RunContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        claim = ctx.claim
-        try:
-            result = self.task.run(*args, **kwargs)
-            ctx.heartbeat.check()
-            encoded = encode_result(result, f"The result of {self.task.name}[{claim.key}]")
-            return self._complete(ctx, encoded)
-        finally:
-            # Stopped only after the commit: on SQLite a renewal may wait for the effects
-            # transaction's write lock, which the commit releases (joining first would deadlock).
-            ctx.heartbeat.stop()
-
-    def _complete(self, ctx: RunContext, encoded: Any) -> Any:
-        """Complete the run fenced by its token, with its effects; a newer entity version makes it stale."""
-        claim = ctx.claim
-        outcome = Outcome.RESUMED if ctx.steps.replayed else Outcome.EXECUTED
-        fault_point("complete", task=self.task.name, key=claim.key)
-        steps = ctx.steps.counts()
-        try:
-            keep = self.call.keep_arguments
-            self.store.complete(claim, encoded, ctx.effects.connection, outcome, self.version, steps, keep)
-        except StaleVersion as stale:
-            # A newer version of the entity was applied while this one ran: its effects roll back,
-            # and the run completes with no result, counted `stale` (never applied out of order).
-            ctx.effects.discard()
-            logger.info("%s[%s]: %s", self.task.name, claim.key, stale)
-            self.store.complete(claim, None, None, Outcome.STALE, steps=steps)
-            self.task.tell_caller(Outcome.STALE, self.ident, claim.token)
-            return None
-        self.task.tell_caller(outcome, self.ident, claim.token)
-        self._remember(claim.run_id, claim.token, encoded)  # committed: COMPLETED is final
-        return encoded
-
-    def _lease_lost(self, ctx: RunContext) -> Any:
-        """Lease lost while finishing: roll back; the next delivery replays the taker's result."""
-        if ctx.heartbeat.was_superseded():  # fenced out by a newer edit (counted `superseded` where it was fenced)
-            return superseded(self, ctx)
-        claim = ctx.claim
-        ctx.effects.discard()
-        self._count(Outcome.LEASE_LOST)
-        logger.warning("lease lost for %s[%s] token=%d: writes rolled back", self.task.name, claim.key, claim.token)
-        if not self.resend:
-            raise  # re-raises the LeaseLost being handled by _execute
-        # The next delivery replays the new holder's result, or runs the job if the claim itself was lost
-        # (e.g. a database crash): never a silent drop.
-        return self.send_again(None)
-
-    def _parked(self, ctx: RunContext, parked: RunParked) -> Any:
-        """The body parked the run (a model call still running): WAITING, no slot held, woken by the relay."""
-        claim = ctx.claim
-        if ctx.heartbeat.superseded:  # fenced out by a newer edit: nothing to park
-            return superseded(self, ctx)
-        ctx.effects.discard()
-        if not ctx.parkable:  # the body asked anyway (it may not know): there is no broker to wake it through
-            raise ConfigurationError(
-                f"{self.task.name}[{claim.key}]: a direct or eager call cannot park its run ({parked}): call it with "
-                ".delay(), or let it block (inline_wait=None)"
-            )
-        try:
-            fault_point("park", task=self.task.name, key=claim.key)
-            ok = self.store.park(claim, parked.wake_in_s, f"waiting: {parked.reason}", self.call.message)
-        except StoreError as exc:
-            # Not parked: the run stays RUNNING, and this message's re-send takes it over as its own at once.
-            return self._store_failed(exc, "parking")
-        if not ok:  # counted lease_lost by park(): the holder that took it over finishes it
-            logger.warning("lease lost for %s[%s] token=%d while parking", self.task.name, claim.key, claim.token)
-            return self.send_again(None)
-        self.task.tell_caller(Outcome.WAITING, self.ident, claim.token, note=parked.reason)
-        logger.info("parked %s[%s] token=%d: %s", self.task.name, claim.key, claim.token, parked)
-        # Acked without a result: the caller's AsyncResult stays pending until the woken delivery (the same task
-        # id) completes the run.
-        raise Ignore()
-
-    def _retry_requested(self, ctx: RunContext, retry: Retry) -> None:
-        """The body asked Celery to retry: record the wait, so a duplicate does not run it sooner."""
-        ctx.effects.discard()
-        # Celery has already sent the retry's message: if the failure cannot be recorded, the run stays
-        # RUNNING until its lease expires and the retry takes it over then. Recorded, the run waits
-        # out the countdown: a duplicate delivery must not run it again sooner.
-        error = "retry requested: " + traceback.format_exc(limit=5)
-        self._record_failure(ctx.claim, error, retry_in=seconds_until(retry.when))
-
-    def _failed(self, ctx: RunContext, exc: BaseException) -> Any:
-        """The body raised: record FAILED (or DEAD) and re-raise; re-send if the failure could not be recorded."""
-        claim = ctx.claim
-        ctx.effects.discard()
-        death = self._death(exc)
-        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=20)}"
-        failure = self._record_failure(claim, error, death=death)
-        if failure is not None and self.resend:
-            # An unrecorded failure would be acked as final while the run stays RUNNING: send the job
-            # again instead; it is taken over (and run again) once this holder's lease expires.
-            return self._store_failed(failure, "recording the failure of")
-        self.task.tell_caller(Outcome.DEAD if death is not None else Outcome.FAILED, self.ident, claim.token)
-        raise  # re-raises the body's error being handled by _execute, with its traceback
-
     # -- shared by the rows ----------------------------------------------------------------------
 
     def _end_wait(self, ended: str) -> None:
@@ -439,33 +263,6 @@ class Delivery:
         what = f"{doing} {self.task.name}[{self.ident.key}]"
         return after_store_fault(exc, what, self.resend, self.send_again, self.owner)
 
-    def _death(self, exc: BaseException) -> Death | None:
-        """A Death if this final failure can never succeed or spent the last retry, else None (FAILED)."""
-        task = self.task
-        if isinstance(exc, BudgetExceeded):
-            reason = REASON_BUDGET
-        elif isinstance(exc, UNFIXABLE_ERRORS + tuple(task.dead_on)):
-            reason = REASON_NEVER_SUCCEEDS
-        elif (limit := max_retries(task)) is not None and int(task.request.retries or 0) >= limit:
-            # Celery re-raises the error of the last allowed retry (or MaxRetriesExceededError): it is final.
-            reason = REASON_RETRIES_EXHAUSTED
-        else:
-            return None
-        tb = traceback.format_exc(limit=50)
-        return Death(reason, tb, self.call.message, f"{type(exc).__name__}: {exc}")
-
-    def _record_failure(
-        self, claim: Claim, error: str, retry_in: float | None = None, death: Death | None = None
-    ) -> StoreError | None:
-        """Record the run FAILED (or DEAD); return the store error that prevented it (re-send), else None."""
-        try:
-            fault_point("record_failure", task=self.task.name, key=claim.key)
-            self.store.fail(claim, error, retry_in=retry_in, death=death)
-        except StoreError as exc:
-            logger.error("could not record failure of %s[%s]: %s", self.task.name, claim.key, exc)
-            return exc
-        return None
-
     def _count(self, outcome: Outcome, replayed_run: int | None = None, token: int | None = None) -> None:
         # A StoreError here propagates to `run`, which sends the job again: an uncounted delivery is not settled.
         fault_point("count_outcome", task=self.task.name, key=self.ident.key, outcome=outcome.value)
@@ -477,7 +274,6 @@ _WAIT = object()  # _busy's answer when a direct caller should poll again
 _WAITING = (Decision.IN_PROGRESS, Decision.ENTITY_BUSY)
 
 
-# How a wait ended, by the decision of the delivery that no longer waits (the label of in_progress_wait).
 def conflict_error(task_name: str, ident: Identity, stored: dict[str, str]) -> IdempotencyConflict:
     """The IdempotencyConflict of a call whose key was first used with another payload, naming the fields that
     differ (`stored`: the run's field digests; `ident`'s own are compared with them) where the digests tell."""
@@ -495,6 +291,7 @@ def conflict_error(task_name: str, ident: Identity, stored: dict[str, str]) -> I
     )
 
 
+# How a wait ended, by the decision of the delivery that no longer waits (the label of in_progress_wait).
 _WAIT_ENDED = {
     Decision.COMPLETED: Outcome.REPLAYED.value,
     Decision.CLAIMED: "claimed",

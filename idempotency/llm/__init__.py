@@ -3,5 +3,7 @@
 It sits between `delivery` (which runs a step) and `runs` (which stores it), and imports no Celery: a call's
 protocol is the same whoever delivers the job.
 
-Reading order: `fake` (a real HTTP server that speaks the providers' protocols, for tests and the demo).
+Reading order: `call` (the model-call protocol and its recovery table), `call_step` (what one call is given, what
+it may cost and which limiters admit it, how a finished call ends), `fake` (a real HTTP server that speaks the
+providers' protocols, for tests and the demo).
 """

@@ -37,16 +37,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy import Connection
 
-from oncelery.errors import ConfigurationError, LeaseLost, RunParked, StepMismatch
+from oncelery.errors import ConfigurationError, LeaseLost, RunParked
 from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
-from oncelery.llm.adapters.base import Adapter, Observed, Usage
-from oncelery.llm.adapters.base import CallState as Provider
+from oncelery.llm.adapters.base import Adapter, Observed
 from oncelery.llm.batches import (
     BatchItem,
     BatchPolicy,
@@ -58,7 +56,21 @@ from oncelery.llm.batches import (
     read_item,
     seconds_since,
 )
-from oncelery.llm.budgets import BudgetPlan, count_refused, estimate_micros, remaining_micros
+from oncelery.llm.budgets import count_refused
+from oncelery.llm.call_step import (
+    Answered,
+    CallPolicy,
+    CallStep,
+    Recorder,
+    admissions_for,
+    answer_ended,
+    check_retry_budget,
+    check_same_request,
+    estimated_cost,
+    heed_hint,
+    intent_row,
+    provider_limiters,
+)
 from oncelery.llm.errors import (
     BudgetExceeded,
     CallOutcomeUnknown,
@@ -78,81 +90,20 @@ from oncelery.llm.intents import (
     mark_sent,
     prepare_intent,
 )
-from oncelery.llm.limits import Admission, LimitRule, Throttled, count_throttled, hold, limiters_for, penalize
+from oncelery.llm.limits import Throttled, count_throttled, penalize
 from oncelery.llm.observe import on_call
 from oncelery.llm.request import request_digest
-from oncelery.llm.tokens import estimate_tokens, input_text, output_limit
 from oncelery.models.batches import ItemState
 from oncelery.models.intents import IntentState, RepeatReason
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim
 from oncelery.runs.faults import fault_point
 
-__all__ = ["Answered", "CallPolicy", "Recorder", "call_batched", "call_model"]
+__all__ = ["call_batched", "call_model"]
 
 logger = logging.getLogger("oncelery.llm")
 
 POLL_FAILURES = 5  # consecutive failed polls (free) before the delivery gives up; the next one re-attaches
-DEFAULT_POLL_S = 1.0
-
-
-@dataclass(frozen=True)
-class CallPolicy:
-    """How one model call behaves (per task, overridable per call)."""
-
-    background: bool = True  # where the adapter has a background mode
-    at_most_once: bool = False  # a sync call whose outcome is unknown goes to a person, never re-sent
-    on_lost: str = "recall"  # or "dead_letter": a response the provider forgot
-    poll_s: float = DEFAULT_POLL_S  # between polls when the provider gives no hint
-    # Seconds a delivery polls a background call before parking the run (RunParked); a delivery that woke the
-    # parked run (`woken`) polls once. None: block until the call ends, holding the worker slot.
-    inline_wait_s: float | None = None
-    woken: bool = False
-    limits: tuple[LimitRule, ...] = ()  # oncelery_limits: the shared limiters a call is admitted through
-    budgets: BudgetPlan | None = None  # oncelery_budgets and max_cost_usd: what the call reserves before it is sent
-
-
-class Recorder(Protocol):
-    """Writes one ledger row in the caller's transaction (the task room prices it; the call id makes it once)."""
-
-    def __call__(
-        self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
-        error: str | None,
-    ) -> None: ...  # fmt: skip
-
-    def cost_of(self, usage: Usage, mode: str) -> int | None:
-        """What `usage` costs in micro-USD for a call in `mode` (a batch item at the batch price); None: no price."""
-        ...
-
-    def wrote(self, row: Mapping[str, Any]) -> None:
-        """Learn of a row the call layer wrote itself (an unknown outcome's), once its transaction committed."""
-        ...
-
-
-@dataclass(frozen=True)
-class Answered:
-    """A finished call: the provider's response JSON, and the writes that commit with the step's checkpoint."""
-
-    response: Mapping[str, Any]
-    writes: Callable[[Connection], None]
-    reattached: bool
-    repeated: RepeatReason | None
-
-
-@dataclass(frozen=True)
-class _Step:
-    store: RunStore
-    claim: Claim
-    position: int
-    name: str
-    adapter: Adapter
-    request: Mapping[str, Any]
-    policy: CallPolicy
-    record: Recorder
-    admissions: tuple[Admission, ...] = ()
-    estimate_micros: int = 0  # the call's estimated cost, reserved in its budgets
-
-
 LIMIT_INLINE_S = 1.0  # a limiter wait up to this long (and within the inline wait) sleeps; a longer one parks
 RATE_LIMITED_ATTEMPTS = 3  # a provider's 429s in a row one delivery takes before it leaves the call to a later one
 
@@ -168,13 +119,13 @@ def call_model(
     record: Recorder,
 ) -> Answered:
     """Make (or find again) the model call of step `name` at `position`; see the module's recovery table."""
-    step = _Step(
-        store, claim, position, name, adapter, request, policy, record, _admissions(claim, adapter, request, policy),
-        _estimate(policy, request),
+    step = CallStep(
+        store, claim, position, name, adapter, request, policy, record, admissions_for(claim, adapter, request, policy),
+        estimated_cost(policy, request),
     )  # fmt: skip
     digest = request_digest(request)
     latest = latest_intent(store, claim.run_id, position)
-    _same_request(step, latest, digest)
+    check_same_request(step, latest, digest)
     if latest is not None and latest.state is IntentState.SENT and latest.reference:
         on_call(latest.mode, reattached=True, repeated=latest.repeat_reason and latest.repeat_reason.value)
         return _wait(step, latest, reattached=True)
@@ -185,22 +136,8 @@ def call_model(
     try:
         return _send_admitted(step, intent)
     except ProviderError as exc:
-        _check_retry_budget(step, exc)
+        check_retry_budget(step, exc)
         raise
-
-
-def _same_request(step: _Step, latest: Intent | None, digest: str) -> None:
-    """Raise StepMismatch if the step's last attempt was prepared for another request."""
-    claim, name, position = step.claim, step.name, step.position
-    if latest is not None and latest.request_digest != digest:
-        raise StepMismatch(
-            f"{claim.task_name}[{claim.key}]: the model call of step {name!r} changed since attempt "
-            f"{latest.attempt} was prepared (another model, prompt or parameter); use a new key to run the new request",
-            position=position,
-            expected=name,
-            found=name,
-            changed=["request"],
-        )
 
 
 # A parked batch step is woken by the poller when its item is applied; this is only a safety net (a wake lost
@@ -233,9 +170,9 @@ def call_batched(
     if latest is not None and latest.mode != "batch":  # it fell back to a background call: that call's protocol
         return call_model(store, claim, position, name, adapter, request, policy, record)
     batch_url(adapter.endpoint)  # a batch endpoint exists for it, or ConfigurationError before anything is written
-    estimate = _estimate(policy, request)
-    step = _Step(store, claim, position, name, adapter, request, policy, record, (), batch_micros(estimate))
-    _same_request(step, latest, digest)
+    estimate = estimated_cost(policy, request)
+    step = CallStep(store, claim, position, name, adapter, request, policy, record, (), batch_micros(estimate))
+    check_same_request(step, latest, digest)
     if latest is not None and latest.state is IntentState.SENT:
         item = read_item(store, latest.public_id)
         if item is not None and item.state is ItemState.DONE and item.response is not None:
@@ -256,7 +193,7 @@ def call_batched(
     )
     budget = None if policy.budgets is None else (policy.budgets, step.estimate_micros)
     queue_item(
-        store, claim, position=position, step_name=name, row=_row(step, digest, "batch"),
+        store, claim, position=position, step_name=name, row=intent_row(step, digest, "batch"),
         request=request, policy=batch, supersedes=latest, reason=reason,
         budget=budget,
     )  # fmt: skip
@@ -279,13 +216,13 @@ def _wake_in(store: RunStore, item: BatchItem) -> float:
     return BATCH_RECHECK_S
 
 
-def _park_batch(step: _Step, state: str, wake_in: float) -> RunParked:
+def _park_batch(step: CallStep, state: str, wake_in: float) -> RunParked:
     provider = step.adapter.provider
     # Flower's result column and `oncelery runs show` read this: "waiting on a batch" names why the run waits.
     return RunParked(wake_in, f"model call {step.name!r} waiting on a batch at {provider} (item {state})")
 
 
-def _batch_done(step: _Step, intent: Intent, response: Mapping[str, Any]) -> Answered:
+def _batch_done(step: CallStep, intent: Intent, response: Mapping[str, Any]) -> Answered:
     """The poller applied the item's result: end the intent with the step's checkpoint and the ledger row (at the
     batch price), and forget the item's request and response, in one transaction."""
     usage = step.adapter.usage(response)
@@ -306,47 +243,7 @@ def _batch_done(step: _Step, intent: Intent, response: Mapping[str, Any]) -> Ans
     return Answered(response, writes, False, intent.repeat_reason)
 
 
-def _estimate(policy: CallPolicy, request: Mapping[str, Any]) -> int:
-    """The call's estimated cost in micro-USD (input estimate + output limit at the model's price; 0: no budget)."""
-    if policy.budgets is None or not policy.budgets.active:
-        return 0
-    tokens = estimate_tokens(input_text(request), str(request.get("model", "")))
-    return estimate_micros(policy.budgets.price, tokens, output_limit(request))
-
-
-def _check_retry_budget(step: _Step, exc: ProviderError) -> None:
-    """Before the task retries a failed call, check the job's budget still covers the next attempt's estimate:
-    if not, the retry could only be refused, so the run is dead-lettered now (BudgetExceeded)."""
-    plan = step.policy.budgets
-    if plan is None or plan.job_limit_micros is None:
-        return
-    name = f"run:{step.claim.run_id}"
-    with step.store.db.read() as conn:
-        left = remaining_micros(conn, name)
-    if left is not None and left < step.estimate_micros:
-        spent = plan.job_limit_micros - left
-        raise BudgetExceeded.of(name, step.estimate_micros, spent, 0, plan.job_limit_micros) from exc
-
-
-def _admissions(
-    claim: Claim, adapter: Adapter, request: Mapping[str, Any], policy: CallPolicy
-) -> tuple[Admission, ...]:
-    """The shared limiters this call goes through, with its cost in each (none without `oncelery_limits`)."""
-    if not policy.limits:
-        return ()
-    model = str(request.get("model", ""))
-    tokens = (estimate_tokens(input_text(request), model), output_limit(request))
-    chosen = limiters_for(policy.limits, adapter.provider, model, claim.tenant, claim.task_name, tokens)
-    if tokens[1] == 0 and any(a.rule.kind in ("tpm", "otpm") for a in chosen):
-        raise ConfigurationError(
-            f"{claim.task_name}: a token limit applies to {adapter.provider}:{model}, so its calls need an output "
-            "limit: pass max_output_tokens= (or max_tokens=, or Gemini's generationConfig={'maxOutputTokens': n}) to "
-            "self.llm()"
-        )
-    return tuple(chosen)
-
-
-def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: RepeatReason | None) -> Intent:
+def _prepare(step: CallStep, digest: str, supersedes: Intent | None, reason: RepeatReason | None) -> Intent:
     """Prepare the call's intent once every shared limiter admits it (wait inline when short, else park) and
     every budget has room for its estimate (else BudgetExceeded, or a park until the window resets)."""
     waited = 0.0
@@ -355,7 +252,7 @@ def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: Repeat
         fault_point("llm_prepare", task=step.claim.task_name, key=step.claim.key, step=step.name)
         try:
             return prepare_intent(
-                step.store, step.claim, position=step.position, step_name=step.name, request=_row(step, digest),
+                step.store, step.claim, position=step.position, step_name=step.name, request=intent_row(step, digest),
                 supersedes=supersedes, reason=reason, admissions=step.admissions, budget=budget,
             )  # fmt: skip
         except BudgetExceeded as refused:
@@ -386,7 +283,7 @@ def _prepare(step: _Step, digest: str, supersedes: Intent | None, reason: Repeat
 _UNKNOWN_BEFORE = (RepeatReason.CREATE_WINDOW, RepeatReason.SYNC_UNKNOWN, RepeatReason.LOST)
 
 
-def _wait_or_park(step: _Step, wait_s: float, waited: float, why: str) -> None:
+def _wait_or_park(step: CallStep, wait_s: float, waited: float, why: str) -> None:
     """Sleep `wait_s` when short (or when the delivery may not park), else park the run WAITING that long."""
     inline = step.policy.inline_wait_s
     if inline is None or waited + wait_s <= min(inline, LIMIT_INLINE_S):
@@ -395,7 +292,7 @@ def _wait_or_park(step: _Step, wait_s: float, waited: float, why: str) -> None:
     raise RunParked(wait_s, f"{why}: the call waits {wait_s:.1f}s before it may be sent")
 
 
-def _send_admitted(step: _Step, intent: Intent) -> Answered:
+def _send_admitted(step: CallStep, intent: Intent) -> Answered:
     """Send the call; a 429 teaches the limiters and sends a new intent through them (never an immediate re-call).
 
     After RATE_LIMITED_ATTEMPTS 429s in one delivery the run parks until the provider's retry-after (a delivery
@@ -408,7 +305,7 @@ def _send_admitted(step: _Step, intent: Intent) -> Answered:
         except ProviderRateLimited as exc:
             # `_send` ended the intent `failed` (nothing was made). The provider's limiters are halved and held
             # until its retry-after; the next attempt is a new intent admitted through them.
-            names = _provider_limiters(step)
+            names = provider_limiters(step)
             with step.store.db.begin() as conn:
                 penalize(conn, step.store.db.dialect, names, exc.retry_after_s)
             wait = max(exc.retry_after_s or 0.0, WAKE_FIRST_S)
@@ -422,7 +319,7 @@ def _send_admitted(step: _Step, intent: Intent) -> Answered:
             attempt += 1
 
 
-def _repeat_reason(step: _Step, latest: Intent | None) -> RepeatReason | None:
+def _repeat_reason(step: CallStep, latest: Intent | None) -> RepeatReason | None:
     """Why this call is sent again (None: the first attempt), or raise when policy says not to."""
     if latest is None:
         return None
@@ -444,26 +341,7 @@ def _repeat_reason(step: _Step, latest: Intent | None) -> RepeatReason | None:
     }.get(latest.state, RepeatReason.SUPERSEDED)
 
 
-def _row(step: _Step, digest: str, mode: str | None = None) -> dict[str, Any]:
-    """The intent's columns: where the call goes, how, and what it may cost (the ledger rule's estimate)."""
-    capabilities = step.adapter.capabilities(step.request)
-    background = capabilities.background and step.policy.background
-    mode = mode or ("background" if background else "sync")
-    estimate = estimate_usage(step.request)
-    return {
-        "provider": step.adapter.provider,
-        "endpoint": step.adapter.endpoint,
-        "model": str(step.request.get("model", "")),
-        "mode": mode,
-        "request_digest": digest,
-        "retention_s": capabilities.retention_s,
-        "estimated_input_tokens": estimate.input_tokens,
-        "estimated_output_tokens": estimate.output_tokens,
-        "estimated_cost_micros": step.record.cost_of(estimate, mode),
-    }
-
-
-def _send(step: _Step, intent: Intent) -> Answered:
+def _send(step: CallStep, intent: Intent) -> Answered:
     """Create the call (the intent is already durable), record where it went, then wait for its end."""
     where = {"task": step.claim.task_name, "key": step.claim.key, "step": step.name}
     fault_point("llm_create", **where)
@@ -480,9 +358,9 @@ def _send(step: _Step, intent: Intent) -> Answered:
         end_intent(step.store, step.claim, intent, IntentState.FAILED, error=str(exc))
         raise
     fault_point("llm_created", **where)
-    _heed_hint(step)
+    heed_hint(step)
     if first.terminal or not first.reference:
-        return _ended(step, intent, first, reattached=False)
+        return answer_ended(step, intent, first, reattached=False)
     try:
         sent = mark_sent(step.store, step.claim, intent, first.reference, first.cursor)
     except LeaseLost:
@@ -491,7 +369,7 @@ def _send(step: _Step, intent: Intent) -> Answered:
     return _wait(step, sent, first)
 
 
-def _cancel_unfound(step: _Step, reference: str) -> None:
+def _cancel_unfound(step: CallStep, reference: str) -> None:
     """Cancel, best effort, a call this holder created but could not record (fenced out: superseded, revoked or
     taken over): nobody can ever find it again to re-attach, so its tokens are only spend. It is on the books
     (its intent's row, at its estimate, is written by whoever ended it: the run's end or the next holder)."""
@@ -504,33 +382,7 @@ def _cancel_unfound(step: _Step, reference: str) -> None:
         logger.warning("call %s (fenced out before it was recorded) not cancelled: %s", reference, exc)
 
 
-HINT_MARGIN_S = 0.1
-
-
-def _heed_hint(step: _Step) -> None:
-    """Read the provider's rate-limit headers of the create: when they say the window is spent (no request
-    left, or fewer tokens than a call like this one), hold this provider's limiters until the window resets,
-    so the fleet waits before a 429 instead of after one."""
-    ask = getattr(step.adapter, "rate_hint", None)
-    hint = ask() if callable(ask) else None
-    names = _provider_limiters(step)
-    if hint is None or not names or not hint.reset_s:
-        return
-    tokens = max((a.cost for a in step.admissions if a.rule.kind == "tpm"), default=1)
-    spent = (hint.remaining_requests is not None and hint.remaining_requests < 1) or (
-        hint.remaining_tokens is not None and hint.remaining_tokens < tokens
-    )
-    if spent:  # a little past the reset: the provider's clock and ours differ by a few milliseconds
-        with step.store.db.begin() as conn:
-            hold(conn, step.store.db.dialect, names, hint.reset_s + HINT_MARGIN_S)
-
-
-def _provider_limiters(step: _Step) -> list[str]:
-    """The limiters of this call's provider:model (not its tenant's or task's)."""
-    return [a.name for a in step.admissions if not a.name.startswith(("tenant:", "task:"))]
-
-
-def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattached: bool = False) -> Answered:
+def _wait(step: CallStep, intent: Intent, first: Observed | None = None, *, reattached: bool = False) -> Answered:
     """Poll a sent call until it ends (the delivery's lease renewal keeps the run while it waits), or park the
     run past the inline wait: up to `inline_wait_s`, or once for the delivery that woke a parked run."""
     look, failures = first, 0
@@ -554,7 +406,7 @@ def _wait(step: _Step, intent: Intent, first: Observed | None = None, *, reattac
             if failures >= POLL_FAILURES:
                 raise
             time.sleep(step.policy.poll_s * failures)
-    return _ended(step, intent, look, reattached=reattached)
+    return answer_ended(step, intent, look, reattached=reattached)
 
 
 WAKE_FIRST_S = 1.0  # the first wake after a park, unless the provider's poll-after hint says later
@@ -568,39 +420,14 @@ def wake_after(wakes: int, hint_s: float | None) -> float:
     return max(hint_s or 0.0, backoff)
 
 
-def _park(step: _Step, intent: Intent, look: Observed) -> RunParked:
+def _park(step: CallStep, intent: Intent, look: Observed) -> RunParked:
     """The run's parking: the call is still running at the provider, and its intent stays `sent` to re-attach."""
     wakes = max(0, step.claim.token - intent.token)  # takeovers (wakes, re-attaches) since the call was sent
     reason = f"model call {step.name!r} ({step.adapter.provider} {intent.reference}) {look.state.value} at the provider"
     return RunParked(wake_after(wakes, look.poll_after_s), reason)
 
 
-def _ended(step: _Step, intent: Intent, look: Observed, *, reattached: bool) -> Answered:
-    usage = step.adapter.usage(look.response)
-    if look.state is Provider.DONE:
-
-        def writes(conn: Connection) -> None:
-            end_intent_txn(
-                conn, step.store, intent, IntentState.DONE,
-                input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
-            )  # fmt: skip
-            reason = intent.repeat_reason.value if intent.repeat_reason else None
-            step.record(conn, intent, usage, ok=True, reason=reason, reattached=reattached, error=None)
-
-        return Answered(look.response, writes, reattached, intent.repeat_reason)
-    state = IntentState.CANCELLED if look.state is Provider.CANCELLED else IntentState.FAILED
-    error = str(look.response.get("error") or look.state.value)
-
-    def billed(conn: Connection) -> None:
-        if usage.input_tokens or usage.output_tokens:  # a failed call can still be billed: never hide it
-            reason = intent.repeat_reason.value if intent.repeat_reason else None
-            step.record(conn, intent, usage, ok=False, reason=reason, reattached=reattached, error=error)
-
-    end_intent(step.store, step.claim, intent, state, billed, error=error)
-    raise ProviderCallFailed.of(step.adapter.provider, step.name, state.value, error)
-
-
-def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
+def _lost(step: CallStep, intent: Intent, exc: ResponseGone) -> Answered:
     """The provider forgot a sent call: by policy, dead-letter it or send it again (labelled `lost`)."""
     # It was made, and may have been billed: its answer is gone with it, so it goes on the books at its estimate
     # (before any new attempt is prepared, which a budget may refuse).
@@ -613,7 +440,7 @@ def _lost(step: _Step, intent: Intent, exc: ResponseGone) -> Answered:
     return _send_admitted(step, again)
 
 
-def _record_unknown(step: _Step, unanswered: Intent, why: str = "outcome unknown") -> None:
+def _record_unknown(step: CallStep, unanswered: Intent, why: str = "outcome unknown") -> None:
     """End a call whose outcome cannot be known `lost`, with its ledger row at its estimate and its budgets
     charged, in one fenced transaction (oncelery.ledger.unknown: provider creates <= ledger rows)."""
     dialect = step.store.db.dialect
@@ -627,8 +454,3 @@ def _record_unknown(step: _Step, unanswered: Intent, why: str = "outcome unknown
     fenced_write(step.store, step.claim, "the unknown outcome of the call was not recorded", write)
     for row in written:
         step.record.wrote(row)
-
-
-def estimate_usage(request: Mapping[str, Any]) -> Usage:
-    """A conservative usage of a call whose bill is unknown: its input's estimated tokens plus its output limit."""
-    return Usage(estimate_tokens(input_text(request), str(request.get("model", ""))), output_limit(request))

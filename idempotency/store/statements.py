@@ -178,7 +178,7 @@ class Statements:
                     # Celery's own retry (the same task id) is due when it arrives; duplicates wait it out.
                     and_(c.status == RunStatus.FAILED, or_(retry_due(now), c.celery_task_id == bindparam("p_task_id"))),
                     # A parked run whose wake time came, by its own message only (the wake: its task id), so the
-                    # first caller's AsyncResult gets the result; duplicates wait (oncelery.runs.claims._decide_on).
+                    # first caller's AsyncResult gets the result; duplicates wait (runs/claim_rounds.py, _decide_on).
                     and_(c.status == RunStatus.WAITING, retry_due(now), c.celery_task_id == bindparam("p_task_id")),
                     # A lapsed holder, or this message's own earlier delivery that gave up on a store fault.
                     and_(c.status == RunStatus.RUNNING, or_(lease_expired(now), c.owner == bindparam("p_abandoned"))),

@@ -23,7 +23,8 @@ from oncelery.llm.adapters.base import Adapter, CallState, Usage
 from oncelery.llm.adapters.factory import made_adapter, task_adapter
 from oncelery.llm.batches import BatchPolicy, batch_micros
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, parse_usd
-from oncelery.llm.call import CallPolicy, call_batched, call_model
+from oncelery.llm.call import call_batched, call_model
+from oncelery.llm.call_step import CallPolicy
 from oncelery.llm.intents import Intent
 from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
