@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
-from sqlalchemy import Connection, and_, bindparam, case, or_, select, update
+from sqlalchemy import Connection, and_, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.ledger.rows import add_call
@@ -24,13 +24,13 @@ from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.debounce import dispatch_due
 from oncelery.ops.outbox import send_keyed
+from oncelery.ops.relay_rows import back_off, give_up, mark_republished, mark_sent, sent_params
 from oncelery.ops.retention import kept_arguments_age, purge
 from oncelery.ops.sweeper import sweep_lost_runs, wake_waiting_runs
-from oncelery.runs.decisions import REASON_REPUBLISH_CAP
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
-from oncelery.store.tables import LETTERS, OUTBOX, RUNS
+from oncelery.store.tables import OUTBOX, RUNS
 from oncelery.task.heartbeat import heartbeat_file
 from oncelery.task.metering import price_of
 
@@ -235,7 +235,7 @@ class Relay:
                 if error is None:
                     sent.append(row.id)
                     continue
-                dead = self._back_off(conn, row, f"{type(error).__name__}: {error}")
+                dead = back_off(conn, self.db.dialect, row, f"{type(error).__name__}: {error}", self.max_attempts)
                 done.dead += dead
                 done.failed += 1 - dead
                 if isinstance(error, BrokerUnreachable):
@@ -244,7 +244,8 @@ class Relay:
                     break
             fault_point("relay_published", rows=len(sent))
             if sent:
-                conn.execute(self._sent(), [self._sent_params(row) for row in rows if row.id in sent])
+                marks = [sent_params(self.db.dialect, row) for row in rows if row.id in sent]
+                conn.execute(mark_sent(self.db.dialect, self._now), marks)
         done.published += len(sent)
         return done
 
@@ -256,78 +257,6 @@ class Relay:
     def _locked(self, query: Any) -> Any:
         # PostgreSQL: rows another relay holds are skipped, not waited for (no double publish).
         return self.db.dialect.locked_rows(query, of=OUTBOX)
-
-    def _sent(self) -> Any:
-        o = OUTBOX.c
-        return (
-            update(OUTBOX)
-            .where(o.id == bindparam("p_id"))
-            .values(
-                status=OutboxStatus.SENT,
-                sent_at=self._now,
-                # When the job is due on the broker (its countdown): not re-published before that.
-                next_attempt_at=self.db.dialect.lease_until("p_eta"),
-                attempts=o.attempts + 1,
-                publishes=o.publishes + 1,
-                last_error=None,
-            )
-        )
-
-    def _sent_params(self, row: Any) -> dict[str, Any]:
-        countdown = float((row.options or {}).get("countdown") or 0)
-        return {"p_id": row.id, "p_eta": self.db.dialect.lease_param(max(0.0, countdown))}
-
-    def _back_off(self, conn: Connection, row: Any, error: str) -> int:
-        """Record a failed publish: try again after an exponential delay, or mark the row DEAD after N."""
-        attempts = row.attempts + 1
-        dead = attempts >= self.max_attempts
-        delay = min(300.0, 0.5 * 2 ** min(attempts, 16))
-        o = OUTBOX.c
-        values: dict[str, Any] = {"attempts": attempts, "last_error": error[:2000]}
-        if dead:
-            values["status"] = OutboxStatus.DEAD
-            logger.error(
-                "outbox row %s (%s) is DEAD after %d failed publishes: %s", row.id, row.task_name, attempts, error
-            )
-        else:
-            values["next_attempt_at"] = self.db.dialect.lease_until("p_delay")
-        conn.execute(
-            update(OUTBOX).where(o.id == row.id).values(**values),
-            {"p_delay": self.db.dialect.lease_param(delay)} if not dead else {},
-        )
-        return int(dead)
-
-    def _republished(self) -> Any:
-        o = OUTBOX.c
-        return (
-            update(OUTBOX)
-            .where(o.id == bindparam("p_id"))
-            .values(sent_at=self._now, next_attempt_at=self.db.dialect.lease_until("p_eta"), publishes=o.publishes + 1)
-        )
-
-    def _give_up(self, conn: Connection, rows: list[Any]) -> int:
-        """Mark rows published `max_publishes` times with no run finishing DEAD, each with a dead letter."""
-        why = f"published {self.max_publishes} times and its run never finished; see `oncelery dlq show`"
-        conn.execute(
-            update(OUTBOX)
-            .where(OUTBOX.c.id.in_([row.id for row in rows]))
-            .values(status=OutboxStatus.DEAD, last_error=why)
-        )
-        for row in rows:
-            message = {"args": row.args, "kwargs": row.kwargs, "headers": {}, "options": row.options}
-            conn.execute(
-                LETTERS.insert().values(
-                    task_name=row.task_name,
-                    tenant=row.tenant,
-                    idempotency_key=row.idempotency_key,
-                    reason=REASON_REPUBLISH_CAP,
-                    error=why,
-                    attempts=row.publishes,
-                    message=message,
-                )
-            )
-            logger.error("outbox row %s (%s[%s]): %s", row.id, row.task_name, row.idempotency_key, why)
-        return len(rows)
 
     def _publish(self, row: Any) -> Exception | None:
         """Send one row's job; return the error if the broker refused it (the row stays, backed off)."""
@@ -384,9 +313,9 @@ class Relay:
             if closed:
                 conn.execute(update(OUTBOX).where(o.id.in_(closed)).values(status=OutboxStatus.DONE))
             if capped:
-                done.dead += self._give_up(conn, capped)
+                done.dead += give_up(conn, capped, self.max_publishes)
             if sent:
-                conn.execute(self._republished(), [self._sent_params(row) for row in sent])
+                conn.execute(mark_republished(dia, self._now), [sent_params(dia, row) for row in sent])
             if later:  # a live holder or a pending retry: look again after another interval
                 conn.execute(update(OUTBOX).where(o.id.in_(later)).values(sent_at=self._now))
         if sent:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, select, text, update
+from sqlalchemy import JSON, Integer, String, and_, bindparam, case, func, literal, or_, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.store.clock import lease_expired
 from oncelery.store.dialects import dialect as get_dialect
+from oncelery.store.letter_statements import conflict_letter, letter
 from oncelery.store.one_trip import (
     claim_or_replay,
     complete_and_count,
@@ -24,7 +25,6 @@ from oncelery.store.one_trip import (
     producer_view,
 )
 from oncelery.store.tables import (
-    LETTERS,
     OUTBOX,
     OUTCOME_TOTALS,
     RUNS,
@@ -114,8 +114,8 @@ class Statements:
         self.park = self._park(now, dia.lease_until("p_delay"))
         self.fail_dead = self._fail_dead(now, first_failed)
         self.kill_lost = self._kill_lost(now, first_failed)
-        self.letter = self._letter(insert, now)
-        self.conflict_letter = self._conflict_letter(insert, now)
+        self.letter = letter(insert, now)
+        self.conflict_letter = conflict_letter(insert, now)
         # Counting: one delivery's outcome, a batch of cached replays, a replay on its run.
         self.count_outcome = count_statement(insert, {name: bindparam(f"p_{name}") for name in OUTCOME_TOTALS})
         # `p_count` deliveries at once: the replays the replay cache answered, written by its flusher.
@@ -330,77 +330,6 @@ class Statements:
                 lease_expires_at=None,
                 first_failed_at=first_failed,
             )
-        )
-
-    @staticmethod
-    def _conflict_letter(insert: Any, now: ColumnElement[Any]) -> Any:
-        # One letter per (task, tenant, key, payload fingerprint): each further conflicting delivery of the same
-        # payload counts in `attempts` and refreshes the last time, instead of adding a row with its payload.
-        d = LETTERS.c
-        stmt = insert(LETTERS).values(
-            task_name=bindparam("p_task"),
-            tenant=bindparam("p_tenant"),
-            idempotency_key=bindparam("p_key"),
-            fingerprint=bindparam("p_fingerprint"),
-            reason="conflict",
-            error=bindparam("p_error", type_=String),
-            attempts=1,
-            message=bindparam("p_letter", type_=JSON),
-            first_failed_at=now,
-            last_failed_at=now,
-        )
-        return stmt.on_conflict_do_update(
-            index_elements=["task_name", "tenant", "idempotency_key", "fingerprint"],
-            index_where=text("reason = 'conflict'"),  # the partial index's own predicate, literally (inference)
-            set_={"attempts": d.attempts + 1, "last_failed_at": now, "error": stmt.excluded.error},
-        )
-
-    @staticmethod
-    def _letter(insert: Any, now: ColumnElement[Any]) -> Any:
-        # The dead letter of a run, written in the transaction that makes it DEAD: one row per run, its
-        # first failure kept and the rest refreshed if it dies again after a replay. INSERT ... SELECT takes
-        # the task, key, attempts and first failure from the run itself (the WHERE also lets SQLite parse
-        # the ON CONFLICT clause).
-        c = RUNS.c
-        rows = select(
-            c.id,
-            c.task_name,
-            c.tenant,
-            c.idempotency_key,
-            bindparam("p_reason", type_=String),
-            bindparam("p_error", type_=String),
-            bindparam("p_traceback", type_=String),
-            c.attempts,
-            bindparam("p_letter", type_=JSON),
-            func.coalesce(c.first_failed_at, now),
-            now,
-        ).where(c.id == bindparam("p_run_id"))
-        cols = [
-            "run_id",
-            "task_name",
-            "tenant",
-            "idempotency_key",
-            "reason",
-            "error",
-            "traceback",
-            "attempts",
-            "message",
-            "first_failed_at",
-            "last_failed_at",
-        ]
-        stmt = insert(LETTERS).from_select(cols, rows)
-        x = stmt.excluded
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id"],
-            set_={
-                "reason": x.reason,
-                "error": x.error,
-                "traceback": x.traceback,
-                "attempts": x.attempts,
-                "message": x.message,
-                "last_failed_at": x.last_failed_at,
-                "replayed_at": None,
-            },
         )
 
     # -- counting ------------------------------------------------------------------------------------

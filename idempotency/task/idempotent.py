@@ -3,7 +3,8 @@
 The task decides *what happens* on each claim decision; `RunStore` decides *how* a claim is written.
 This module is the Celery glue: sending a call and receiving a delivery. The class is built in layers, one
 module each: `options` (what a task declares, resolved per call) <- `announce` (outcomes for the caller and
-Flower) <- `body` (the API a body calls on `self`) <- `idempotent` (this one).
+Flower) <- `body` (the API a body calls on `self`) <- `call_checks` (what a call is refused before it is sent)
+<- `idempotent` (this one).
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Retry
 from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.serialization import raise_with_context
-from kombu.serialization import dumps, loads, prepare_accept_content
 from kombu.utils import json as kombu_json
 
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
-from oncelery.errors import ConfigurationError, ForkRefused, OnceleryError, PayloadTooLarge, StoreError
+from oncelery.errors import ConfigurationError, ForkRefused, OnceleryError, StoreError
 from oncelery.ledger.unknown import UNKNOWN_OUTCOME
 from oncelery.runs.debounce import DebounceMark
 from oncelery.runs.decisions import REASON_BAD_MESSAGE, EntityVersionOf
@@ -32,7 +32,6 @@ from oncelery.runs.faults import fault_point
 from oncelery.runs.forks import ForkSpec, fork_id_of, fork_mismatch, load_fork
 from oncelery.runs.keys import Identity, pipeline_link_key, validate_key
 from oncelery.settings import (
-    FORK_KEY_PREFIX,
     HEADER_ABANDONED,
     HEADER_DEBOUNCE_KEY,
     HEADER_DEBOUNCE_SEQ,
@@ -48,9 +47,8 @@ from oncelery.settings import (
     check_lease,
     check_policy,
     pass_through,
-    payload_limits,
 )
-from oncelery.task.body import RunBody
+from oncelery.task.call_checks import CallChecks
 from oncelery.task.debounce import send_debounced
 from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
@@ -79,7 +77,7 @@ _CALL_HEADERS = (
 )
 
 
-class IdempotentTask(RunBody):
+class IdempotentTask(CallChecks):
     """A Celery task whose body's committed effects and stored result happen once per idempotency key."""
 
     # -- producer side ---------------------------------------------------------------------------
@@ -123,59 +121,6 @@ class IdempotentTask(RunBody):
             if answered is not None:
                 return answered
         return super().apply_async(args, kwargs, *a, **options)
-
-    def _check_at_call_time(
-        self, args: Any, kwargs: Any, key: str | None, tenant: str | None, serializer: str | None
-    ) -> tuple[list[Any], dict[str, Any]] | None:
-        # The worker sees the arguments after a round trip through the serializer (kombu's JSON turns a
-        # UUID, datetime or Decimal back into that object): derive the identity from the same values here,
-        # so what every delivery would refuse is refused in the caller, not acked in a worker at 3 a.m.
-        content_type, encoding, body = dumps(
-            (list(args or ()), dict(kwargs or {})), serializer=serializer or self.serializer
-        )
-        self._check_payload_size(body)
-        accept = prepare_accept_content(self.app.conf.accept_content)
-        seen_args, seen_kwargs = loads(body, content_type, encoding, accept=accept)
-        try:
-            self._keys.bind(seen_args, seen_kwargs)
-        except ConfigurationError:
-            # A chain link gets its first argument from the previous link, in the worker: checked there.
-            return None
-        # No database needed here (producers need none): a content-addressed key is keyed where a database is, so
-        # the key and tenant are checked, and the payload's JSON; the arguments as a worker will see them are
-        # returned for the producer's check, which runs only where a claims database is configured.
-        call = self.key_of(seen_args, seen_kwargs, key, tenant)
-        if call.key is not None and call.key.startswith(FORK_KEY_PREFIX):
-            # A fork's run is sent by the fork command alone (its header names the fork): a producer's key there
-            # would name another run's fork, and would have been run as it (its source's steps, another tenant's).
-            raise ForkRefused.reserved(self.name, call.key)
-        self.version_of(seen_args, seen_kwargs)
-        return list(seen_args), dict(seen_kwargs)
-
-    def _check_payload_size(self, body: str | bytes) -> None:
-        # Measured on the encoding just made for the checks (no second one on the hot path): kombu's JSON escapes
-        # every non-ASCII character, so its length in characters is the size in bytes the broker gets.
-        warn, limit = self._payload_limits()
-        size = len(body)
-        if limit is not None and size > limit:
-            raise PayloadTooLarge.of(self.name, size, limit)
-        if warn is not None and size > warn:
-            logger.warning(
-                "%s: the arguments are %d bytes of JSON (oncelery_warn_payload_bytes=%d): pass a reference "
-                "(an id, a URL) and let the task load the data",
-                self.name,
-                size,
-                warn,
-            )
-
-    def _payload_limits(self) -> tuple[int | None, int | None]:
-        # Read once per app configuration: a Celery setting that is not set costs ~4 us to look up, per call.
-        conf = self.app.conf
-        seen = self.__dict__.get("_payload_limits_of")
-        if seen is None or seen[0] is not conf:
-            seen = (conf, payload_limits(self.settings()))
-            self.__dict__["_payload_limits_of"] = seen
-        return seen[1]  # type: ignore[no-any-return]
 
     # -- worker side -----------------------------------------------------------------------------
 

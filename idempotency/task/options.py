@@ -6,19 +6,15 @@ the task's, which wins over the app's (`app.conf.oncelery_*`), which wins over t
 
 from __future__ import annotations
 
-import difflib
 import inspect
-import logging
-from collections.abc import Iterable, Sequence
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any
 
 from celery import Task
 
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
-from oncelery.errors import ConfigurationError, UnknownOption
+from oncelery.errors import ConfigurationError
 from oncelery.llm.adapters.factory import unbind_factories
-from oncelery.llm.budgets import ON_BUDGET, parse_usd
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import EntityVersionOf
 from oncelery.runs.keys import CallKey, FingerprintSpec, Identity, KeyBuilder, KeySpec
@@ -39,18 +35,16 @@ from oncelery.settings import (
     digest_secret,
     require_database_url,
 )
-from oncelery.task.debounce import check_debounce, debounce_keys
+from oncelery.task.debounce import debounce_keys
 from oncelery.task.embedded_broker import is_embedded_broker
+from oncelery.task.option_checks import check_option_names, validate_options
 
 __all__ = [
     "CALL_OPTIONS",
     "TASK_OPTIONS",
     "TaskOptions",
-    "check_option_names",
+    "check_option_names",  # re-exported from option_checks: its callers import it from here
 ]
-
-# The task's logger: this class is a part of IdempotentTask.
-logger = logging.getLogger("oncelery.task")
 
 
 class TaskOptions(Task):  # type: ignore[misc]
@@ -141,50 +135,11 @@ class TaskOptions(Task):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()
         if type(self).run is not Task.run:
-            self._validate_options()
+            validate_options(self, TASK_OPTIONS)
             # Celery hands a function given as an option back bound to the task: a factory must not get the task.
             unbind_factories(self)
 
     # -- configuration ---------------------------------------------------------------------------
-
-    def _validate_options(self) -> None:
-        self._check_option_names()
-        if self.on_in_progress is not None:
-            check_policy(self.on_in_progress, str(self.name))
-        if self.lease is not None:
-            check_lease(self.lease, str(self.name))
-        if self.max_lease is not None and (not isinstance(self.max_lease, int | float) or self.max_lease <= 0):
-            raise ConfigurationError(f"{self.name}: max_lease={self.max_lease!r}; give seconds > 0, or None")
-        if self.max_deliveries is not None and (
-            not isinstance(self.max_deliveries, int) or isinstance(self.max_deliveries, bool) or self.max_deliveries < 1
-        ):
-            raise ConfigurationError(f"{self.name}: max_deliveries={self.max_deliveries!r}; give an int >= 1, or None")
-        bad = [t for t in self.dead_on if not (isinstance(t, type) and issubclass(t, BaseException))]
-        if bad:
-            raise ConfigurationError(f"{self.name}: dead_on={self.dead_on!r}; give a tuple of exception classes")
-        self._check_versioning()
-        self._check_budget_options()
-        if self.debounce is not None:
-            check_debounce(self)
-        if self.name and (self.name.startswith("tasks.") or "." not in self.name):
-            logger.debug("task %s has no explicit name; give it name='oncelery.<job>'", self.name)
-        _ = self._keys, self._concurrency_keys
-
-    def _check_budget_options(self) -> None:
-
-        if self.max_cost_usd is not None:
-            parse_usd(self.max_cost_usd, f"{self.name}: max_cost_usd")
-        if self.on_budget not in ON_BUDGET:
-            raise ConfigurationError(f"{self.name}: on_budget={self.on_budget!r}; use one of {', '.join(ON_BUDGET)}")
-
-    def _check_option_names(self) -> None:
-        # Celery keeps any unknown task option as a class attribute, where nothing reads a misspelt one of ours
-        # (idempotency_kye= would silently key the task by all its arguments). What a base class defines
-        # (Celery's options, ours, a user's base) is known; only what this class adds is checked.
-        cls = type(self)
-        inherited = {name for base in cls.__mro__[1:] for name in vars(base)}
-        added = [name for name in vars(cls) if not name.startswith("_") and name not in inherited]
-        check_option_names(added, TASK_OPTIONS, f"{self.name}: task option")
 
     @cached_property
     def _keys(self) -> KeyBuilder:
@@ -205,23 +160,6 @@ class TaskOptions(Task):  # type: ignore[misc]
     @cached_property
     def _debounce_keys(self) -> KeyBuilder:
         return debounce_keys(self)
-
-    def _check_versioning(self) -> None:
-        if self.entity_version is None:
-            if self.entity is not None:
-                raise ConfigurationError(f"{self.name}: entity= orders events only with entity_version=; set both")
-            return
-        params = list(inspect.signature(self.run).parameters)
-        if self.entity_version not in params:
-            raise ConfigurationError(
-                f"{self.name}: entity_version={self.entity_version!r} is not a parameter of the task {params}"
-            )
-        if self.entity is None and self.concurrency_key is None:
-            raise ConfigurationError(
-                f"{self.name}: entity_version needs an entity: set concurrency_key= or entity= "
-                f"(a template such as 'article:{{article_id}}')"
-            )
-        _ = self._entity_keys
 
     @cached_property
     def _entity_keys(self) -> KeyBuilder:
@@ -372,32 +310,3 @@ TASK_OPTIONS: tuple[str, ...] = tuple(TaskOptions.__annotations__)
 #: The options one call may give apply_async (each travels as a header, but producer_dedupe, which is used where the
 #: call is made); Celery drops other unknown ones.
 CALL_OPTIONS: tuple[str, ...] = ("idempotency_key", "tenant", "on_in_progress", "lease", "producer_dedupe")
-# Any option starting with one of these is Oncelery's, known or misspelt.
-_OUR_PREFIXES = ("idempotency", "oncelery")
-# How close (difflib's ratio) a name must be to one of ours to be taken for a misspelling of it.
-_CLOSE = 0.8
-
-
-def check_option_names(names: Iterable[str], ours: Sequence[str], where: str) -> None:
-    """Raise UnknownOption for the first name that looks like one of `ours` misspelt; leave all others alone.
-
-    A name looks like ours when it starts with "idempotency"/"oncelery" or is close to one of ours; one that
-    extends one of ours with a suffix of its own (`tenant_id`, `entity_id`) is the user's own attribute.
-    """
-    known = tuple(ours)
-    for name in names:
-        misspelt, nearest = _misspelt(name, known)
-        if misspelt:
-            raise UnknownOption.of(where, name, nearest, known)
-
-
-@lru_cache(maxsize=1024)
-def _misspelt(name: str, ours: tuple[str, ...]) -> tuple[bool, str | None]:
-    # Cached: apply_async asks this for every option of every call (headers, queue, task_id...), and the answer
-    # for a name never changes; difflib per option per call would cost more than the call's own checks.
-    if name in ours:
-        return False, None
-    close = difflib.get_close_matches(name, ours, n=1, cutoff=_CLOSE)
-    nearest = close[0] if close else None
-    extends = nearest is not None and name.startswith(f"{nearest}_") and len(name) > len(nearest) + 1
-    return name.lower().startswith(_OUR_PREFIXES) or (nearest is not None and not extends), nearest
