@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from oncelery import DeadLetters, IdempotentTask, Relay, Runs, outbox
 from oncelery.models import OutboxMessage, OutboxStatus
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import get_engine
+from tests.conftest import ON_POSTGRESQL
 from tests.services import delete_queue_keys, wait_for
 
 TIMEOUT = 60.0
@@ -83,6 +84,53 @@ def test_a_stale_delivery_closes_its_outbox_row(app: Celery, worker_factory: Any
     assert row.outcome == "stale" and row.publishes == 1
     assert relay.republish_unfinished().republished == 0
     assert Runs(db_url).outcome_counts(apply.name) == {"executed": 1, "stale": 1}
+
+
+@ON_POSTGRESQL
+def test_a_delivery_settled_while_the_relay_still_marks_its_row_closes_it(
+    app: Celery, worker_factory: Any, db_url: str, queue: str
+) -> None:
+    """The relay publishes inside the transaction that marks the row SENT. A worker that refuses the message as
+    stale before that transaction commits must still close the row: on PostgreSQL, an UPDATE matching only SENT
+    rows read the committed PENDING, skipped the row without waiting, and the row stayed SENT (published again
+    later). Held here at `relay_published` until the worker's UPDATE waits on the relay's row lock. (SQLite has
+    one writer: the worker waits for the relay's whole transaction there, so only PostgreSQL can race.)"""
+
+    @app.task(
+        shared=False, base=IdempotentTask, bind=True, name="oncelery.t_settle_race",
+        idempotency_key="doc:{doc}:v{version}", entity_version="version", entity="doc:{doc}",
+    )  # fmt: skip
+    def apply(self: IdempotentTask, doc: str, version: int) -> int:
+        return version
+
+    app.finalize()
+    relay = Relay(app, db_url, republish_after=0.0, sweep_interval=None)
+    admin = get_engine(db_url)
+
+    def lock_waiters() -> int:
+        with admin.connect() as conn:
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return int(conn.execute(text(waiting)).scalar_one())
+
+    def hold(_name: str, _context: dict[str, Any]) -> None:
+        # Published, not yet marked: let the worker settle the message now. With the fix its UPDATE waits for this
+        # transaction's row lock; without it the UPDATE skips the row and the stale outcome is counted at once.
+        wait_for(
+            lambda: lock_waiters() > 0 or Runs(db_url).outcome_counts(apply.name).get("stale") == 1,
+            timeout=TIMEOUT, what="the worker settling the message while the relay holds its row",
+        )  # fmt: skip
+
+    with worker_factory(app):
+        assert apply.delay("r", 2).get(timeout=TIMEOUT) == 2
+        task_id = enqueue(db_url, apply, "r", 1)
+        with fault_injected("relay_published", hold):
+            assert relay.run_once(republish=False).published == 1
+        wait_for(lambda: Runs(db_url).outcome_counts(apply.name).get("stale") == 1, timeout=TIMEOUT, what="stale")
+    row = row_of(db_url, task_id)
+    assert (row.status, row.outcome, row.publishes) == (OutboxStatus.DONE, "stale", 1), "the row stayed SENT"
+    assert relay.republish_unfinished().republished == 0
 
 
 def test_a_countdown_longer_than_republish_after_is_waited_out(app: Celery, db_url: str, queue: str) -> None:

@@ -184,7 +184,7 @@ class RunStore(ClaimRounds):
 
     def close_outbox_row(self, celery_task_id: str | None, outcome: Outcome) -> None:
         """Close the outbox row that published this delivery (if any) with the outcome that settled it without
-        a run, so the relay never re-publishes it; idempotent (only a SENT row changes)."""
+        a run, so the relay never re-publishes it; idempotent (only a PENDING or SENT row changes)."""
         if celery_task_id:
             self.db.one(self.sql.close_outbox_row, {"p_task_id": celery_task_id, "p_outcome": outcome.value})
 

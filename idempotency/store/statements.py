@@ -101,10 +101,18 @@ class Statements:
         self.complete_keeping = self._complete(now, keep_message=True)  # the task keeps its arguments (a fork's)
         self.complete_and_count = complete_and_count(self.complete) if one_trip else None
         self.settle_stale = self._settle_stale(now)
-        # A published outbox row whose delivery was refused before any run (stale, conflict): closed for good.
+        # A published outbox row whose delivery was refused before any run (stale, conflict, debounced): closed
+        # for good. PENDING too: the relay publishes inside the transaction that marks the row SENT, so a fast
+        # worker can settle the message while the committed row still reads PENDING; on PostgreSQL an UPDATE
+        # matching only SENT skips that row without waiting (its snapshot says PENDING) and the row stayed SENT,
+        # to be published again. Matching PENDING, the UPDATE waits for the relay's lock and re-checks the row.
         self.close_outbox_row = (
             update(OUTBOX)
-            .where(OUTBOX.c.celery_task_id == bindparam("p_task_id"), OUTBOX.c.status == OutboxStatus.SENT)
+            .where(
+                OUTBOX.c.celery_task_id == bindparam("p_task_id"),
+                # Two comparisons, not IN: the hot path's driver statements take no expanding parameter.
+                or_(OUTBOX.c.status == OutboxStatus.PENDING, OUTBOX.c.status == OutboxStatus.SENT),
+            )
             .values(status=OutboxStatus.DONE, outcome=bindparam("p_outcome", type_=String))
         )
         # Failure: FAILED, FAILED until Celery's retry, DEAD (a holder's or a poison run's) and its dead letter.
