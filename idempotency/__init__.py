@@ -28,6 +28,7 @@ from oncelery.errors import (
     StoreError,
     StoreUnavailable,
 )
+from oncelery.ledger.prices import Price
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import output_text
 from oncelery.llm.adapters.batch import AnthropicBatches, GeminiBatches, OpenAIBatches
@@ -74,7 +75,7 @@ from oncelery.task.caller import outcome_of
 from oncelery.task.debounce import DebouncedResult
 from oncelery.task.embedded_broker import is_embedded_broker
 from oncelery.task.idempotent import IdempotentTask
-from oncelery.task.metering import MeteredCall, Price, model_call, price_of
+from oncelery.task.metering import MeteredCall, model_call, price_of
 from oncelery.task.pipeline import pipeline
 from oncelery.task.producer import ProducerReplay
 

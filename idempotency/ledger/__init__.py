@@ -1,6 +1,7 @@
 """The cost ledger's writes (below the call layer, beside the run protocol): rows, settlement, unknown outcomes.
 
-Reading order: `prices` (a model's price from LiteLLM's table shipped in `data/`, or the file the app names),
+Reading order: `prices` (a model's `Price`, exact, and `price_for`: the app's `oncelery_prices` first, else LiteLLM's
+table shipped in `data/` or the file the app names; every room below the task prices through it),
 `rows` (one model call's row, written once per call id, with the running totals), `settle` (a call's budget
 reservation released and its cost charged, once), `unknown` (an intent that may have been created and will never
 be answered ends with a row at its estimate: provider creates never exceed ledger rows).

@@ -25,20 +25,25 @@ import functools
 import json
 import sys
 from collections.abc import Mapping
-from decimal import Context, Decimal
+from dataclasses import dataclass
+from decimal import Context, Decimal, localcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from oncelery.errors import ConfigurationError
+from oncelery.models.money import as_decimal, micros_up
 from oncelery.settings import CONF_PRICE_FILE, CONF_PRICES, price_file
 
 __all__ = [
     "PER_TOKENS",
     "SHIPPED_PRICE_FILE",
+    "Amount",
     "PerMillion",
+    "Price",
     "PriceTable",
     "file_price",
     "load_price_table",
+    "price_for",
     "price_table",
     "trim",
 ]
@@ -178,6 +183,70 @@ def trim(text: str) -> str:
 
 def _json(value: Any) -> str:
     return str(value) if isinstance(value, _Literal) else json.dumps(value)
+
+
+Amount = Decimal | float | int | str  # a USD amount as a user may give it
+
+
+@dataclass(frozen=True, init=False)
+class Price:
+    """A model's price in USD per 1M tokens (PER_TOKENS), input and output, held as exact Decimals.
+
+    Given as numbers (a float by its shortest repr: `0.15` is `Decimal("0.15")`), a Decimal or a numeric string.
+    """
+
+    input: Decimal
+    output: Decimal
+
+    def __init__(self, input: Amount = 0, output: Amount = 0) -> None:
+        object.__setattr__(self, "input", as_decimal(input))
+        object.__setattr__(self, "output", as_decimal(output))
+
+    def cost(self, input_tokens: int, output_tokens: int) -> Decimal:
+        """The exact USD cost of a call with these token counts (Decimal arithmetic, no rounding)."""
+        with localcontext(prec=80):  # enough digits for any price times any count: the product is exact
+            return (input_tokens * self.input + output_tokens * self.output) / PER_TOKENS
+
+    def cost_micros(self, input_tokens: int, output_tokens: int) -> int:
+        """The call's cost as the ledger stores it: integer micro-USD, rounded UP (never under-reported)."""
+        return micros_up(self.cost(input_tokens, output_tokens))
+
+    @classmethod
+    def of(cls, model: str, entry: Any) -> Price:
+        """Parse one entry of the price table, or raise ConfigurationError naming the model and the fix."""
+        fields = set(entry) if isinstance(entry, Mapping) else set()
+        if not fields or not fields <= {"input", "output"}:
+            raise ConfigurationError(
+                f"{CONF_PRICES}[{model!r}] = {entry!r}: give {{'input': usd, 'output': usd}} in USD per 1M tokens "
+                f"(a missing one is 0)"
+            )
+        values = {name: _amount(model, name, entry[name]) for name in fields}
+        return cls(**values)
+
+
+def _amount(model: str, name: str, value: Any) -> Decimal:
+    """One price of the table as a Decimal (`Decimal(str(float))`), or ConfigurationError naming the fix."""
+    try:
+        amount = None if isinstance(value, bool) or not isinstance(value, int | float | Decimal) else as_decimal(value)
+    except (TypeError, ValueError, ArithmeticError):
+        amount = None
+    if amount is None or not amount.is_finite() or amount < 0:
+        raise ConfigurationError(f"{CONF_PRICES}[{model!r}][{name!r}] = {value!r}: give a number >= 0")
+    return amount
+
+
+def price_for(model: str, conf: Any) -> Price | None:
+    """The price of `model` for `conf` (an app's settings: any mapping with `.get`): its `oncelery_prices[model]`
+    if given (the user's overrides win), else the price file's (`oncelery_price_file`: default, LiteLLM's table
+    shipped in the wheel), else None. A bad table or file raises ConfigurationError naming the fix."""
+    table = conf.get(CONF_PRICES)
+    if table is not None and not isinstance(table, Mapping):
+        raise ConfigurationError(f"{CONF_PRICES} must be a dict of model -> {{'input': usd, 'output': usd}}")
+    entry = None if table is None else table.get(model)
+    if entry is not None:
+        return Price.of(model, entry)
+    found = file_price(model, conf)
+    return None if found is None else Price(found.input, found.output)
 
 
 if __name__ == "__main__":  # python -m oncelery.ledger.prices model_prices_and_context_window.json > model_prices.json

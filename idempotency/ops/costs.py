@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Select, case, cast, func, select
 
+from oncelery.ledger.prices import price_for
 from oncelery.models.money import usd
 from oncelery.store.database import Database
 from oncelery.store.tables import BATCH_ITEMS, CALLS, INTENTS, LABEL_TOTALS, RUNS
@@ -244,8 +245,6 @@ class BatchSavings:
 
 def batch_savings(url: str, conf: Any, task_name: str, keys: list[str] | None = None) -> BatchSavings:
     """The batch calls of `task_name` (of these idempotency `keys`, or all): count, cost, and what they saved."""
-    from oncelery.task.metering import price_of  # the task room prices (ops sits above it)
-
     c, i, b = CALLS.c, INTENTS.c, BATCH_ITEMS.c
     where = [i.mode == "batch", c.task_name == task_name]
     if keys is not None:
@@ -264,6 +263,6 @@ def batch_savings(url: str, conf: Any, task_name: str, keys: list[str] | None = 
     if not priced:
         return BatchSavings(int(batches), len(rows), None, None, None)
     cost = sum(int(r.cost_micros) for r in priced)
-    prices = {r.model: price_of(r.model, conf) for r in priced}
+    prices = {r.model: price_for(r.model, conf) for r in priced}
     sync = sum(p.cost_micros(r.input_tokens, r.output_tokens) for r in priced if (p := prices[r.model]) is not None)
     return BatchSavings(int(batches), len(rows), usd(cost), usd(sync), usd(sync - cost))

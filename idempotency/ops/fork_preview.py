@@ -22,10 +22,10 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from oncelery.errors import ConfigurationError
+from oncelery.ledger.prices import price_for
 from oncelery.runs.forks import load_fork_txn
 from oncelery.store.database import Database
 from oncelery.store.tables import CALLS, RUNS, STEPS
-from oncelery.task.metering import price_of
 
 __all__ = [
     "ForkPreview",
@@ -92,7 +92,7 @@ def price_steps(
             continue
         source = calls[name]
         model = str((overrides.get(name) or {}).get("model") or source.model or "")
-        price = price_of(model, conf)
+        price = price_for(model, conf)
         cost = None if price is None else price.cost_micros(source.input_tokens, source.output_tokens)
         if cost is None:
             preview.unpriced.append(model)

@@ -17,6 +17,7 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import Connection, and_, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
+from oncelery.ledger.prices import price_for
 from oncelery.ledger.rows import add_call
 from oncelery.ledger.unknown import abandon_finished
 from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
@@ -32,7 +33,6 @@ from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import OUTBOX, RUNS
 from oncelery.task.heartbeat import heartbeat_file
-from oncelery.task.metering import price_of
 
 __all__ = [
     "DEFAULT_MAX_PUBLISHES",
@@ -140,7 +140,7 @@ class Relay:
 
     def _sync_price(self, model: str, input_tokens: int, output_tokens: int) -> int | None:
         """A call's cost at the synchronous price (micro-USD) of now (`price_of`); None: no price."""
-        price = price_of(model, self.app.conf)
+        price = price_for(model, self.app.conf)
         return None if price is None else price.cost_micros(input_tokens, output_tokens)
 
     def _ledger_row(self, conn: Connection, row: Mapping[str, Any]) -> bool:

@@ -21,6 +21,7 @@ from oncelery.runs.forks import apply_overrides
 from oncelery.settings import HEADER_WOKEN, require_database_url
 from oncelery.store.database import Database
 from oncelery.task.announce import Announcing
+from oncelery.task.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
 from oncelery.task.otel import telemetry_of
 
 __all__ = [
@@ -158,9 +159,6 @@ class RunBody(Announcing):
         `mode="batch"` (with `batch=BatchPolicy(...)`) makes the call an item of a provider batch at about half
         the price: the run waits WAITING until the batch returns (docs/batches.md).
         """
-        # Imported here: the ledger's pricing (task.metering) imports IdempotentTask, which this class makes.
-        from oncelery.task.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
-
         chosen = resolve_adapter(self, adapter)
         waits = self.llm_inline_wait if inline_wait is _TASK_DEFAULT else inline_wait
         if self._passing():

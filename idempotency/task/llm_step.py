@@ -17,6 +17,7 @@ from sqlalchemy import Connection
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
+from oncelery.ledger.prices import price_for
 from oncelery.ledger.rows import add_call
 from oncelery.ledger.settle import charge_txn
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
@@ -30,7 +31,6 @@ from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
 from oncelery.runs.encoding import canonical_json
 from oncelery.settings import CONF_BUDGETS, CONF_LIMITS, CONF_PRICES
-from oncelery.task.metering import price_of
 from oncelery.task.otel import telemetry_of
 from oncelery.task.otel_calls import CallLog, traced_llm_step
 
@@ -117,7 +117,7 @@ def budget_plan(
     call = None if max_cost_usd is None else parse_usd(max_cost_usd, f"{task.name}: self.llm(max_cost_usd=)")
     if not rules and job is None and call is None and not shared:
         return None
-    price = price_of(model, conf)
+    price = price_for(model, conf)
     if price is None:
         raise ConfigurationError(
             f"{task.name}: a budget applies to this call, and model {model!r} has no price (in the price file "
@@ -161,7 +161,7 @@ class LedgerRecorder:
         self.ctx = ctx
         self.log = log  # the rows this delivery wrote, for tracing (oncelery.task.otel_calls)
         self.model = str(request.get("model", ""))
-        self.price = price_of(self.model, conf)
+        self.price = price_for(self.model, conf)
         self.started = time.perf_counter()
         # Made inside the step: its row is written later, by the checkpoint's transaction, outside the step's context.
         self.step = current_step()

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal, localcontext
+from decimal import Decimal
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -38,9 +38,9 @@ from celery._state import get_current_task
 
 from oncelery.delivery.steps import current_step
 from oncelery.errors import ConfigurationError, StoreUnavailable
-from oncelery.ledger.prices import PER_TOKENS, file_price
+from oncelery.ledger.prices import Amount, Price, price_for
 from oncelery.ledger.rows import write_call
-from oncelery.models.money import as_decimal, micros_up, usd
+from oncelery.models.money import micros_up, usd
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.store.database import Database
@@ -57,71 +57,15 @@ MAX_ERROR_CHARS = 2000  # of a failed call's error kept in its row
 _INPUT_FIELDS = ("input_tokens", "prompt_tokens", "prompt_token_count")
 _OUTPUT_FIELDS = ("output_tokens", "completion_tokens", "candidates_token_count")
 
-Amount = Decimal | float | int | str  # a USD amount as a user may give it
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, init=False)
-class Price:
-    """A model's price in USD per 1M tokens (PER_TOKENS), input and output, held as exact Decimals.
-
-    Given as numbers (a float by its shortest repr: `0.15` is `Decimal("0.15")`), a Decimal or a numeric string.
-    """
-
-    input: Decimal
-    output: Decimal
-
-    def __init__(self, input: Amount = 0, output: Amount = 0) -> None:
-        object.__setattr__(self, "input", as_decimal(input))
-        object.__setattr__(self, "output", as_decimal(output))
-
-    def cost(self, input_tokens: int, output_tokens: int) -> Decimal:
-        """The exact USD cost of a call with these token counts (Decimal arithmetic, no rounding)."""
-        with localcontext(prec=80):  # enough digits for any price times any count: the product is exact
-            return (input_tokens * self.input + output_tokens * self.output) / PER_TOKENS
-
-    def cost_micros(self, input_tokens: int, output_tokens: int) -> int:
-        """The call's cost as the ledger stores it: integer micro-USD, rounded UP (never under-reported)."""
-        return micros_up(self.cost(input_tokens, output_tokens))
-
-    @classmethod
-    def of(cls, model: str, entry: Any) -> Price:
-        """Parse one entry of the price table, or raise ConfigurationError naming the model and the fix."""
-        fields = set(entry) if isinstance(entry, Mapping) else set()
-        if not fields or not fields <= {"input", "output"}:
-            raise ConfigurationError(
-                f"{CONF_PRICES}[{model!r}] = {entry!r}: give {{'input': usd, 'output': usd}} in USD per 1M tokens "
-                f"(a missing one is 0)"
-            )
-        values = {name: _amount(model, name, entry[name]) for name in fields}
-        return cls(**values)
-
-
-def _amount(model: str, name: str, value: Any) -> Decimal:
-    """One price of the table as a Decimal (`Decimal(str(float))`), or ConfigurationError naming the fix."""
-    try:
-        amount = None if isinstance(value, bool) or not isinstance(value, int | float | Decimal) else as_decimal(value)
-    except (TypeError, ValueError, ArithmeticError):
-        amount = None
-    if amount is None or not amount.is_finite() or amount < 0:
-        raise ConfigurationError(f"{CONF_PRICES}[{model!r}][{name!r}] = {value!r}: give a number >= 0")
-    return amount
 
 
 def price_of(model: str, conf: Any = None) -> Price | None:
     """The price of `model` for `conf` (default: the current Celery app's): its `oncelery_prices[model]` if given
     (the user's overrides win), else the price file's (`oncelery_price_file`: default, LiteLLM's table shipped in
     the wheel), else None. A bad table or file raises ConfigurationError naming the fix."""
-    conf = current_app.conf if conf is None else conf
-    table = conf.get(CONF_PRICES)
-    if table is not None and not isinstance(table, Mapping):
-        raise ConfigurationError(f"{CONF_PRICES} must be a dict of model -> {{'input': usd, 'output': usd}}")
-    entry = None if table is None else table.get(model)
-    if entry is not None:
-        return Price.of(model, entry)
-    found = file_price(model, conf)
-    return None if found is None else Price(found.input, found.output)
+    return price_for(model, current_app.conf if conf is None else conf)
 
 
 class MeteredCall:
@@ -264,7 +208,7 @@ class Meter:
         if self._active is not None:
             raise ConfigurationError("model_call(...) measures one call at a time: call model_call() for each `with`")
         origin = _origin(self.model)
-        price = price_of(self.model, origin.conf)  # a bad price table fails here, before the call is paid for
+        price = price_for(self.model, origin.conf)  # a bad price table fails here, before the call is paid for
         warn_if_governed(origin.conf, get_current_task(), origin.task_name, origin.tenant, self.model)
         call = MeteredCall(self.model, self.prompt, self.meta)
         self._active = (call, origin, price, time.perf_counter())

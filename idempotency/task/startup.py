@@ -21,7 +21,7 @@ from celery import signals
 from sqlalchemy.exc import DBAPIError
 
 from oncelery.errors import ConfigurationError, OnceleryError, StoreUnavailable
-from oncelery.ledger.prices import price_table
+from oncelery.ledger.prices import price_for, price_table
 from oncelery.llm.budgets import parse_budgets
 from oncelery.llm.limits import parse_limits
 from oncelery.settings import (
@@ -144,9 +144,6 @@ def check_spending_settings(app: Any, task_class: type) -> None:
     """Refuse (ConfigurationError) a bad `oncelery_limits`, `oncelery_budgets` or `oncelery_price_file`, and under a
     budget a model without a price: every model named in `oncelery_limits` and in a task's `llm_models` must have
     one (`oncelery_prices`, else the price file), or its calls could not be reserved for."""
-    # Imported here: the metering module imports the task class, whose module imports this one.
-    from oncelery.task.metering import price_of
-
     if app.conf.get(CONF_PRICE_FILE, None) is not None:
         price_table(app.conf)  # a price file the app names that cannot be read refuses here, not at its first call
     rules = parse_limits(app.conf.get(CONF_LIMITS), CONF_LIMITS)
@@ -156,7 +153,7 @@ def check_spending_settings(app: Any, task_class: type) -> None:
         return
     models = {rule.scope.split(":", 1)[1] for rule in rules if not rule.scope.startswith(("tenant:", "task:"))}
     models |= {str(m) for task in ours for m in getattr(task, "llm_models", None) or ()}
-    missing = sorted(m for m in models - {"*"} if price_of(m, app.conf) is None)
+    missing = sorted(m for m in models - {"*"} if price_for(m, app.conf) is None)
     if missing:
         raise ConfigurationError(
             f"a budget applies, and these models have no price in {CONF_PRICES}: {', '.join(missing)} (nor in the "
