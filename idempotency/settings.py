@@ -195,7 +195,7 @@ DEFAULT_PRODUCER_TIMEOUT = 0.25
 # After a failed check, a producer publishes without asking for this long (seconds): a database that is down
 # must not add a timeout to every call.
 PRODUCER_COOLDOWN = 5.0
-# OpenTelemetry traces and metrics (the oncelery[otel] extra; oncelery.task.otel): off unless app.conf.oncelery_otel
+# OpenTelemetry traces and metrics (the oncelery[otel] extra; oncelery.tracing.otel): off unless app.conf.oncelery_otel
 # is true, else $ONCELERY_OTEL is 1. Spans and points go to the process's global OpenTelemetry providers.
 CONF_OTEL = "oncelery_otel"
 ENV_OTEL = "ONCELERY_OTEL"

@@ -11,9 +11,9 @@ from celery import Celery
 
 from oncelery import ConfigurationError
 from oncelery.errors import ExtraMissing
-from oncelery.task import otel
-from oncelery.task.otel import GEN_AI_SEMCONV_VERSION, SCHEMA_URL, Telemetry, key_digest, otel_enabled, telemetry_of
-from oncelery.task.otel_calls import _labels
+from oncelery.tracing import otel
+from oncelery.tracing.calls import _labels
+from oncelery.tracing.otel import GEN_AI_SEMCONV_VERSION, SCHEMA_URL, Telemetry, key_digest, otel_enabled, telemetry_of
 from tests.conftest import offline_job
 from tests.otel_kit import sdk
 

@@ -1,4 +1,4 @@
-"""The call layer's two observation points, for tracing installed from above (oncelery.task.otel).
+"""The call layer's two observation points, for tracing installed from above (oncelery.tracing.otel).
 
 A provider instrumentation (OpenLLMetry, a user's wrapper of the provider client) makes its `gen_ai` client span
 around the client's request, inside the call layer: only there is its span the current one. So the wire calls

@@ -13,7 +13,7 @@ from oncelery.runs.keys import Identity
 from oncelery.settings import CONF_FLOWER_NAME_SUFFIX
 from oncelery.task.caller import tell_caller
 from oncelery.task.options import TaskOptions
-from oncelery.task.otel import telemetry_of
+from oncelery.tracing.otel import telemetry_of
 
 __all__ = [
     "Announcing",

@@ -22,7 +22,7 @@ from oncelery.settings import HEADER_WOKEN, require_database_url
 from oncelery.store.database import Database
 from oncelery.task.announce import Announcing
 from oncelery.task.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
-from oncelery.task.otel import telemetry_of
+from oncelery.tracing.otel import telemetry_of
 
 __all__ = [
     "RunBody",

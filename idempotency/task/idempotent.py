@@ -52,10 +52,10 @@ from oncelery.task.call_checks import CallChecks
 from oncelery.task.debounce import send_debounced
 from oncelery.task.heartbeat import watch_worker_heartbeat
 from oncelery.task.options import CALL_OPTIONS, check_option_names
-from oncelery.task.otel import key_digest, telemetry_of
 from oncelery.task.producer import answer_at_producer, producer_dedupe_on
 from oncelery.task.revoke import cancel_run_calls, watch_revokes
 from oncelery.task.startup import watch_worker_start
+from oncelery.tracing.otel import key_digest, telemetry_of
 
 __all__ = [
     "IdempotentTask",

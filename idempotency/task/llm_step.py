@@ -31,8 +31,8 @@ from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
 from oncelery.runs.encoding import canonical_json
 from oncelery.settings import CONF_BUDGETS, CONF_LIMITS, CONF_PRICES
-from oncelery.task.otel import telemetry_of
-from oncelery.task.otel_calls import CallLog, traced_llm_step
+from oncelery.tracing.calls import CallLog, traced_llm_step
+from oncelery.tracing.otel import telemetry_of
 
 __all__ = [
     "LedgerRecorder",
@@ -159,7 +159,7 @@ class LedgerRecorder:
 
     def __init__(self, ctx: RunContext, request: Mapping[str, Any], conf: Any, log: CallLog | None = None) -> None:
         self.ctx = ctx
-        self.log = log  # the rows this delivery wrote, for tracing (oncelery.task.otel_calls)
+        self.log = log  # the rows this delivery wrote, for tracing (oncelery.tracing.calls)
         self.model = str(request.get("model", ""))
         self.price = price_for(self.model, conf)
         self.started = time.perf_counter()

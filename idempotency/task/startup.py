@@ -43,8 +43,8 @@ from oncelery.settings import (
 from oncelery.store.database import Database, is_unreachable
 from oncelery.store.schema import check_schema
 from oncelery.store.tables import SECRETS
-from oncelery.task.otel import Telemetry, otel_enabled
 from oncelery.task.visibility import settle_visibility
+from oncelery.tracing.otel import Telemetry, otel_enabled
 
 __all__ = [
     "check_worker_app",

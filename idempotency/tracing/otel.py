@@ -11,7 +11,7 @@ On, spans and points go to the process's global OpenTelemetry providers (the use
 
 Under OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental the run's span is the GenAI conventions'
 `invoke_workflow {task}`, and the client span names its provider `gen_ai.provider.name` (else `gen_ai.system`).
-The model-call part (which call is real, which replayed, and who records its tokens) is oncelery.task.otel_calls.
+The model-call part (which call is real, which replayed, and who records its tokens) is oncelery.tracing.calls.
 No prompt, response or raw key is ever put on a span: a key is a digest, as in the ledger.
 """
 

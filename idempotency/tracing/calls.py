@@ -28,7 +28,7 @@ from typing import Any
 from oncelery.errors import LeaseLost, RunParked, StoreError
 from oncelery.llm.adapters.base import Adapter
 from oncelery.llm.observe import watching
-from oncelery.task.otel import Telemetry, key_digest, mark_error
+from oncelery.tracing.otel import Telemetry, key_digest, mark_error
 
 __all__ = ["CallLog", "traced_llm_step"]
 
