@@ -66,17 +66,17 @@ FROM generate_series(0, {tasks} - 1) AS t,
 # One model call per run (a step's LLM call), priced.
 FILL_CALLS = """
 INSERT INTO model_calls (task_name, tenant, idempotency_key, step, run_id, fencing_token, model, input_tokens,
-                         output_tokens, latency_ms, ok, cost)
+                         output_tokens, latency_ms, ok, cost_micros)
 SELECT 'bench.task_' || (i % {tasks}), '', 'key-' || i, 'step1', i, 1, 'gpt-4o-mini', 800, 120, 900.0,
-       i % 50 <> 0, 0.0002
+       i % 50 <> 0, 200
 FROM generate_series(1, {runs}) AS i
 """
 # The running totals the workers keep with each row (migration 0007's backfill does the same).
 FILL_TOTALS = """
-INSERT INTO ledger_totals (task_name, tenant, model, calls, failed_calls, input_tokens, output_tokens, cost,
-                           unpriced_calls)
+INSERT INTO ledger_totals (task_name, tenant, model, calls, failed_calls, input_tokens, output_tokens,
+                           cost_micros, unpriced_calls)
 SELECT task_name, tenant, model, count(*), sum(CASE WHEN ok THEN 0 ELSE 1 END), sum(input_tokens),
-       sum(output_tokens), sum(cost), 0
+       sum(output_tokens), sum(cost_micros), 0
 FROM model_calls GROUP BY task_name, tenant, model
 """
 FILL_OUTBOX = """
