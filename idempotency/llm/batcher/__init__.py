@@ -68,42 +68,6 @@ class Batcher:
         self.suspects = SuspectWatch(db, self.adapters, self.lease, price=price, ledger=ledger)
         self.poller = Poller(db, self.adapters, self.lease, self.suspects, poll_s=poll_s)
 
-    # -- the settings, as given (each kept by the stage that uses it) ------------------------------------------
-    @property
-    def poll_s(self) -> float:
-        """Seconds between polls of a submitted batch when the provider gives no hint."""
-        return self.poller.poll_s
-
-    @property
-    def lease_s(self) -> float:
-        """How long a batcher that dies holds the lease: the next one waits it out."""
-        return self.lease.lease_s
-
-    @property
-    def untagged_search_s(self) -> float:
-        """How long a batch whose untagged create may have been sent waits for a running batch."""
-        return self.submitter.untagged_search_s
-
-    @property
-    def price(self) -> SyncPrice | None:
-        """A call's synchronous price, from which a duplicate batch's ledger rows are priced (None: unpriced)."""
-        return self.suspects.price
-
-    @property
-    def ledger(self) -> LedgerWriter | None:
-        """The writer of a duplicate batch's ledger rows."""
-        return self.suspects.ledger
-
-    @property
-    def owner(self) -> str:
-        """This batcher's name in the `batcher` lease."""
-        return self.lease.owner
-
-    @property
-    def token(self) -> int:
-        """The lease's token this batcher holds (0: never held)."""
-        return self.lease.token
-
     # -- a round -------------------------------------------------------------------------------------------
     def run_once(self) -> BatchRound:
         """One round: claim due groups, submit claimed batches, poll submitted ones and apply their results."""
