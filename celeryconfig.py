@@ -2,7 +2,7 @@
 an environment variable.
 
 With no broker or result backend configured it needs no server: kombu's filesystem transport (through
-oncelery.task.embedded_broker, `oncelery-fs://`) as the broker
+oncelery.embedded_broker, `oncelery-fs://`) as the broker
 and a SQLite result backend under ./.oncelery. The claims database is set only from ONCELERY_DATABASE_URL:
 the demo app (`oncelery.tasks.app`) falls back to its embedded SQLite file itself, and any other app that
 loads this module must configure one. Production sets ONCELERY_BROKER_URL=redis://... and
@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path as _Path
 from typing import Any as _Any
 
+from oncelery import embedded_broker as _embedded_broker
 from oncelery import settings as _settings
 from oncelery.settings_files import env_value as _env
-from oncelery.task import embedded_broker as _embedded_broker
 
 _float = _settings.env_seconds  # a bad value is one line naming the variable, not a traceback at import
 

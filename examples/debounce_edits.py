@@ -24,7 +24,7 @@ from oncelery import (
     output_text,
     upgrade_schema,
 )
-from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER
+from oncelery.embedded_broker import URL as EMBEDDED_BROKER
 from oncelery.testing import in_process_worker, relay_running
 
 HERE = Path("oncelery-debounce-example").resolve()

@@ -26,8 +26,8 @@ from oncelery import (
     preview_fork,
     upgrade_schema,
 )
+from oncelery.embedded_broker import URL as EMBEDDED_BROKER
 from oncelery.store.database import Database, get_engine
-from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER
 from oncelery.testing import in_process_worker
 
 HERE = Path("oncelery-fork-example").resolve()

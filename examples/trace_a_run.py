@@ -32,9 +32,9 @@ from oncelery import (
     output_text,
     upgrade_schema,
 )
+from oncelery.embedded_broker import URL as EMBEDDED_BROKER
 from oncelery.models.ledger import ModelCall
 from oncelery.store.database import get_engine
-from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER
 from oncelery.testing import in_process_worker
 
 # 1. The application's OpenTelemetry set-up (here: in memory, to print what was recorded).

@@ -7,6 +7,7 @@ grouped by concern below. `oncelery.errors`, `oncelery.settings`, `oncelery.outb
 
 from oncelery import outbox
 from oncelery.delivery.steps import StepInfo, current_step, step_seed
+from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import (
     ClaimError,
     ConfigurationError,
@@ -73,7 +74,6 @@ from oncelery.store.database import Database
 from oncelery.store.schema import check_schema, schema_revision, upgrade_schema
 from oncelery.task.caller import outcome_of
 from oncelery.task.debounce import DebouncedResult
-from oncelery.task.embedded_broker import is_embedded_broker
 from oncelery.task.idempotent import IdempotentTask
 from oncelery.task.metering import MeteredCall, model_call, price_of
 from oncelery.task.pipeline import pipeline

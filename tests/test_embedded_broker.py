@@ -21,7 +21,7 @@ from celery import Celery
 from celery.worker import state as worker_state
 from kombu import Connection, Consumer, Exchange, Queue
 
-from oncelery.task.embedded_broker import URL, Transport
+from oncelery.embedded_broker import URL, Transport
 
 WAIT = 20.0  # generous: the delivery follows the ack by milliseconds; the stock transport needs 30 s and fails
 

@@ -11,6 +11,8 @@ import click
 from celery import Celery
 from celery.app.utils import find_app
 
+from oncelery.embedded_broker import URL as EMBEDDED_BROKER_URL
+from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import BrokerNotConfigured, ConfigurationError
 from oncelery.ops.reach import check_app, check_database
 from oncelery.settings import (
@@ -22,8 +24,6 @@ from oncelery.settings import (
     is_embedded_database,
 )
 from oncelery.store.database import safe_url
-from oncelery.task.embedded_broker import URL as EMBEDDED_BROKER_URL
-from oncelery.task.embedded_broker import is_embedded_broker
 
 __all__ = [
     "APP_HELP",

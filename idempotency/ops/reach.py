@@ -19,12 +19,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
+from oncelery.embedded_broker import SCHEME
 from oncelery.errors import ServiceUnreachable
 from oncelery.settings import ENV_BROKER_URL, ENV_RESULT_BACKEND
 from oncelery.store.database import normalize_url, safe_url
 from oncelery.store.dialects import dialect_of
 from oncelery.store.pgbouncer import driver_url
-from oncelery.task.embedded_broker import SCHEME
 
 REACH_TIMEOUT = 2.0  # seconds per service: a live service on a LAN answers in milliseconds
 # Ports of the schemes whose URL may leave the port out (kombu's and Celery's defaults).

@@ -5,8 +5,7 @@ declares; `option_checks`, its checks at decoration time), `call_checks` (what a
 sent), `body` (the API a body calls on `self`: step, effects, seeds), `announce` and `caller` (telling Flower
 and the caller what was decided), `metering` (the cost ledger's write side: `model_call`, and `price_of`, the
 current app's `ledger.prices.price_for`; `unbudgeted`, its warning where budgets or limits apply), `pipeline`
-(one key through a chain), `embedded_broker` (the serverless default's transport), `startup` (the worker's
-refusal to start without a ready claims database).
+(one key through a chain), `startup` (the worker's refusal to start without a ready claims database).
 """
 
 __all__: list[str] = []  # a room: its modules are imported by their own paths

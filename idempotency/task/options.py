@@ -13,6 +13,7 @@ from typing import Any
 from celery import Task
 
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
+from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import ConfigurationError
 from oncelery.llm.adapters.factory import unbind_factories
 from oncelery.runs.claims import RunStore
@@ -36,7 +37,6 @@ from oncelery.settings import (
     require_database_url,
 )
 from oncelery.task.debounce import debounce_keys
-from oncelery.task.embedded_broker import is_embedded_broker
 from oncelery.task.option_checks import check_option_names, validate_options
 
 __all__ = [

@@ -67,7 +67,7 @@ __all__ = [
 logger = logging.getLogger("oncelery.embedded_broker")  # a stable name (users filter on it)
 
 #: The transport, and its URL: `broker_url = "oncelery-fs://"` (with the filesystem transport's options).
-TRANSPORT = "oncelery.task.embedded_broker:Transport"
+TRANSPORT = "oncelery.embedded_broker:Transport"
 SCHEME = "oncelery-fs"
 URL = f"{SCHEME}://"
 # Brokers whose messages are files on this host: a worker killed with a message fetched loses it (no acks).
