@@ -88,7 +88,7 @@ def key_digest(task_name: str, key: str, conf: Any = None) -> str:
 def _opentelemetry() -> tuple[Any, Any, Any]:
     """`opentelemetry.trace`, `.metrics` and `.context`, or ExtraMissing naming the extra (imported only when on)."""
     try:
-        from opentelemetry import context, metrics, trace
+        from opentelemetry import context, metrics, trace  # an optional extra: imported only when tracing is on
     except ImportError as exc:
         raise ExtraMissing.of(f"{CONF_OTEL} (OpenTelemetry tracing)", "opentelemetry-api", "otel") from exc
     return trace, metrics, context
