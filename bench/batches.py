@@ -65,9 +65,9 @@ from sqlalchemy.engine import make_url
 
 from bench.support.harness import spawn_redis, stop_process
 from oncelery import CELERY_DELIVERY_DEFAULTS, BatchPolicy, IdempotentTask, output_text
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.store.schema import upgrade_schema
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, CALLS, RUNS

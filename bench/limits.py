@@ -183,7 +183,7 @@ class Bench:
 
     url: str
     broker: str
-    fake: Any  # oncelery.llm.fake.FakeProvider
+    fake: Any  # oncelery.fake_provider.FakeProvider
     logs: Path
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     runs: int = 0
@@ -919,7 +919,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Make the database, start the fake provider, run the parts asked for, print their tables, drop it all."""
-    from oncelery.llm.fake import FakeProvider, Knobs
+    from oncelery.fake_provider import FakeProvider, Knobs
     from oncelery.store.database import dispose_engines, get_engine
     from oncelery.store.schema import upgrade_schema
 

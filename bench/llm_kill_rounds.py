@@ -35,7 +35,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
 from oncelery import Relay
-from oncelery.llm.fake import FakeProvider, Knobs
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.models import RunStatus
 from oncelery.store.database import dispose_engines, get_engine
 from oncelery.store.schema import upgrade_schema

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.chdir(Path(__file__).resolve().parents[1])  # the workers import tests.apps.crash_app from here
 
-from oncelery.llm.fake import FakeProvider, Knobs  # noqa: E402
+from oncelery.fake_provider import FakeProvider, Knobs  # noqa: E402
 from oncelery.testing import relay_running  # noqa: E402
 from tests.conftest import migrated  # noqa: E402
 from tests.services import proc_state, wait_for  # noqa: E402

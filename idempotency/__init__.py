@@ -29,6 +29,7 @@ from oncelery.errors import (
     StoreError,
     StoreUnavailable,
 )
+from oncelery.fake_provider import FakeProvider
 from oncelery.ledger.prices import Price
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import output_text
@@ -48,7 +49,6 @@ from oncelery.llm.errors import (
     ResponseGone,
     ResponseLost,
 )
-from oncelery.llm.fake import FakeProvider
 from oncelery.models import Outcome, RunStatus
 from oncelery.ops.costs import BatchSavings, CostLine, CostReport, Spend, batch_savings, cost_report
 from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport

@@ -16,8 +16,8 @@ import pytest
 from celery import Celery
 
 from oncelery import IdempotentTask, Outcome, outcome_of, output_text, pipeline
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.models import RunStatus
 from oncelery.runs.claims import RunStore
 from tests.stored_before import BeforeUpgrade, old_link_key

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 from oncelery import CELERY_DELIVERY_DEFAULTS
 from oncelery.cli import oncelery as oncelery_cli
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.models import IntentState, RunStatus
 from oncelery.store.clock import stored_message
 from oncelery.store.tables import RUNS

@@ -14,13 +14,13 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import CallState
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.gemini_generate import GeminiGenerateContent
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 
 HELLO = {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
 EXTRA = {"X-Gateway-Tenant": "acme", "X-Trace": "t-1"}

@@ -33,7 +33,7 @@ import redis
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
-from oncelery.llm.fake import FakeProvider
+from oncelery.fake_provider import FakeProvider
 from oncelery.settings import PROVIDER_KEY_SETTINGS
 from tests.services import PG_ADMIN_URL, need, port_open, postgres_available, wait_for
 

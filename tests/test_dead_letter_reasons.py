@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from oncelery import BudgetExceeded, IdempotentTask, Runs, RunStatus, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.cli.dlq import dlq
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.runs import decisions
 from oncelery.runs.decisions import LETTER_REASONS
 from oncelery.task.revoke import cancel_on_revoke

@@ -23,8 +23,8 @@ from sqlalchemy import select
 from oncelery import Debounce, DebouncedResult, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, UnknownOption
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.models import IntentState, OutboxStatus, RunStatus
 from oncelery.ops.debounce import dispatch_due
 from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, purge_dispatched, upsert_edit

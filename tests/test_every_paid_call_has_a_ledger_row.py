@@ -18,8 +18,8 @@ from celery import Celery
 from sqlalchemy import select, update
 
 from oncelery import IdempotentTask, output_text
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.llm.tokens import estimate_tokens
 from oncelery.models import IntentState, RunStatus
 from oncelery.ops.retention import purge

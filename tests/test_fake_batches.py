@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
+from oncelery.fake_provider import FakeProvider, Knobs, count_tokens, generate_text
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import output_text
 from oncelery.llm.adapters.batch import AnthropicBatches, BatchLine, BatchState, GeminiBatches, OpenAIBatches
 from oncelery.llm.adapters.gemini_generate import GeminiGenerateContent
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRejected, ResponseGone
-from oncelery.llm.fake import FakeProvider, Knobs, count_tokens, generate_text
 
 MODEL = "gpt-test"
 CLAUDE = "claude-test"

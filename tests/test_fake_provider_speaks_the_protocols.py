@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from oncelery.llm.fake import FakeProvider, FakeProviderControl, Knobs, count_tokens, generate_text
+from oncelery.fake_provider import FakeProvider, FakeProviderControl, Knobs, count_tokens, generate_text
 
 TIMEOUT = 10.0
 
@@ -191,7 +191,7 @@ def test_anthropic_messages_speak_anthropic(fake: FakeProvider) -> None:
 
 def test_it_runs_as_a_process_driven_over_http(tmp_path: Any) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "oncelery.llm.fake", "--port", "0", "--knobs", '{"generation_s": 0.05}'],
+        [sys.executable, "-m", "oncelery.fake_provider", "--port", "0", "--knobs", '{"generation_s": 0.05}'],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -31,9 +31,9 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.testing import in_process_worker
 from tests.conftest import ON_SQLITE
 from tests.services import wait_for

@@ -21,8 +21,8 @@ from sqlalchemy import func, select
 from oncelery import IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, ForkRefused, StoreUnavailable
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.ops.fork import fork_run, preview_fork
 from oncelery.ops.fork_preview import fork_diff
 from oncelery.ops.retention import purge

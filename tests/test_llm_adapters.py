@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
+from oncelery.fake_provider import FakeProvider, Knobs, count_tokens, generate_text
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.base import CallState
 from oncelery.llm.adapters.http import duration_s, rate_hint, retry_after_s
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited, ProviderRejected, ProviderUnavailable, ResponseGone
-from oncelery.llm.fake import FakeProvider, Knobs, count_tokens, generate_text
 from oncelery.llm.request import request_digest
 
 TIMEOUT = 10.0

@@ -26,9 +26,9 @@ from sqlalchemy.exc import IntegrityError
 from oncelery import BudgetExceeded, DeadLetters, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError
+from oncelery.fake_provider import FakeProvider, Knobs, count_tokens
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, reserve_txn, window_of
-from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.llm.tokens import estimate_tokens
 from oncelery.models import IntentState, RunStatus
 from oncelery.ops.relay import Relay

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.models import IntentState
 from oncelery.store.tables import CALLS, INTENTS
 from tests.services import proc_state, wait_for

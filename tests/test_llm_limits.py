@@ -20,11 +20,11 @@ from sqlalchemy import select
 from oncelery import IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.gemini_generate import GeminiGenerateContent
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.llm.limits import (
     OUTPUT_KEY,
     LimitRule,

@@ -19,10 +19,10 @@ from sqlalchemy import select
 
 from oncelery import IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_chat import OpenAIChat
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.models import IntentState, RunStatus
 from oncelery.ops.costs import cost_report
 from oncelery.ops.retention import purge

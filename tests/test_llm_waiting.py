@@ -16,8 +16,8 @@ from sqlalchemy import func, select
 
 from oncelery import IdempotentTask, output_text
 from oncelery.errors import StoreUnavailable
+from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs, generate_text
 from oncelery.models import IntentState, RunStatus
 from oncelery.ops.retention import purge
 from oncelery.runs.faults import fault_injected

@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 from oncelery import IdempotentTask, ModelCallNotBudgeted, model_call
-from oncelery.llm.fake import FakeProvider, Knobs
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.store.database import get_engine
 from oncelery.store.tables import BUDGETS, CALLS
 from oncelery.task.unbudgeted import governing

@@ -29,8 +29,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import select
 
 from oncelery import IdempotentTask, output_text
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import get_engine
 from oncelery.store.tables import CALLS

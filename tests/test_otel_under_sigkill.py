@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from oncelery.llm.fake import FakeProvider, Knobs
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.store.tables import CALLS
 from tests.test_crash import JOB_TIMEOUT, Cluster, cluster
 

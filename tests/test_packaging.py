@@ -249,7 +249,7 @@ def source_rooms(source: Path) -> list[str]:
 
 def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_path: Path) -> None:
     """Each subpackage of the framework (task, delivery, runs, store, ops, cli, testing, and any room added
-    later) and every module and nested package in it (llm.adapters, llm.fake) imports from the installed wheel,
+    later) and every module and nested package in it (llm.adapters, llm.batcher) imports from the installed wheel,
     not from the repository: a room or a nested package missing from pyproject's `packages` fails here, and so
     does a module that runs on import (a `__main__` without its guard). In that folder (no samples/), the
     sample articles of `oncelery process --sample` and the default price table load from the installed package."""

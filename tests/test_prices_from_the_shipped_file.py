@@ -15,9 +15,9 @@ from celery import Celery
 from sqlalchemy import select
 
 from oncelery import ConfigurationError, IdempotentTask, Price, model_call, output_text, price_of
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.ledger.prices import SHIPPED_PRICE_FILE, load_price_table, trim
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.models import ModelCall
 from oncelery.models.money import micros_up
 from oncelery.settings import CONF_PRICE_FILE, check_settings

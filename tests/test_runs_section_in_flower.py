@@ -31,9 +31,9 @@ from sqlalchemy import func, select
 from oncelery import BatchPolicy, IdempotentTask, output_text
 from oncelery.cli import EXIT_CONFIGURATION
 from oncelery.cli import oncelery as oncelery_cli
+from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs
 from oncelery.models import RunStatus
 from oncelery.ops.fork import preview_fork
 from oncelery.runs.views import Runs

@@ -12,8 +12,8 @@ from celery import Celery
 from click.testing import CliRunner
 
 from oncelery.cli import oncelery as oncelery_cli
+from oncelery.fake_provider import FakeProvider, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, generate_text
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_SQLITE
 from tests.test_llm_waiting import JOB, TEXT, fake, summarizer, waiting

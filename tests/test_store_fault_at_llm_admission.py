@@ -14,8 +14,8 @@ from celery import Celery
 from sqlalchemy import func, select
 
 from oncelery import IdempotentTask, RunStatus, output_text
+from oncelery.fake_provider import FakeProvider, Knobs, count_tokens
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import get_engine
 from oncelery.store.tables import BUDGETS, CALLS, LIMITERS

@@ -4,6 +4,6 @@ It sits between `delivery` (which runs a step) and `runs` (which stores it), and
 protocol is the same whoever delivers the job.
 
 Reading order: `call` (the model-call protocol and its recovery table), `call_step` (what one call is given, what
-it may cost and which limiters admit it, how a finished call ends), `fake` (a real HTTP server that speaks the
-providers' protocols, for tests and the demo).
+it may cost and which limiters admit it, how a finished call ends). The fake provider that tests and the demo call
+is a room of its own, `oncelery.fake_provider`.
 """

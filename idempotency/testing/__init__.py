@@ -37,8 +37,8 @@ PYTEST_DONT_REWRITE: the kit's checks raise AssertionError themselves (they hold
 need not rewrite this module, and a conftest.py may import from it before its `pytest_plugins` line names it.
 """
 
-from oncelery.llm.fake import FakeProvider, FakeProviderControl
-from oncelery.llm.fake import Knobs as FakeProviderKnobs
+from oncelery.fake_provider import FakeProvider, FakeProviderControl
+from oncelery.fake_provider import Knobs as FakeProviderKnobs
 from oncelery.testing.broker import TEST_VISIBILITY_TIMEOUT, flush_broker, restore_delivery
 from oncelery.testing.database_faults import InjectedFault, database_down, fail_at, terminate_connections
 from oncelery.testing.db import ANY, OnceleryDb, assert_ledger, assert_outcomes, assert_ran_once, assert_steps

@@ -9,7 +9,8 @@ visibility timeout, delivery defaults all from ONCELERY_* variables), then adds 
     CHAOS_COMMIT_PAUSE  seconds between staging the effect and writing it (default 0.1)
     CHAOS_QUEUE_TYPE    `quorum`: on RabbitMQ, the task queue is a quorum queue, configured as Celery's docs say
                         (a topic exchange, so countdowns go through RabbitMQ's native delayed delivery)
-    CHAOS_FAKE_URL      the fake model provider the job calls (`python -m oncelery.llm.fake`, a process of the runner)
+    CHAOS_FAKE_URL      the fake model provider the job calls (`python -m oncelery.fake_provider`, a process of
+                        the runner)
     CHAOS_INLINE_WAIT   seconds a delivery polls a background call before it parks the run WAITING (default 1)
     CHAOS_RPM           the shared limit of the model, requests per minute (`oncelery_limits`; tokens: CHAOS_RPM x
                         the call's admission cost, so both kinds bind alike)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from oncelery.llm.fake import generate_text
+from oncelery.fake_provider import generate_text
 from oncelery.llm.tokens import estimate_tokens
 
 MODEL = "chaos-llm"

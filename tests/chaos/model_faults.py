@@ -1,7 +1,7 @@
 """The model-call layer's faults, each injected when an observable condition says it will hit a call in flight.
 
 Mixed into `Chaos` (tests/chaos/faults.py), whose victims, ledger and reads they share. The provider is the fake
-(`python -m oncelery.llm.fake`, a process of the runner): its counters say which creates reached it.
+(`python -m oncelery.fake_provider`, a process of the runner): its counters say which creates reached it.
 
 - kill_create: SIGKILL in the create window. The fake holds the answer of the next create (`hold_creates`); the
   victim is a running attempt that holds its run, whose latest intent the database shows `prepared` and whose

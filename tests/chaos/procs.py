@@ -347,13 +347,13 @@ class Relay:
 
 
 class FakeProvider:
-    """The fake model provider as a process of its own (`python -m oncelery.llm.fake`), driven over its HTTP
+    """The fake model provider as a process of its own (`python -m oncelery.fake_provider`), driven over its HTTP
     control API: its counters (creates per intent, errors served, cancels, calls forgotten) are the runner's
     ledger of what the provider billed, kept outside everything the faults hit."""
 
     def __init__(self, sessions: Sessions, workdir: Path, knobs: dict[str, Any]) -> None:
         self.log = workdir / "fake-provider.log"
-        argv = [sys.executable, "-m", "oncelery.llm.fake", "--port", "0", "--knobs", json.dumps(knobs)]
+        argv = [sys.executable, "-m", "oncelery.fake_provider", "--port", "0", "--knobs", json.dumps(knobs)]
         self.proc = sessions.spawn(argv, dict(os.environ), self.log)
         self.url = ""
         self.control: FakeProviderControl | None = None

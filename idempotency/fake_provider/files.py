@@ -15,8 +15,8 @@ from email import policy
 from email.parser import BytesParser
 from typing import Any
 
-from oncelery.llm.fake.batch_records import BatchError, StoredFile, list_page, paginate, query_arg, query_limit
-from oncelery.llm.fake.state import ProviderState
+from oncelery.fake_provider.batch_records import BatchError, StoredFile, list_page, paginate, query_arg, query_limit
+from oncelery.fake_provider.state import ProviderState
 
 FILE_PURPOSES = frozenset({"assistants", "batch", "fine-tune", "vision", "user_data", "evals"})
 

@@ -16,11 +16,11 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.state import retry_after_header
+from oncelery.fake_provider import protocol as wire
+from oncelery.fake_provider.state import retry_after_header
 
 if TYPE_CHECKING:  # the server module imports the handler built on this class: a type-only cycle
-    from oncelery.llm.fake.server import ProviderServer
+    from oncelery.fake_provider.server import ProviderServer
 
 # Each provider's error envelope: (HTTP status, message) -> the JSON body.
 ERRORS: dict[str, Callable[[int, str], dict[str, Any]]] = {

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.batch_checks import check_gemini
-from oncelery.llm.fake.batch_records import BatchError
-from oncelery.llm.fake.batch_routes import BatchRoutes
-from oncelery.llm.fake.exchange import ERRORS
-from oncelery.llm.fake.state import KnobError
-from oncelery.llm.tokens import count_tokens, output_limit
+from oncelery.fake_provider import protocol as wire
+from oncelery.fake_provider.batch_checks import check_gemini
+from oncelery.fake_provider.batch_records import BatchError
+from oncelery.fake_provider.batch_routes import BatchRoutes
+from oncelery.fake_provider.exchange import ERRORS
+from oncelery.fake_provider.state import KnobError
+from oncelery.fake_provider.tokens import count_tokens, output_limit
 
 
 class Handler(BatchRoutes):

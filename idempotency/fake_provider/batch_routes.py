@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.batch_checks import check_anthropic, check_openai
-from oncelery.llm.fake.batch_records import BatchError
-from oncelery.llm.fake.batch_shapes import batch_json
-from oncelery.llm.fake.exchange import Exchange
+from oncelery.fake_provider import protocol as wire
+from oncelery.fake_provider.batch_checks import check_anthropic, check_openai
+from oncelery.fake_provider.batch_records import BatchError
+from oncelery.fake_provider.batch_shapes import batch_json
+from oncelery.fake_provider.exchange import Exchange
 
 
 class BatchRoutes(Exchange):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from oncelery.llm.fake.batch_records import DAY_S, Batch, Item, rfc3339
+from oncelery.fake_provider.batch_records import DAY_S, Batch, Item, rfc3339
 
 GEMINI_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1main."
 _NOT_RUN = {

@@ -71,8 +71,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.batch_records import (
+from oncelery.fake_provider import protocol as wire
+from oncelery.fake_provider.batch_records import (
     Batch,
     BatchError,
     Item,
@@ -84,10 +84,10 @@ from oncelery.llm.fake.batch_records import (
     query_arg,
     query_limit,
 )
-from oncelery.llm.fake.batch_shapes import anthropic_line, batch_json, openai_line
-from oncelery.llm.fake.files import FakeFiles
-from oncelery.llm.fake.generate import Generator
-from oncelery.llm.fake.state import ProviderState, new_call
+from oncelery.fake_provider.batch_shapes import anthropic_line, batch_json, openai_line
+from oncelery.fake_provider.files import FakeFiles
+from oncelery.fake_provider.generate import Generator
+from oncelery.fake_provider.state import ProviderState, new_call
 
 
 class FakeBatches:

@@ -11,9 +11,9 @@ import json
 import re
 from typing import Any
 
-from oncelery.llm.fake import protocol as wire
-from oncelery.llm.fake.batch_records import BatchError, Plan
-from oncelery.llm.fake.state import ProviderState
+from oncelery.fake_provider import protocol as wire
+from oncelery.fake_provider.batch_records import BatchError, Plan
+from oncelery.fake_provider.state import ProviderState
 
 #: The endpoints a batch of the fake may target, and the synchronous kind each one is.
 OPENAI_ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat"}

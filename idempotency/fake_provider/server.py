@@ -1,5 +1,5 @@
 """The fake provider's lifecycle: its HTTP server, run in a thread of this process (`FakeProvider`) or as the
-process itself (`serve`, for `python -m oncelery.llm.fake`).
+process itself (`serve`, for `python -m oncelery.fake_provider`).
 
 The routes are `handler`'s (with `batch_routes` and `exchange` below it); `FakeProviderControl` (`control`) drives
 a running fake over HTTP, and `FakeProvider` is one with the thread and the state in hand.
@@ -13,11 +13,11 @@ from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from oncelery.llm.fake.batches import FakeBatches
-from oncelery.llm.fake.control import FakeProviderControl
-from oncelery.llm.fake.generate import Generator, default_generator
-from oncelery.llm.fake.handler import Handler
-from oncelery.llm.fake.state import Knobs, ProviderState
+from oncelery.fake_provider.batches import FakeBatches
+from oncelery.fake_provider.control import FakeProviderControl
+from oncelery.fake_provider.generate import Generator, default_generator
+from oncelery.fake_provider.handler import Handler
+from oncelery.fake_provider.state import Knobs, ProviderState
 
 # `FakeProviderControl` was defined here before `control` held it: it stays importable from here.
 __all__ = ["FakeProvider", "FakeProviderControl", "ProviderServer", "serve"]

@@ -1,4 +1,4 @@
-"""`python -m oncelery.llm.fake [--port N] [--knobs JSON]`: a fake provider as a process (stopped by SIGTERM)."""
+"""`python -m oncelery.fake_provider [--port N] [--knobs JSON]`: a fake provider as a process (stopped by SIGTERM)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import signal
 import sys
 from typing import Any
 
-from oncelery.llm.fake.server import serve
-from oncelery.llm.fake.state import KnobError, Knobs
+from oncelery.fake_provider.server import serve
+from oncelery.fake_provider.state import KnobError, Knobs
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, then serve until SIGTERM or SIGINT; the first line on stdout is the URL."""
-    parser = argparse.ArgumentParser(prog="python -m oncelery.llm.fake", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m oncelery.fake_provider", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
     parser.add_argument("--knobs", default="{}", help="initial knobs as JSON, e.g. '{\"generation_s\": 0.5}'")
