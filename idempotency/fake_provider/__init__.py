@@ -40,7 +40,7 @@ from oncelery.fake_provider.control import FakeProviderControl
 from oncelery.fake_provider.generate import generate_text
 from oncelery.fake_provider.server import FakeProvider
 from oncelery.fake_provider.state import KnobError, Knobs
-from oncelery.fake_provider.tokens import count_tokens
+from oncelery.token_count import count_tokens
 
 __all__ = [
     # The provider, in a thread; its client over HTTP (for a thread or a process)

@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from oncelery.fake_provider.tokens import input_text, truncate_tokens
+from oncelery.token_count import input_text, truncate_tokens
 
 #: What writes the answer of a create: the request (JSON) -> the answer's text. The demo plugs its LocalModel in.
 Generator = Callable[[Mapping[str, Any]], str]

@@ -25,7 +25,7 @@ from oncelery.fake_provider.batch_records import BatchError
 from oncelery.fake_provider.batch_routes import BatchRoutes
 from oncelery.fake_provider.exchange import ERRORS
 from oncelery.fake_provider.state import KnobError
-from oncelery.fake_provider.tokens import count_tokens, output_limit
+from oncelery.token_count import count_tokens, output_limit
 
 
 class Handler(BatchRoutes):

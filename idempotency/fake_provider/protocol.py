@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from oncelery.fake_provider.state import ANTHROPIC_INTENT_PREFIX, INTENT_KEY, Call
-from oncelery.fake_provider.tokens import request_text
+from oncelery.token_count import request_text
 
 # Request fields each create accepts; anything else is refused, as the providers refuse unknown arguments.
 RESPONSES_FIELDS = frozenset(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oncelery.fake_provider.batch_records import Batch, StoredFile
-from oncelery.fake_provider.tokens import count_tokens, output_limit, truncate_tokens
+from oncelery.token_count import count_tokens, output_limit, truncate_tokens
 
 #: The metadata key whose value the fake counts creates by (the opaque intent id a client sends).
 INTENT_KEY = "oncelery_intent"

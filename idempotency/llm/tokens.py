@@ -2,7 +2,7 @@
 and a conservative estimate of a real provider's count, for limits, budgets and calls whose bill is unknown.
 
 The billed text, the output limit and the exact count are the fake provider's rules
-(`oncelery.fake_provider.tokens`, standard library only), so that the fake bills what a call reserved for; this
+(`oncelery.token_count`, standard library only), so that the fake bills what a call reserved for; this
 module adds the estimate. It errs high: the larger of one token per word or punctuation mark and one per three
 UTF-8 bytes (English runs about four bytes per token on OpenAI's and Anthropic's tokenizers), so a budget or a
 limit reserved with it is rarely short. Given an OpenAI model, it is also never below tiktoken's exact count where
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from oncelery.fake_provider.tokens import count_tokens, input_text, output_limit
 from oncelery.llm.tokenizer import tiktoken_count
+from oncelery.token_count import count_tokens, input_text, output_limit
 
 __all__ = ["count_tokens", "estimate_tokens", "input_text", "output_limit"]
 

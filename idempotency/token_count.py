@@ -1,8 +1,8 @@
-"""The fake's unit of billing: the text a request is billed for and an exact, repeatable token count of it.
+"""What a request is billed for: its billed text, its output limit, and an exact, repeatable token count of it.
 
-Standard library only. The same rules are the call layer's (`oncelery.llm.tokens` builds its conservative
-estimate on this count and reads a request's billed text and output limit here), so the fake bills exactly what
-a call reserved for: one rule, written once.
+Standard library only, below every room: the call layer (`oncelery.llm.tokens` builds its conservative estimate
+on this count and reads a request's billed text and output limit here) and the fake provider (which bills by it)
+share it, so the fake bills exactly what a call reserved for: one rule, written once, owned by neither.
 """
 
 from __future__ import annotations
