@@ -22,12 +22,13 @@ from sqlalchemy import func, select
 
 from oncelery import BatchPolicy, GeminiBatches, GeminiGenerateContent, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
+from oncelery.ledger.prices import batch_micros
 from oncelery.ledger.rows import add_call
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.batcher import DUPLICATE_BATCH, Batcher, Suspects
-from oncelery.llm.batches import batch_micros, group_key
+from oncelery.llm.batches import group_key
 from oncelery.llm.fake import FakeProvider, Knobs, count_tokens
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import BatchState, ItemState

@@ -43,12 +43,12 @@ from typing import Any
 from sqlalchemy import Connection
 
 from oncelery.errors import ConfigurationError, LeaseLost, RunParked
+from oncelery.ledger.prices import batch_micros
 from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
 from oncelery.llm.adapters.base import Adapter, Observed
 from oncelery.llm.batches import (
     BatchItem,
     BatchPolicy,
-    batch_micros,
     batch_url,
     clear_item_txn,
     fall_back,

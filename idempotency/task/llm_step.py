@@ -17,12 +17,12 @@ from sqlalchemy import Connection
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
-from oncelery.ledger.prices import price_for
+from oncelery.ledger.prices import batch_micros, price_for
 from oncelery.ledger.rows import add_call
 from oncelery.ledger.settle import charge_txn
 from oncelery.llm.adapters.base import Adapter, CallState, Usage
 from oncelery.llm.adapters.factory import made_adapter, task_adapter
-from oncelery.llm.batches import BatchPolicy, batch_micros
+from oncelery.llm.batches import BatchPolicy
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, parse_usd
 from oncelery.llm.call import call_batched, call_model
 from oncelery.llm.call_step import CallPolicy

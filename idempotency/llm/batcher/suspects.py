@@ -18,9 +18,9 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from oncelery.ledger.prices import batch_micros
 from oncelery.llm.adapters.base import Usage
 from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, logger
-from oncelery.llm.batches import batch_micros
 from oncelery.llm.errors import ProviderRejected, ResponseGone
 from oncelery.models.batches import BatchState
 from oncelery.store.database import Database, rowcount
