@@ -254,7 +254,7 @@ def _prepare(step: CallStep, digest: str, supersedes: Intent | None, reason: Rep
         try:
             return prepare_intent(
                 step.store, step.claim, position=step.position, step_name=step.name, request=intent_row(step, digest),
-                supersedes=supersedes, reason=reason, admissions=step.admissions, budget=budget,
+                supersedes=supersedes, reason=reason, ledger=step.ledger, admissions=step.admissions, budget=budget,
             )  # fmt: skip
         except BudgetExceeded as refused:
             with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
