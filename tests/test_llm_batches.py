@@ -23,12 +23,13 @@ from sqlalchemy import func, select
 from oncelery import BatchPolicy, GeminiBatches, GeminiGenerateContent, IdempotentTask, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.fake_provider import FakeProvider, Knobs, count_tokens
-from oncelery.ledger.rows import add_call
+from oncelery.ledger.prices import batch_micros
+from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.batcher import DUPLICATE_BATCH, Batcher, Suspects
-from oncelery.llm.batches import batch_micros, group_key
+from oncelery.llm.batches import group_key
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.ops.retention import purge
@@ -472,11 +473,10 @@ def park(db: Database, texts: list[str]) -> list[str]:
 
 
 def batcher_on(db: Database, adapter: AnthropicBatches, bound: float) -> Batcher:
-    """A batcher as the relay builds it: priced from CLAUDE_PRICE, its duplicates written by `add_call`."""
+    """A batcher as the relay builds it: its duplicates priced from CLAUDE_PRICE alone and written by its ledger."""
+    prices = {"oncelery_prices": CLAUDE_PRICE, "oncelery_price_file": None}
     return Batcher(
-        db, {"anthropic": adapter}, poll_s=0.0, untagged_search_s=bound,
-        price=lambda model, i, o: (i + o) * 1000 if model == CLAUDE else None,
-        ledger=lambda conn, row: add_call(conn, db.dialect, row),
+        db, {"anthropic": adapter}, poll_s=0.0, untagged_search_s=bound, ledger=CallLedger(db.dialect, prices),
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.pool import NullPool
 
+from oncelery.ledger.recording import CallLedger
 from oncelery.llm.intents import prepare_intent
 from oncelery.models import IntentState
 from oncelery.runs.claims import RunStore
@@ -40,8 +41,9 @@ def test_a_prepared_intent_survives_a_crash_that_loses_an_asynchronous_commit(pg
         store = RunStore(pg_db.url)
         claim = store.claim(TASK, Identity(key="k", fingerprint="fp", field_digests={}), lease=30).claim
         assert claim is not None
+        ledger = CallLedger(store.db.dialect, {})
         intent = prepare_intent(
-            store, claim, position=0, step_name="summary", request=ROW, supersedes=None, reason=None
+            store, claim, position=0, step_name="summary", request=ROW, supersedes=None, reason=None, ledger=ledger
         )
         # Committed after the intent, the server's way (asynchronously): the crash must lose it, or this test
         # could not tell a durable intent from a lucky one.

@@ -26,7 +26,7 @@ import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Context, Decimal, localcontext
+from decimal import ROUND_CEILING, Context, Decimal, localcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,12 +35,14 @@ from oncelery.models.money import as_decimal, micros_up
 from oncelery.settings import CONF_PRICE_FILE, CONF_PRICES, price_file
 
 __all__ = [
+    "BATCH_PRICE",
     "PER_TOKENS",
     "SHIPPED_PRICE_FILE",
     "Amount",
     "PerMillion",
     "Price",
     "PriceTable",
+    "batch_micros",
     "file_price",
     "load_price_table",
     "price_for",
@@ -56,6 +58,9 @@ OUTPUT_FIELD = "output_cost_per_token"
 PROVIDER_FIELD = "litellm_provider"
 KEPT_FIELDS = (INPUT_FIELD, OUTPUT_FIELD, PROVIDER_FIELD)  # what `trim` keeps of each entry
 NOT_A_MODEL = "sample_spec"  # LiteLLM's first entry documents the fields (with zero prices): never a price
+# What a batch call costs against a synchronous one: OpenAI's Batch API, Anthropic's Message Batches and Gemini's
+# batch mode all bill about 50 %. The ledger and the budgets price batch items at this share of a model's price.
+BATCH_PRICE = Decimal("0.5")
 _ONE = Decimal(1)
 _EXACT = Context(prec=80)  # scaling by 10**6 only moves the exponent: no digit is ever rounded
 _FIX = (
@@ -233,6 +238,11 @@ def _amount(model: str, name: str, value: Any) -> Decimal:
     if amount is None or not amount.is_finite() or amount < 0:
         raise ConfigurationError(f"{CONF_PRICES}[{model!r}][{name!r}] = {value!r}: give a number >= 0")
     return amount
+
+
+def batch_micros(micros: int) -> int:
+    """A synchronous cost (micro-USD) at the batch price, rounded up (the ledger never under-reports)."""
+    return int((Decimal(int(micros)) * BATCH_PRICE).to_integral_value(rounding=ROUND_CEILING))
 
 
 def price_for(model: str, conf: Any) -> Price | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from sqlalchemy import Connection, select, update
@@ -40,10 +39,8 @@ from oncelery.runs.decisions import Claim
 from oncelery.store.tables import BATCH_ITEMS, INTENTS
 
 __all__ = [
-    "BATCH_PRICE",
     "BatchItem",
     "BatchPolicy",
-    "batch_micros",
     "batch_url",
     "clear_item_txn",
     "fall_back",
@@ -53,9 +50,6 @@ __all__ = [
     "seconds_since",
 ]
 
-# What a batch call costs against a synchronous one: OpenAI's Batch API, Anthropic's Message Batches and Gemini's
-# batch mode all bill about 50 %. The ledger and the budgets price batch items at this share of oncelery_prices.
-BATCH_PRICE = Decimal("0.5")
 # Where a synchronous adapter's calls go in a batch: OpenAI's `url` of each line of its input file; Anthropic's and
 # Gemini's requests go inline (Gemini's batch method is named after the model: `models/{model}:...`).
 _BATCH_URLS = {
@@ -101,11 +95,6 @@ class BatchItem:
     error: str | None
     queued_at: float
     fallback_after_s: float | None
-
-
-def batch_micros(micros: int) -> int:
-    """A synchronous cost (micro-USD) at the batch price, rounded up (the ledger never under-reports)."""
-    return int((Decimal(int(micros)) * BATCH_PRICE).to_integral_value(rounding=ROUND_CEILING))
 
 
 def batch_url(endpoint: str) -> str:

@@ -43,12 +43,13 @@ from typing import Any
 from sqlalchemy import Connection
 
 from oncelery.errors import ConfigurationError, LeaseLost, RunParked
-from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
+from oncelery.ledger.prices import batch_micros
+from oncelery.ledger.recording import CallLedger
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME
 from oncelery.llm.adapters.base import Adapter, Observed
 from oncelery.llm.batches import (
     BatchItem,
     BatchPolicy,
-    batch_micros,
     batch_url,
     clear_item_txn,
     fall_back,
@@ -61,7 +62,6 @@ from oncelery.llm.call_step import (
     Answered,
     CallPolicy,
     CallStep,
-    Recorder,
     admissions_for,
     answer_ended,
     check_retry_budget,
@@ -70,6 +70,7 @@ from oncelery.llm.call_step import (
     heed_hint,
     intent_row,
     provider_limiters,
+    record_call,
 )
 from oncelery.llm.errors import (
     BudgetExceeded,
@@ -116,11 +117,11 @@ def call_model(
     adapter: Adapter,
     request: Mapping[str, Any],
     policy: CallPolicy,
-    record: Recorder,
+    ledger: CallLedger,
 ) -> Answered:
     """Make (or find again) the model call of step `name` at `position`; see the module's recovery table."""
     step = CallStep(
-        store, claim, position, name, adapter, request, policy, record, admissions_for(claim, adapter, request, policy),
+        store, claim, position, name, adapter, request, policy, ledger, admissions_for(claim, adapter, request, policy),
         estimated_cost(policy, request),
     )  # fmt: skip
     digest = request_digest(request)
@@ -154,7 +155,7 @@ def call_batched(
     adapter: Adapter,
     request: Mapping[str, Any],
     policy: CallPolicy,
-    record: Recorder,
+    ledger: CallLedger,
     batch: BatchPolicy,
 ) -> Answered:
     """Make the call of step `name` as an item of a provider batch: queue it and park the run, or, once the
@@ -168,10 +169,10 @@ def call_batched(
     digest = request_digest(request)
     latest = latest_intent(store, claim.run_id, position)
     if latest is not None and latest.mode != "batch":  # it fell back to a background call: that call's protocol
-        return call_model(store, claim, position, name, adapter, request, policy, record)
+        return call_model(store, claim, position, name, adapter, request, policy, ledger)
     batch_url(adapter.endpoint)  # a batch endpoint exists for it, or ConfigurationError before anything is written
     estimate = estimated_cost(policy, request)
-    step = CallStep(store, claim, position, name, adapter, request, policy, record, (), batch_micros(estimate))
+    step = CallStep(store, claim, position, name, adapter, request, policy, ledger, (), batch_micros(estimate))
     check_same_request(step, latest, digest)
     if latest is not None and latest.state is IntentState.SENT:
         item = read_item(store, latest.public_id)
@@ -184,7 +185,7 @@ def call_batched(
         fallback = item is not None and item.state is ItemState.QUEUED and _past_fallback(store, item)
         if fallback and item is not None and fall_back(store, item.custom_id):
             end_intent(store, claim, latest, IntentState.CANCELLED, error="fell back to a background call")
-            return call_model(store, claim, position, name, adapter, request, policy, record)
+            return call_model(store, claim, position, name, adapter, request, policy, ledger)
         if item is not None and item.state is not ItemState.CANCELLED:
             raise _park_batch(step, item.state.value, _wake_in(store, item))
         end_intent(store, claim, latest, IntentState.LOST, error="its batch item is gone")
@@ -237,7 +238,7 @@ def _batch_done(step: CallStep, intent: Intent, response: Mapping[str, Any]) -> 
             output_tokens=usage.output_tokens,
         )
         reason = intent.repeat_reason.value if intent.repeat_reason else None
-        step.record(conn, intent, usage, ok=True, reason=reason, reattached=False, error=None)
+        record_call(step, conn, intent, usage, ok=True, reason=reason, reattached=False, error=None)
         clear_item_txn(conn, intent.public_id)
 
     return Answered(response, writes, False, intent.repeat_reason)
@@ -253,7 +254,7 @@ def _prepare(step: CallStep, digest: str, supersedes: Intent | None, reason: Rep
         try:
             return prepare_intent(
                 step.store, step.claim, position=step.position, step_name=step.name, request=intent_row(step, digest),
-                supersedes=supersedes, reason=reason, admissions=step.admissions, budget=budget,
+                supersedes=supersedes, reason=reason, ledger=step.ledger, admissions=step.admissions, budget=budget,
             )  # fmt: skip
         except BudgetExceeded as refused:
             with step.store.db.begin() as conn:  # its own statement: the refused transaction rolled back
@@ -443,14 +444,13 @@ def _lost(step: CallStep, intent: Intent, exc: ResponseGone) -> Answered:
 def _record_unknown(step: CallStep, unanswered: Intent, why: str = "outcome unknown") -> None:
     """End a call whose outcome cannot be known `lost`, with its ledger row at its estimate and its budgets
     charged, in one fenced transaction (oncelery.ledger.unknown: provider creates <= ledger rows)."""
-    dialect = step.store.db.dialect
     written: list[Mapping[str, Any]] = []
 
     def write(conn: Connection) -> None:
         written.clear()  # a retried transaction writes it afresh
-        row = end_unanswered_txn(conn, dialect, unanswered.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
+        row = step.ledger.record_unanswered(conn, unanswered.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
         written.extend([row] if row is not None else [])
 
     fenced_write(step.store, step.claim, "the unknown outcome of the call was not recorded", write)
-    for row in written:
-        step.record.wrote(row)
+    for row in written:  # told once committed: a transaction that failed wrote no row
+        step.ledger.tell(row)

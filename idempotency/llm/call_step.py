@@ -1,6 +1,6 @@
-"""One model call's step, as `call.py`'s protocol sees it: what it is given (its policy, the ledger's recorder,
-its request), what it is estimated to cost and which limiters and budgets admit it before it is sent, and how a
-call the provider finished ends (`Answered`, or ProviderCallFailed).
+"""One model call's step, as `call.py`'s protocol sees it: what it is given (its policy, the app's ledger, its
+request), what it is estimated to cost and which limiters and budgets admit it before it is sent, and how a
+call the provider finished ends (`Answered`, or ProviderCallFailed, each with its ledger row: `record_call`).
 
 The protocol itself (prepare, send, re-attach, recover: the recovery table) is `call.py`'s; these are the parts
 of it that read a request or a response and write nothing but what they are asked to.
@@ -8,13 +8,15 @@ of it that read a request or a response and write nothing but what they are aske
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Connection
 
 from oncelery.errors import ConfigurationError, StepMismatch
+from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
 from oncelery.llm.budgets import BudgetPlan, estimate_micros, remaining_micros
@@ -30,7 +32,6 @@ __all__ = [
     "Answered",
     "CallPolicy",
     "CallStep",
-    "Recorder",
     "admissions_for",
     "answer_ended",
     "check_retry_budget",
@@ -40,6 +41,7 @@ __all__ = [
     "heed_hint",
     "intent_row",
     "provider_limiters",
+    "record_call",
 ]
 
 DEFAULT_POLL_S = 1.0
@@ -59,23 +61,6 @@ class CallPolicy:
     woken: bool = False
     limits: tuple[LimitRule, ...] = ()  # oncelery_limits: the shared limiters a call is admitted through
     budgets: BudgetPlan | None = None  # oncelery_budgets and max_cost_usd: what the call reserves before it is sent
-
-
-class Recorder(Protocol):
-    """Writes one ledger row in the caller's transaction (the task room prices it; the call id makes it once)."""
-
-    def __call__(
-        self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
-        error: str | None,
-    ) -> None: ...  # fmt: skip
-
-    def cost_of(self, usage: Usage, mode: str) -> int | None:
-        """What `usage` costs in micro-USD for a call in `mode` (a batch item at the batch price); None: no price."""
-        ...
-
-    def wrote(self, row: Mapping[str, Any]) -> None:
-        """Learn of a row the call layer wrote itself (an unknown outcome's), once its transaction committed."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -99,9 +84,15 @@ class CallStep:
     adapter: Adapter
     request: Mapping[str, Any]
     policy: CallPolicy
-    record: Recorder
+    ledger: CallLedger  # the app's: prices the call and records its row (oncelery.ledger.recording)
     admissions: tuple[Admission, ...] = ()
     estimate_micros: int = 0  # the call's estimated cost, reserved in its budgets
+    started: float = field(default_factory=time.perf_counter)  # the row's latency is measured from here
+
+    @property
+    def model(self) -> str:
+        """The model the request names (the price table's name for it)."""
+        return str(self.request.get("model", ""))
 
 
 def check_same_request(step: CallStep, latest: Intent | None, digest: str) -> None:
@@ -164,16 +155,17 @@ def intent_row(step: CallStep, digest: str, mode: str | None = None) -> dict[str
     background = capabilities.background and step.policy.background
     mode = mode or ("background" if background else "sync")
     estimate = estimate_usage(step.request)
+    cost = step.ledger.cost_micros(step.model, estimate.input_tokens, estimate.output_tokens, mode)
     return {
         "provider": step.adapter.provider,
         "endpoint": step.adapter.endpoint,
-        "model": str(step.request.get("model", "")),
+        "model": step.model,
         "mode": mode,
         "request_digest": digest,
         "retention_s": capabilities.retention_s,
         "estimated_input_tokens": estimate.input_tokens,
         "estimated_output_tokens": estimate.output_tokens,
-        "estimated_cost_micros": step.record.cost_of(estimate, mode),
+        "estimated_cost_micros": cost,
     }
 
 
@@ -215,7 +207,7 @@ def answer_ended(step: CallStep, intent: Intent, look: Observed, *, reattached: 
                 input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
             )  # fmt: skip
             reason = intent.repeat_reason.value if intent.repeat_reason else None
-            step.record(conn, intent, usage, ok=True, reason=reason, reattached=reattached, error=None)
+            record_call(step, conn, intent, usage, ok=True, reason=reason, reattached=reattached, error=None)
 
         return Answered(look.response, writes, reattached, intent.repeat_reason)
     state = IntentState.CANCELLED if look.state is Provider.CANCELLED else IntentState.FAILED
@@ -224,7 +216,7 @@ def answer_ended(step: CallStep, intent: Intent, look: Observed, *, reattached: 
     def billed(conn: Connection) -> None:
         if usage.input_tokens or usage.output_tokens:  # a failed call can still be billed: never hide it
             reason = intent.repeat_reason.value if intent.repeat_reason else None
-            step.record(conn, intent, usage, ok=False, reason=reason, reattached=reattached, error=error)
+            record_call(step, conn, intent, usage, ok=False, reason=reason, reattached=reattached, error=error)
 
     end_intent(step.store, step.claim, intent, state, billed, error=error)
     raise ProviderCallFailed.of(step.adapter.provider, step.name, state.value, error)
@@ -233,3 +225,37 @@ def answer_ended(step: CallStep, intent: Intent, look: Observed, *, reattached: 
 def estimate_usage(request: Mapping[str, Any]) -> Usage:
     """A conservative usage of a call whose bill is unknown: its input's estimated tokens plus its output limit."""
     return Usage(estimate_tokens(input_text(request), str(request.get("model", ""))), output_limit(request))
+
+
+def record_call(
+    step: CallStep, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None,
+    reattached: bool, error: str | None,
+) -> bool:  # fmt: skip
+    """Write the call's ledger row (priced now) in the caller's transaction, and charge its budgets, once per
+    intent (its id is the row's call id); return whether the row was new."""
+    claim, model = step.claim, step.model
+    cost = step.ledger.cost_micros(model, usage.input_tokens, usage.output_tokens, intent.mode)
+    full = step.ledger.cost_micros(model, usage.input_tokens, usage.output_tokens)
+    saved = None if cost is None or full is None or intent.mode != "batch" else full - cost
+    row = {
+        "call_id": intent.public_id,
+        "task_name": claim.task_name,
+        "tenant": claim.tenant,
+        "idempotency_key": claim.key,
+        "step": step.name,
+        "run_id": claim.run_id,
+        "fencing_token": claim.token,
+        "model": model,
+        "prompt": None,
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "latency_ms": (time.perf_counter() - step.started) * 1000,
+        "ok": ok,
+        "error": error,
+        "cost_micros": cost,
+        "batch_saved_micros": saved,
+        "meta": {"attempt": intent.attempt, "mode": intent.mode},
+        "reason": reason,
+        "reattached": reattached,
+    }
+    return step.ledger.record(conn, row, intent.reservation)

@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from oncelery.ledger.unknown import end_unanswered_txn
+from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.factory import task_adapter
 from oncelery.llm.errors import ProviderError
 from oncelery.models import IntentState
@@ -40,11 +40,11 @@ def adapter_of(task: Any) -> Any:
     return task_adapter(task)
 
 
-def cancel_sent_calls(store: RunStore, run_id: int, adapter: Any, why: str, label: str) -> int:
+def cancel_sent_calls(store: RunStore, run_id: int, adapter: Any, why: str, label: str, ledger: CallLedger) -> int:
     """Ask the provider to stop the ended run's calls it may still be running; return how many it cancelled.
 
     A call still `sent` (its run ended by a path that did not end it) ends `cancelled` with its ledger row
-    labelled `label`, in one transaction, whether or not the cancel succeeds.
+    labelled `label` (written through `ledger`), in one transaction, whether or not the cancel succeeds.
     """
     if adapter is None or not hasattr(adapter, "cancel"):
         return 0  # nothing to cancel with: the calls are on the books; the provider finishes them
@@ -67,7 +67,7 @@ def cancel_sent_calls(store: RunStore, run_id: int, adapter: Any, why: str, labe
             seen = None
         with store.db.begin() as conn:
             if state is IntentState.SENT:  # not ended by the run's end: on the books now, at its estimate
-                end_unanswered_txn(conn, store.db.dialect, public_id, IntentState.ABANDONED, label, why)
+                ledger.record_unanswered(conn, public_id, IntentState.ABANDONED, label, why)
             if seen is None:
                 continue
             usage = _reported(adapter, seen)

@@ -14,8 +14,9 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from oncelery.ledger.recording import CallLedger
 from oncelery.ledger.settle import Reservation, release_txn
-from oncelery.ledger.unknown import UNKNOWN_OUTCOME, end_unanswered_txn
+from oncelery.ledger.unknown import UNKNOWN_OUTCOME
 from oncelery.llm.budgets import BudgetPlan, reserve_txn
 from oncelery.llm.limits import OUTPUT_RETURNED_ENDPOINTS, Admission, admit_txn, settle_txn, used_by
 from oncelery.models.intents import IntentState, RepeatReason
@@ -95,6 +96,7 @@ def prepare_intent(
     request: Mapping[str, Any],
     supersedes: Intent | None,
     reason: RepeatReason | None,
+    ledger: CallLedger,
     admissions: Sequence[Admission] = (),
     budget: tuple[BudgetPlan, int] | None = None,
 ) -> Intent:
@@ -102,7 +104,7 @@ def prepare_intent(
 
     `request` holds the fields the row keeps (provider, endpoint, model, mode, request_digest, retention_s).
     A `supersedes` intent still open is ended `lost` in the same transaction, with its ledger row at its estimate
-    (oncelery.ledger.unknown): its outcome is unknown.
+    written through `ledger` (oncelery.ledger.unknown): its outcome is unknown.
     `admissions`: the shared limiters the call goes through, admitted in the same transaction, or Throttled
     is raised and nothing is written. `budget`: (the call's budgets, its estimated cost in micro-USD), reserved
     in the same transaction, or BudgetExceeded is raised and nothing is written.
@@ -122,7 +124,7 @@ def prepare_intent(
             reserved[0] = reserve_txn(conn, dialect, plan, claim.tenant, claim.run_id, estimate).as_json()
         if supersedes is not None:
             why = f"outcome unknown: attempt {attempt} of step {step_name!r} replaced it"
-            end_unanswered_txn(conn, dialect, supersedes.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
+            ledger.record_unanswered(conn, supersedes.public_id, IntentState.LOST, UNKNOWN_OUTCOME, why)
         conn.execute(
             INTENTS.insert().values(
                 public_id=public_id,

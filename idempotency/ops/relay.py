@@ -14,11 +14,10 @@ from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
-from sqlalchemy import Connection, and_, case, or_, select, update
+from sqlalchemy import and_, case, or_, select, update
 
 from oncelery.delivery.replay_cache import purge_forgetter
-from oncelery.ledger.prices import price_for
-from oncelery.ledger.rows import add_call
+from oncelery.ledger.recording import CallLedger
 from oncelery.ledger.unknown import abandon_finished
 from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
@@ -135,17 +134,8 @@ class Relay:
             return
         self.batcher = Batcher(
             self.db, adapters, poll_s=poll_s, lease_s=lease_s, untagged_search_s=self.batch_untagged_search_s,
-            price=self._sync_price, ledger=self._ledger_row,
+            ledger=CallLedger(self.db.dialect, self.app.conf),  # a duplicate batch's calls, at the app's prices
         )  # fmt: skip
-
-    def _sync_price(self, model: str, input_tokens: int, output_tokens: int) -> int | None:
-        """A call's cost at the synchronous price (micro-USD) of now (`price_of`); None: no price."""
-        price = price_for(model, self.app.conf)
-        return None if price is None else price.cost_micros(input_tokens, output_tokens)
-
-    def _ledger_row(self, conn: Connection, row: Mapping[str, Any]) -> bool:
-        """Add a ledger row the batcher wrote (a duplicate batch's call) in its transaction: once per call_id."""
-        return add_call(conn, self.db.dialect, row)
 
     def _forget(self) -> Callable[[list[tuple[str, str, str]]], object] | None:
         return purge_forgetter(self.app.conf, self.db.url)

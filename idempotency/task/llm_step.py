@@ -1,8 +1,9 @@
 """`self.llm(step, **request)`: a model call as a checkpointed step, through the write-ahead intent protocol.
 
 The task room's part is what the call layer (`oncelery.llm`, which knows no Celery) leaves to it: which adapter,
-which policy, and the ledger row, priced by `price_of` (`oncelery_prices`, else the price file) and written in the
-transaction that ends the intent (with the step's checkpoint when the call is done).
+which policy, and which ledger: the app's (`oncelery.ledger.recording.CallLedger`, pricing through `price_for`:
+`oncelery_prices`, else the price file), through which the call layer writes its row in the transaction that ends
+the intent (with the step's checkpoint when the call is done).
 """
 
 from __future__ import annotations
@@ -12,21 +13,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Connection
-
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
 from oncelery.ledger.prices import price_for
-from oncelery.ledger.rows import add_call
-from oncelery.ledger.settle import charge_txn
-from oncelery.llm.adapters.base import Adapter, CallState, Usage
+from oncelery.ledger.recording import CallLedger
+from oncelery.llm.adapters.base import Adapter, CallState
 from oncelery.llm.adapters.factory import made_adapter, task_adapter
-from oncelery.llm.batches import BatchPolicy, batch_micros
+from oncelery.llm.batches import BatchPolicy
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, parse_usd
 from oncelery.llm.call import call_batched, call_model
 from oncelery.llm.call_step import CallPolicy
-from oncelery.llm.intents import Intent
 from oncelery.llm.limits import LimitRule, parse_limits
 from oncelery.llm.request import request_digest
 from oncelery.runs.encoding import canonical_json
@@ -35,7 +32,6 @@ from oncelery.tracing.calls import CallLog, traced_llm_step
 from oncelery.tracing.otel import telemetry_of
 
 __all__ = [
-    "LedgerRecorder",
     "batch_policy",
     "call_unclaimed",
     "limits_of",
@@ -154,66 +150,6 @@ def limits_of(conf: Any) -> tuple[LimitRule, ...]:
 _PARSED_LIMITS: dict[int, tuple[Any, tuple[LimitRule, ...]]] = {}
 
 
-class LedgerRecorder:
-    """Writes a call's ledger row (priced now) in the caller's transaction; the intent's id makes it once."""
-
-    def __init__(self, ctx: RunContext, request: Mapping[str, Any], conf: Any, log: CallLog | None = None) -> None:
-        self.ctx = ctx
-        self.log = log  # the rows this delivery wrote, for tracing (oncelery.tracing.calls)
-        self.model = str(request.get("model", ""))
-        self.price = price_for(self.model, conf)
-        self.started = time.perf_counter()
-        # Made inside the step: its row is written later, by the checkpoint's transaction, outside the step's context.
-        self.step = current_step()
-
-    def __call__(
-        self, conn: Connection, intent: Intent, usage: Usage, *, ok: bool, reason: str | None, reattached: bool,
-        error: str | None,
-    ) -> None:  # fmt: skip
-        """Add the row (and the running totals, once) for `intent`'s call."""
-        claim, step = self.ctx.claim, self.step
-        cost = self.cost_of(usage, intent.mode)
-        full = None if self.price is None else self.price.cost_micros(usage.input_tokens, usage.output_tokens)
-        saved = None if cost is None or full is None or intent.mode != "batch" else full - cost
-        row = {
-            "call_id": intent.public_id,
-            "task_name": claim.task_name,
-            "tenant": claim.tenant,
-            "idempotency_key": claim.key,
-            "step": step.name if step is not None else None,
-            "run_id": claim.run_id,
-            "fencing_token": claim.token,
-            "model": self.model,
-            "prompt": None,
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "latency_ms": (time.perf_counter() - self.started) * 1000,
-            "ok": ok,
-            "error": error,
-            "cost_micros": cost,
-            "batch_saved_micros": saved,
-            "meta": {"attempt": intent.attempt, "mode": intent.mode},
-            "reason": reason,
-            "reattached": reattached,
-        }
-        if add_call(conn, self.ctx.steps.store.db.dialect, row):  # once per call id: so is its charge
-            charge_txn(conn, intent.reservation, cost)
-            if self.log is not None:
-                self.log.rows.append(row)
-
-    def wrote(self, row: Mapping[str, Any]) -> None:
-        """Note a row the call layer wrote (an unknown outcome's), for tracing."""
-        if self.log is not None:
-            self.log.rows.append(dict(row))
-
-    def cost_of(self, usage: Usage, mode: str) -> int | None:
-        """What `usage` costs in micro-USD at this model's price (a batch item at the batch price); None: no price."""
-        if self.price is None:
-            return None
-        cost = self.price.cost_micros(usage.input_tokens, usage.output_tokens)
-        return batch_micros(cost) if mode == "batch" else cost
-
-
 def run_llm_step(
     task: Any,
     ctx: RunContext,
@@ -239,10 +175,12 @@ def run_llm_step(
         step = current_step()
         if step is None:  # StepRunner always runs `call` inside its step
             raise ConfigurationError(f"{task.name}: self.llm() ran outside its step")
-        recorder = LedgerRecorder(ctx, request, task.app.conf, log)
+        # The rows this delivery writes go to the step's tracing too (oncelery.tracing.calls).
+        ledger = CallLedger(ctx.steps.store.db.dialect, task.app.conf, None if log is None else log.rows.append)
+        ledger.price(str(request.get("model", "")))  # a bad price table fails here, before the call is made
         if log is not None:
             log.called = True
-        where = (ctx.steps.store, ctx.claim, step.position, name, adapter, request, policy, recorder)
+        where = (ctx.steps.store, ctx.claim, step.position, name, adapter, request, policy, ledger)
         answered = call_model(*where) if batch is None else call_batched(*where, batch)
         if log is not None:
             log.answered_at = len(log.rows)

@@ -25,6 +25,7 @@ from typing import Any
 from celery import signals
 
 from oncelery.errors import OnceleryError
+from oncelery.ledger.recording import CallLedger
 from oncelery.ledger.unknown import REVOKED_LABEL
 from oncelery.llm.cancel import adapter_of, cancel_sent_calls
 from oncelery.runs.letters import cancel_revoked
@@ -72,4 +73,5 @@ def cancel_on_revoke(task: Any, task_id: str, terminated: bool = False) -> bool:
 def cancel_run_calls(task: Any, run_id: int, why: str, label: str) -> int:
     """Ask the provider to stop the ended run's calls in flight, best effort (each is already on the books,
     labelled `label`: oncelery.ledger.unknown); return how many it cancelled."""
-    return cancel_sent_calls(task.store, run_id, adapter_of(task), why, label)
+    ledger = CallLedger(task.store.db.dialect, task.app.conf)
+    return cancel_sent_calls(task.store, run_id, adapter_of(task), why, label, ledger)

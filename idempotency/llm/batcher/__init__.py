@@ -23,13 +23,14 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from oncelery.ledger.recording import CallLedger
 from oncelery.llm.batcher.poll import POLL_S as POLL_S
 from oncelery.llm.batcher.poll import Poller
 from oncelery.llm.batcher.stage import LEASE_S as LEASE_S
 from oncelery.llm.batcher.stage import BatcherLease, BatcherLeaseLost, BatchRound, logger, wake_run
 from oncelery.llm.batcher.submit import UNTAGGED_SEARCH_S as UNTAGGED_SEARCH_S
 from oncelery.llm.batcher.submit import FileBatches, InlineBatches, Submitter
-from oncelery.llm.batcher.suspects import DUPLICATE_BATCH, LedgerWriter, Suspects, SuspectWatch, SyncPrice
+from oncelery.llm.batcher.suspects import DUPLICATE_BATCH, Suspects, SuspectWatch
 from oncelery.llm.errors import ProviderError, ProviderRejected
 from oncelery.models.batches import BatchState, ItemState
 from oncelery.store.database import Database
@@ -41,9 +42,7 @@ __all__ = [
     "Batcher",
     "FileBatches",
     "InlineBatches",
-    "LedgerWriter",
     "Suspects",
-    "SyncPrice",
 ]
 
 
@@ -58,14 +57,13 @@ class Batcher:
         poll_s: float = POLL_S,
         lease_s: float = LEASE_S,
         untagged_search_s: float = UNTAGGED_SEARCH_S,
-        price: SyncPrice | None = None,
-        ledger: LedgerWriter | None = None,
+        ledger: CallLedger | None = None,
     ) -> None:
         self.db = db
         self.adapters = dict(adapters)  # one dict for every stage: an adapter set here is the one they use
         self.lease = BatcherLease(db, lease_s)
         self.submitter = Submitter(db, self.adapters, self.lease, untagged_search_s=untagged_search_s)
-        self.suspects = SuspectWatch(db, self.adapters, self.lease, price=price, ledger=ledger)
+        self.suspects = SuspectWatch(db, self.adapters, self.lease, ledger=ledger)
         self.poller = Poller(db, self.adapters, self.lease, self.suspects, poll_s=poll_s)
 
     # -- a round -------------------------------------------------------------------------------------------

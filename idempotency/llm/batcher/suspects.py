@@ -12,15 +12,15 @@ suspect is resolved.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.base import Usage
 from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, logger
-from oncelery.llm.batches import batch_micros
 from oncelery.llm.errors import ProviderRejected, ResponseGone
 from oncelery.models.batches import BatchState
 from oncelery.store.database import Database, rowcount
@@ -28,10 +28,8 @@ from oncelery.store.tables import BATCH_ITEMS, BATCHES, INTENTS, RUNS
 
 __all__ = [
     "DUPLICATE_BATCH",
-    "LedgerWriter",
     "SuspectWatch",
     "Suspects",
-    "SyncPrice",
     "duplicate_call_id",
     "items_digest",
 ]
@@ -39,11 +37,6 @@ __all__ = [
 #: The ledger label (`model_calls.reason`) of each call of a duplicate batch: the same requests run a second time.
 DUPLICATE_BATCH = "duplicate_batch"
 _LOOKUP_CHUNK = 500  # custom_ids per IN (...) when a duplicate's items are looked up
-
-#: A call's cost at the synchronous price in micro-USD (model, input tokens, output tokens); None: no price.
-SyncPrice = Callable[[str, int, int], int | None]
-#: Adds one ledger row (`model_calls`) in the caller's transaction, once per `call_id`; returns whether it was new.
-LedgerWriter = Callable[[Connection, Mapping[str, Any]], bool]
 
 
 @dataclass(frozen=True)
@@ -94,13 +87,11 @@ class SuspectWatch(Stage):
         adapters: dict[str, Any],
         lease: BatcherLease,
         *,
-        price: SyncPrice | None = None,
-        ledger: LedgerWriter | None = None,
+        ledger: CallLedger | None = None,
     ) -> None:
         super().__init__(db, adapters, lease)
-        # A duplicate batch's calls go to the ledger: priced (the task room's price table, given by the relay)
-        # and written by its writer (`add_call`), since this room does not import the task room.
-        self.price = price
+        # A duplicate batch's calls go to the ledger the relay made for its app: priced at the app's prices and
+        # written once per call id.
         self.ledger = ledger
 
     def _look(self, adapter: Any, batch_id: str, suspect: str, done: BatchRound) -> tuple[Any, list[Any]] | None:
@@ -192,7 +183,7 @@ class SuspectWatch(Stage):
         written = 0
         for line in ran:
             usage = usage_of(line.response) if line.ok and usage_of is not None and line.response else Usage()
-            sync = None if self.price is None else self.price(batch.model, usage.input_tokens, usage.output_tokens)
+            cost = self.ledger.cost_micros(batch.model, usage.input_tokens, usage.output_tokens, "batch")
             origin = known.get(line.custom_id, {})
             row = {
                 "call_id": duplicate_call_id(line.custom_id, suspect),
@@ -209,7 +200,7 @@ class SuspectWatch(Stage):
                 "latency_ms": 0.0,
                 "ok": bool(line.ok),
                 "error": None if line.ok else (line.error or "failed in its batch")[:2000],
-                "cost_micros": None if sync is None else batch_micros(sync),
+                "cost_micros": cost,
                 # It saved nothing: the same requests were paid for in the batch that was applied.
                 "batch_saved_micros": None,
                 "meta": {
@@ -221,7 +212,7 @@ class SuspectWatch(Stage):
                 "reason": DUPLICATE_BATCH,
                 "reattached": False,
             }
-            written += int(self.ledger(conn, row))
+            written += int(self.ledger.record(conn, row))
         return written
 
 
