@@ -26,6 +26,7 @@ from sqlalchemy import Select, and_, case, delete, exists, select, update
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.ops.outbox import CONTINUATION, enqueue
 from oncelery.ops.relay import Relay
+from oncelery.runs.letters import delete_dead_runs_txn, revive_dead_txn
 from oncelery.settings import HEADER_FORK, HEADER_LEASE, HEADER_ON_IN_PROGRESS
 from oncelery.store.database import Database
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
@@ -188,7 +189,7 @@ class DeadLetters:
         `replay` is then `queued`, and `publish_error` says why when the publish raised).
         """
         report = ReplayReport()
-        r, d = RUNS.c, LETTERS.c
+        d = LETTERS.c
         for letter in letters:
             if not letter.replayable or letter.run_id is None:
                 report.skipped.append((letter, _why_not(letter)))
@@ -209,19 +210,7 @@ class DeadLetters:
             sig = sig.set(**options)
             now = self.db.dialect.now()
             with self.db.begin() as conn:
-                revived = conn.execute(
-                    update(RUNS)
-                    .where(r.id == letter.run_id, r.status == RunStatus.DEAD)
-                    .values(
-                        status=RunStatus.FAILED,
-                        lost=0,
-                        retries=0,
-                        not_before=None,
-                        error="replayed from the dead-letter queue",
-                        updated_at=now,
-                    )
-                ).rowcount
-                if revived != 1:
+                if not revive_dead_txn(conn, self.db.dialect, letter.run_id):
                     conn.rollback()
                     report.skipped.append((letter, "its run is no longer DEAD (replayed already?)"))
                     continue
@@ -257,8 +246,7 @@ class DeadLetters:
         with self.db.begin() as conn:
             n = conn.execute(delete(LETTERS).where(LETTERS.c.id.in_(ids))).rowcount or 0
             if runs:
-                r = RUNS.c
-                conn.execute(delete(RUNS).where(r.id.in_(runs), r.status == RunStatus.DEAD))
+                delete_dead_runs_txn(conn, runs)
         return int(n)
 
 

@@ -1,4 +1,5 @@
-"""Dead letters the claim protocol writes: a poison run made DEAD, a failure's letter, a run-less message.
+"""Dead letters the claim protocol writes: a poison run made DEAD, a failure's letter, a run-less message; and
+the dead-letter queue's own changes to a DEAD run: replayed (FAILED again) or purged.
 
 Each letter is written in the same transaction as the state change it records (and its outcome count), so a
 fault in between can neither leave a DEAD run without its letter nor write a letter twice.
@@ -6,9 +7,10 @@ fault in between can neither leave a DEAD run without its letter nor write a let
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, delete, select, update
 
 from oncelery.ledger.unknown import REVOKED_LABEL, UNKNOWN_OUTCOME, abandon_run_intents_txn
 from oncelery.models import Outcome, RunStatus
@@ -18,15 +20,18 @@ from oncelery.runs.keys import Identity
 from oncelery.runs.outcomes import record_outcome_txn
 from oncelery.runs.views import RunView
 from oncelery.store.database import Database, rowcount
+from oncelery.store.dialects import Dialect
 from oncelery.store.statements import Statements, statements
 from oncelery.store.tables import LETTERS, RUNS
 
 __all__ = [
     "REDACTED_CONFLICT",
     "cancel_revoked",
+    "delete_dead_runs_txn",
     "kill_lost",
     "letter_conflict",
     "letter_without_run",
+    "revive_dead_txn",
     "write_letter",
 ]
 
@@ -148,3 +153,33 @@ def cancel_revoked(db: Database, task_name: str, celery_task_id: str, terminated
         abandon_run_intents_txn(conn, db.dialect, row.id, REVOKED_LABEL, "cancelled: its run was revoked")
         record_outcome_txn(conn, db.dialect.name, task_name, Outcome.DEAD, row.tenant)
     return int(row.id), int(row.fencing_token)
+
+
+# -- the dead-letter queue's changes (oncelery dlq replay / purge) ------------------------------------------------
+
+
+def revive_dead_txn(conn: Connection, dialect: Dialect, run_id: int) -> bool:
+    """Make run `run_id` FAILED again iff it is still DEAD (retry and lost-delivery counts reset, no retry pending),
+    in the caller's transaction; return whether it did (False: it is no longer DEAD, e.g. replayed already)."""
+    r = RUNS.c
+    now = dialect.now()
+    revived = conn.execute(
+        update(RUNS)
+        .where(r.id == run_id, r.status == RunStatus.DEAD)
+        .values(
+            status=RunStatus.FAILED,
+            lost=0,
+            retries=0,
+            not_before=None,
+            error="replayed from the dead-letter queue",
+            updated_at=now,
+        )
+    )
+    return rowcount(revived) == 1
+
+
+def delete_dead_runs_txn(conn: Connection, run_ids: Sequence[int]) -> int:
+    """Delete those of `run_ids` that are DEAD, in the caller's transaction (a run replayed meanwhile stays); return
+    how many."""
+    r = RUNS.c
+    return rowcount(conn.execute(delete(RUNS).where(r.id.in_(list(run_ids)), r.status == RunStatus.DEAD)))
