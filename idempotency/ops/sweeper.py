@@ -24,15 +24,13 @@ from typing import Any
 import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
-from sqlalchemy import and_, or_, select, update
 
-from oncelery.models import RunStatus
 from oncelery.ops.outbox import CONTINUATION, send_keyed
 from oncelery.ops.unacked import on_redis, restore_unacked
+from oncelery.runs.sweeps import mark_due_waiting_runs, mark_lost_kept_runs, mark_lost_unkept_runs
 from oncelery.settings import HEADER_WOKEN
-from oncelery.store.clock import lease_expired, stored_message
+from oncelery.store.clock import stored_message
 from oncelery.store.database import Database
-from oncelery.store.tables import RUNS
 
 __all__ = [
     "stored_message",
@@ -46,21 +44,7 @@ logger = logging.getLogger("oncelery.sweeper")  # a stable name (users filter on
 def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100) -> int:
     """Re-send the stored messages of up to `batch` lost runs (RUNNING with its lease expired, or FAILED with a
     retry due for `interval` that no delivery took); return how many."""
-    r = RUNS.c
-    dia = db.dialect
-    now = dia.now()
-    past_interval = dia.lease_until("p_age")  # the database clock, `interval` ago
-    due = and_(
-        or_(
-            and_(r.status == RunStatus.RUNNING, lease_expired(now)),  # its holder vanished
-            # A retry due for an interval that nobody took: demoted for an entity (its message died with its
-            # holder), or a retry whose message the broker lost.
-            and_(r.status == RunStatus.FAILED, r.not_before.is_not(None), r.not_before < past_interval),
-        ),
-        stored_message(r.message),
-        or_(r.swept_at.is_(None), r.swept_at < past_interval),
-    )
-    rows = _mark_due(db, due, r.lease_expires_at, interval, batch)
+    rows = mark_lost_kept_runs(db, interval, batch)
     # Marked first, sent after the commit: a sweeper that dies in between re-sends after `interval`.
     sent = sum(_resend(app, row) for row in rows)
     if sent:
@@ -73,16 +57,7 @@ def _restore_lost_on_redis(app: Celery, db: Database, interval: float, batch: in
     message (oncelery.ops.unacked); return how many messages went back."""
     if not _on_redis(app):
         return 0
-    r = RUNS.c
-    dia = db.dialect
-    due = and_(
-        r.status == RunStatus.RUNNING,
-        lease_expired(dia.now()),
-        ~stored_message(r.message),
-        r.celery_task_id.is_not(None),
-        or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
-    )
-    rows = _mark_due(db, due, r.lease_expires_at, interval, batch)
+    rows = mark_lost_unkept_runs(db, interval, batch)
     if not rows:
         return 0
     try:
@@ -113,39 +88,11 @@ def wake_waiting_runs(app: Celery, db: Database, rewake_after: float, batch: int
     `rewake_after` has passed, and a copy that arrives twice is absorbed by the claim (one takes the run over,
     the other finds it held). The park clears swept_at, so each park wakes as soon as it is due.
     """
-    r = RUNS.c
-    dia = db.dialect
-    now = dia.now()
-    due = and_(
-        r.status == RunStatus.WAITING,
-        r.not_before <= now,
-        stored_message(r.message),
-        or_(r.swept_at.is_(None), r.swept_at < dia.lease_until("p_age")),
-    )
-    rows = _mark_due(db, due, r.not_before, rewake_after, batch)
+    rows = mark_due_waiting_runs(db, rewake_after, batch)
     woken = sum(_resend(app, row, woken=True) for row in rows)
     if woken:
         logger.info("waker: woke %d waiting runs (their model calls are due a poll)", woken)
     return woken
-
-
-def _mark_due(db: Database, due: Any, order: Any, age: float, batch: int) -> list[Any]:
-    """Mark up to `batch` runs matching `due` (whose `p_age` is `age` seconds ago) swept now; return them."""
-    r = RUNS.c
-    params = {"p_age": db.dialect.lease_param(-age)}
-    with db.read() as conn:  # an idle round never takes SQLite's writer lock (workers are writing)
-        if conn.execute(select(r.id).where(due).limit(1), params).first() is None:
-            return []
-    # Two relays never re-send the same run in one round (rows another one holds are skipped).
-    ids = db.dialect.locked_rows(select(r.id).where(due).order_by(order).limit(batch))
-    stmt = (
-        update(RUNS)
-        .where(r.id.in_(ids.scalar_subquery()), due)
-        .values(swept_at=db.dialect.now())
-        .returning(r.id, r.task_name, r.tenant, r.idempotency_key, r.celery_task_id, r.message)
-    )
-    with db.begin() as conn:
-        return list(conn.execute(stmt, params).all())
 
 
 def _resend(app: Celery, row: Any, woken: bool = False) -> int:

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection, select, update
 
-from oncelery.models import RunStatus
 from oncelery.models.batches import BatchState
+from oncelery.runs.sweeps import make_waiting_run_due_txn
 from oncelery.store.database import Database, rowcount
-from oncelery.store.tables import BATCH_ITEMS, BATCHES, LEASES, RUNS
+from oncelery.store.tables import BATCH_ITEMS, BATCHES, LEASES
 
 __all__ = [
     "LEASE_S",
@@ -168,14 +168,8 @@ class Stage:
 
 def wake_run(conn: Connection, db: Database, run_id: int) -> None:
     """Make a WAITING run due now (the relay's waker re-sends it); nothing if it is not waiting, or if its wake
-    is already due (the waker sends it, or sent it: clearing its mark would send a second copy)."""
-    r = RUNS.c
-    now = db.dialect.now()
-    conn.execute(
-        update(RUNS)
-        .where(r.id == run_id, r.status == RunStatus.WAITING, r.not_before > now)
-        .values(not_before=now, swept_at=None)
-    )
+    is already due. The transition is the runs room's (runs/sweeps.py), in the caller's transaction."""
+    make_waiting_run_due_txn(conn, db, run_id)
 
 
 def epoch_of(value: Any) -> float:
