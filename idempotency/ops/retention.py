@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, column, delete, func, inspect, or_, select, table, update
+from sqlalchemy import Connection, and_, delete, func, inspect, or_, select
 from sqlalchemy.exc import IntegrityError
 
 from oncelery.errors import ConfigurationError
@@ -25,10 +25,10 @@ from oncelery.ledger.unknown import UNKNOWN_OUTCOME, abandon_runs_intents_txn
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.runs.debounce import purge_dispatched
 from oncelery.runs.faults import fault_point
+from oncelery.runs.retention import clear_kept_arguments, delete_runs_txn
 from oncelery.settings import CONF_KEPT_ARGUMENTS_RETENTION, DEFAULT_KEPT_ARGUMENTS_RETENTION
-from oncelery.store.clock import stored_message
 from oncelery.store.database import Database
-from oncelery.store.tables import BATCH_ITEMS, INTENTS, LETTERS, OUTBOX, RUNS, STEPS
+from oncelery.store.tables import LETTERS, OUTBOX, RUNS
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -83,21 +83,6 @@ def kept_arguments_age(conf: Any = None) -> float:
     """Seconds a completed run keeps its arguments: `oncelery_kept_arguments_retention` of `conf`, else 7d."""
     value = None if conf is None else conf.get(CONF_KEPT_ARGUMENTS_RETENTION)
     return parse_age(value if value is not None else DEFAULT_KEPT_ARGUMENTS_RETENTION)
-
-
-def clear_kept_arguments(db: Database, older_than: float) -> int:
-    """Clear the arguments completed runs kept (`keep_arguments=`) once they finished `older_than` seconds ago
-    (database clock); the runs themselves stay. Returns how many runs it cleared."""
-    r = RUNS.c
-    dia = db.dialect
-    with db.begin() as conn:
-        cleared = conn.execute(
-            update(RUNS)
-            .where(r.status == RunStatus.COMPLETED, stored_message(r.message), r.finished_at < dia.lease_until("p_age"))
-            .values(message=None),
-            {"p_age": dia.lease_param(-older_than)},
-        )
-        return int(cleared.rowcount or 0)
 
 
 def purge(
@@ -200,17 +185,5 @@ def _delete_runs(conn: Connection, ids: list[int], ledgers: list[str], report: P
 
 
 def _delete(conn: Connection, ids: list[int], ledgers: list[str], report: PurgeReport) -> None:
-    counts: dict[str, int] = {}
-    counts["steps"] = conn.execute(delete(STEPS).where(STEPS.c.run_id.in_(ids))).rowcount or 0
-    counts["dead_letters"] = conn.execute(delete(LETTERS).where(LETTERS.c.run_id.in_(ids))).rowcount or 0
-    # A finished run's call intents (digests and references only) go with it: nothing is left to re-attach.
-    counts["intents"] = conn.execute(delete(INTENTS).where(INTENTS.c.run_id.in_(ids))).rowcount or 0
-    # Their batch items too (done or failed, request and answer already cleared): no row outlives its run.
-    counts["batch_items"] = conn.execute(delete(BATCH_ITEMS).where(BATCH_ITEMS.c.run_id.in_(ids))).rowcount or 0
-    counts["ledger"] = 0
-    for name in ledgers:
-        ledger: Any = table(name, column("run_id"))
-        counts["ledger"] += conn.execute(delete(ledger).where(ledger.c.run_id.in_(ids))).rowcount or 0
-    counts["runs"] = conn.execute(delete(RUNS).where(RUNS.c.id.in_(ids))).rowcount or 0
-    for name, n in counts.items():
+    for name, n in delete_runs_txn(conn, ids, ledgers).items():
         setattr(report, name, getattr(report, name) + n)
