@@ -4,6 +4,9 @@ Each stage that touches the database calls `fault_point(name)` just before it do
 production, so a point costs one dict lookup. A test registers a callback (`oncelery.testing`-style:
 `with fault_injected("complete", kill_backends): ...`) that kills the worker's connections, restarts the
 server or holds a lock, and then asserts the job still ends exactly once.
+
+`expire_run_lease` is the one fault a test makes to a run row itself: its lease moved into the past by the database
+clock, as if its holder froze (oncelery.testing's `expire_lease`, `kill_holder`, `frozen_past_lease`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from sqlalchemy import update
+
+from oncelery.store.database import Database
+from oncelery.store.tables import RUNS
+
 __all__ = [
     "POINTS",
+    "expire_run_lease",
     "fault_injected",
     "fault_point",
 ]
@@ -84,3 +93,16 @@ def fault_injected(name: str, hook: Callable[[str, dict[str, Any]], None]) -> It
     finally:
         with _lock:
             _hooks.pop(name, None)
+
+
+def expire_run_lease(db: Database, task_name: str, tenant: str, key: str) -> None:
+    """Move the lease of run (task, tenant, key) an hour into the past by the database clock: as if its holder froze
+    (no sleeping); its status and token are left as they are, so a takeover decides as for any expired lease."""
+    r = RUNS.c
+    stmt = (
+        update(RUNS)
+        .where(r.task_name == task_name, r.tenant == tenant, r.idempotency_key == key)
+        .values(lease_expires_at=db.dialect.lease_until("p_lease"))  # the database clock's now - 1 h
+    )
+    with db.begin() as conn:
+        conn.execute(stmt, {"p_lease": db.dialect.lease_param(-3600.0)})

@@ -11,13 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import update
-
 from oncelery.models import RunStatus
-from oncelery.runs.faults import fault_injected
+from oncelery.runs.faults import expire_run_lease, fault_injected
 from oncelery.runs.views import RunView
 from oncelery.store.database import Database
-from oncelery.store.tables import RUNS
 from oncelery.testing.broker import flush_broker, on_redis, restore_delivery
 from oncelery.testing.db import OnceleryDb, _name
 from oncelery.testing.waiting import DEFAULT_TIMEOUT, poll, wait_until
@@ -41,14 +38,7 @@ __all__ = [
 def expire_lease(db: OnceleryDb | str, task: Any, key: str, tenant: str = "") -> None:
     """Move the run's lease into the past by the database clock: as if its holder froze (no sleeping)."""
     store = Database(db if isinstance(db, str) else db.url)
-    r = RUNS.c
-    stmt = (
-        update(RUNS)
-        .where(r.task_name == _name(task), r.tenant == tenant, r.idempotency_key == key)
-        .values(lease_expires_at=store.dialect.lease_until("p_lease"))  # the database clock's now - 1 h
-    )
-    with store.begin() as conn:
-        conn.execute(stmt, {"p_lease": store.dialect.lease_param(-3600.0)})
+    expire_run_lease(store, _name(task), tenant, key)
 
 
 # -- fault helpers -------------------------------------------------------------------------------------------
