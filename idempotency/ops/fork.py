@@ -15,20 +15,19 @@
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, select
 
 from oncelery.errors import ConfigurationError
 from oncelery.models import ForkEffects, RunStatus
 from oncelery.ops.fork_preview import ForkPreview, price_steps
-from oncelery.runs.forks import OVERRIDABLE, fork_key
+from oncelery.runs.forks import OVERRIDABLE, record_fork_txn
 from oncelery.runs.kept import arguments_of
-from oncelery.settings import HEADER_FORK, HEADER_KEY, HEADER_TENANT, MAX_KEY_LENGTH, require_database_url
+from oncelery.settings import HEADER_FORK, HEADER_KEY, HEADER_TENANT, require_database_url
 from oncelery.store.database import Database
-from oncelery.store.tables import FORKS, RUNS, STEPS
+from oncelery.store.tables import RUNS, STEPS
 
 __all__ = [
     "EFFECTS_MODES",
@@ -203,17 +202,8 @@ def fork_run(
             "from_step": from_step, "from_position": position, "overrides": changes,
             "effects": ForkEffects(effects), "shadow_url": shadow_url, "cohort_id": cohort_id,
             "cohort_cap_micros": cohort_cap_micros,
-            "fork_key": f"pending:{uuid.uuid4().hex}",  # unique until the row has its id
         }  # fmt: skip
-        fork_id = int(conn.execute(FORKS.insert().values(**row).returning(FORKS.c.id)).scalar_one())
-        new_key = fork_key(fork_id, key)
-        if len(new_key) > MAX_KEY_LENGTH:
-            raise ConfigurationError(
-                f"the fork's key {new_key[:40]}... is over {MAX_KEY_LENGTH} characters: fork a run with a shorter key"
-            )
-        if cohort_cap_micros is not None and cohort_id is None:  # a cohort's first fork names the cohort
-            cohort_id = fork_id
-        conn.execute(update(FORKS).where(FORKS.c.id == fork_id).values(fork_key=new_key, cohort_id=cohort_id))
+        fork_id, new_key, cohort_id = record_fork_txn(conn, row)
     headers: dict[str, Any] = {HEADER_KEY: new_key, HEADER_FORK: fork_id}
     if tenant:
         headers[HEADER_TENANT] = tenant

@@ -8,17 +8,23 @@ from the SOURCE's checkpoints; from there on every step executes in the fork's o
 A delivery is a fork only by the header the fork command sends (HEADER_FORK, its id), never by its key's shape,
 and only if the fork row names this very task, tenant and key (`fork_mismatch`): a step result never crosses
 tenants, and a producer cannot make its call a fork by naming one.
+
+The fork row is written here too (`record_fork_txn`, in the fork command's transaction): inserted under a pending
+key, then named after its id.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, select, update
 
-from oncelery.settings import FORK_KEY_PREFIX
+from oncelery.errors import ConfigurationError
+from oncelery.settings import FORK_KEY_PREFIX, MAX_KEY_LENGTH
 from oncelery.store.database import Database
 from oncelery.store.tables import FORKS
 
@@ -31,6 +37,7 @@ __all__ = [
     "fork_mismatch",
     "load_fork",
     "load_fork_txn",
+    "record_fork_txn",
 ]
 
 #: What `--set STEP.NAME=VALUE` may change in a step's model call (`mode`: "batch" makes it a batch item).
@@ -104,6 +111,27 @@ def fork_id_of(key: str | None) -> int | None:
         return None
     m = _FORK_KEY.match(key)
     return int(m.group(1)) if m else None
+
+
+def record_fork_txn(conn: Connection, row: Mapping[str, Any]) -> tuple[int, str, int | None]:
+    """Insert the fork row `row` (source run and key, from-step, overrides, effects, cohort) and give it its run's
+    key, named after its id, in the caller's transaction; return (fork id, its run's key, its cohort id).
+
+    A cohort's first fork (a cap, no cohort id yet) names the cohort. ConfigurationError if the key would be longer
+    than a key may be: raised inside the caller's transaction, so the row is rolled back with it.
+    """
+    pending = {**row, "fork_key": f"pending:{uuid.uuid4().hex}"}  # unique until the row has its id
+    fork_id = int(conn.execute(FORKS.insert().values(**pending).returning(FORKS.c.id)).scalar_one())
+    new_key = fork_key(fork_id, row["source_key"])
+    if len(new_key) > MAX_KEY_LENGTH:
+        raise ConfigurationError(
+            f"the fork's key {new_key[:40]}... is over {MAX_KEY_LENGTH} characters: fork a run with a shorter key"
+        )
+    cohort_id = row.get("cohort_id")
+    if row.get("cohort_cap_micros") is not None and cohort_id is None:  # a cohort's first fork names the cohort
+        cohort_id = fork_id
+    conn.execute(update(FORKS).where(FORKS.c.id == fork_id).values(fork_key=new_key, cohort_id=cohort_id))
+    return fork_id, new_key, cohort_id
 
 
 def load_fork_txn(conn: Connection, fork_id: int) -> ForkSpec | None:
