@@ -20,7 +20,10 @@ from oncelery.store.tables import CALLS, LABEL_TOTALS, RUNS, TOTALS
 __all__ = ["add_call", "write_call"]
 
 _TOTAL_FIGURES = ("calls", "failed_calls", "input_tokens", "output_tokens", "cost_micros", "unpriced_calls")
-# The run's ok calls (what each of its replays saves), added as each is recorded.
+# The run's ok calls (what each of its replays saves), added as each is recorded. The one write to a run row
+# outside runs/ and store/ (tests/test_only_the_runs_room_changes_a_run.py allows it): it adds to the run's cost
+# sums, never its state (status, lease, wake, token), and must commit in the ledger row's own statement group;
+# the ledger room sits below runs/, so it cannot call a runs/ function.
 _ADD_TO_RUN = (
     update(RUNS)
     .where(RUNS.c.id == bindparam("p_run_id"))
