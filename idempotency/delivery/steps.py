@@ -22,7 +22,6 @@ from oncelery.errors import ConfigurationError, StepMismatch
 from oncelery.runs.claims import RunStore
 from oncelery.runs.decisions import Claim, encode_result, lease_lost
 from oncelery.runs.faults import fault_point
-from oncelery.store.database import rowcount
 from oncelery.store.tables import STEPS
 
 __all__ = [
@@ -144,8 +143,7 @@ def save_checkpoint_txn(
     The fenced UPDATE both proves the claim and row-locks the run (PostgreSQL; SQLite's writer lock
     serialises it), so a takeover waits for this checkpoint to commit instead of racing it.
     """
-    renewed = conn.execute(store.sql.heartbeat, {**store.fence_params(claim), **store.lease_params(claim.lease)})
-    if rowcount(renewed) != 1:
+    if not store.heartbeat_txn(conn, claim):
         raise lease_lost(claim, f"step {name!r} was not saved")
     if supersede:
         # A re-run step (its inputs changed) supersedes its checkpoint and every later one, which used it.

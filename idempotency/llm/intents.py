@@ -1,7 +1,7 @@
 """Intent rows: prepare (durably, before the create), mark sent (fenced), end, and find the latest of a step.
 
 Every write by a holder is fenced the way a checkpoint is: the run's lease is renewed by the holder's token in
-the same transaction (`RunStore.sql.heartbeat`), so a zombie that lost its lease writes nothing, and a takeover
+the same transaction (`RunStore.heartbeat_txn`), so a zombie that lost its lease writes nothing, and a takeover
 waits for a fenced write in flight to commit instead of racing it.
 """
 
@@ -81,8 +81,7 @@ def fenced_write(store: RunStore, claim: Claim, what: str, body: Callable[[Conne
         # Durable whatever the server's default: an intent forgotten by a crash after its create was sent would
         # be paid again with no label (claims may commit asynchronously; intents never do).
         store.db.dialect.commit_durably(conn)
-        renewed = conn.execute(store.sql.heartbeat, {**store.fence_params(claim), **store.lease_params(claim.lease)})
-        if rowcount(renewed) != 1:
+        if not store.heartbeat_txn(conn, claim):
             raise lease_lost(claim, what)
         body(conn)
 

@@ -195,6 +195,11 @@ class RunStore(ClaimRounds):
         params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
         return self.db.one(self.sql.heartbeat, params, durable=False)[1] == 1
 
+    def heartbeat_txn(self, conn: Connection, claim: Claim) -> bool:
+        """`heartbeat` in the caller's transaction, whose writes it fences (the UPDATE row-locks the run)."""
+        params = {**self.fence_params(claim), **self.lease_params(claim.lease)}
+        return rowcount(conn.execute(self.sql.heartbeat, params)) == 1
+
     def complete_txn(
         self,
         conn: Connection | Session | DriverTransaction,
