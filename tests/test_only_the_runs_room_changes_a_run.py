@@ -3,6 +3,7 @@
 Parsed, not imported: every module under idempotency/ is read with `ast`, and a statement built on task_runs
 (`update(RUNS)`, `delete(RUNS)`, `insert(RUNS)`, `dialect.insert(RUNS)`, `RUNS.update()`, a `table("task_runs")`
 handle, or `UPDATE task_runs` in SQL text) outside those two rooms fails, unless ALLOWED names it with its reason.
+So does a run's prepared statement used there (`store.sql.heartbeat`: store/statements.py's, executed by runs/).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _called(call: ast.Call) -> str | None:
     return None
 
 
+def _run_statement(node: ast.AST) -> str | None:
+    """The name in `<store>.sql.<name>` (a RunStore's prepared statements, store/statements.py), else None;
+    `sqlalchemy.sql.x` is not one."""
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "sql"):
+        return None
+    base = node.value.value
+    return None if isinstance(base, ast.Name) and base.id in {"sqlalchemy", "sa"} else node.attr
+
+
 def run_writes(source: str) -> list[tuple[int, str]]:
     """Each (line, what) in `source` that builds a statement changing task_runs."""
     tree = ast.parse(source)
@@ -71,6 +81,8 @@ def run_writes(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, f"{verb}(RUNS)"))
             elif isinstance(func, ast.Attribute) and _is_runs(func.value, handles):  # RUNS.update()
                 found.append((node.lineno, f"RUNS.{verb}()"))
+        elif (statement := _run_statement(node)) is not None:
+            found.append((node.lineno, f"Statements: .sql.{statement}"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (sql := SQL_WRITE.search(node.value)):
             found.append((node.lineno, f"SQL text: {sql.group(0)}"))
     return sorted(found)
@@ -108,6 +120,7 @@ def test_no_room_but_runs_and_store_builds_a_run_write() -> None:
         "RUNS.update().values(not_before=None)",
         "delete(table('task_runs', column('id')))",
         "conn.exec_driver_sql('UPDATE task_runs SET status = 1')",
+        "conn.execute(store.sql.heartbeat, params)",
     ],
 )
 def test_each_way_of_writing_a_run_is_seen(source: str) -> None:
@@ -122,5 +135,7 @@ def test_reads_of_a_run_are_not_writes() -> None:
         "update(LETTERS).values(run_id=RUNS.c.id)\n"
         "attributes.update({'a': 1})\n"
         "text('SELECT * FROM task_runs')\n"
+        "from sqlalchemy.sql.elements import ColumnElement\n"
+        "sqlalchemy.sql.expression.func.now()\n"
     )
     assert run_writes(source) == []
