@@ -2,7 +2,7 @@
 
 The issue-37 figure: a synchronous model-call job, its worker SIGKILLed whole right after the provider answered;
 Oncelery's defaults (60 s lease, no `store_message`); the workers' visibility timeout at an hour, so that only the
-relay's sweeper (oncelery.ops.unacked) can bring the job back sooner. Before it, the job waited out the
+relay's sweeper (oncelery.relay.unacked) can bring the job back sooner. Before it, the job waited out the
 visibility timeout (the worker derives `max_lease + lease` when the app sets none; 398 s in the issue's trial).
 
 Each round: `celery worker` subprocesses on Redis (tests/apps/crash_app.py) and SQLite, the fake provider as a

@@ -55,8 +55,8 @@ from oncelery.ops.dead_letters import DeadLetters, LetterView, ReplayReport
 from oncelery.ops.fork import ForkHandle, fork_run, preview_fork
 from oncelery.ops.fork_cohort import CohortPlan, fork_cohort
 from oncelery.ops.fork_preview import ForkPreview, StepDiff, fork_diff
-from oncelery.ops.relay import Relay, RelayRound, install_relay_task
-from oncelery.ops.retention import PurgeReport, parse_age, purge
+from oncelery.relay.loop import Relay, RelayRound, install_relay_task
+from oncelery.relay.retention import PurgeReport, parse_age, purge
 from oncelery.runs.debounce import Debounce
 from oncelery.runs.kept import redact_arguments
 from oncelery.runs.keys import Identity, differing_fields

@@ -15,7 +15,7 @@ This module is the public facade: the rows are written by the outbox's internal 
 
 from __future__ import annotations
 
-from oncelery.ops.outbox import enqueue
-from oncelery.ops.relay import Relay, RelayRound, install_relay_task
+from oncelery.relay.loop import Relay, RelayRound, install_relay_task
+from oncelery.relay.outbox import enqueue
 
 __all__ = ["Relay", "RelayRound", "enqueue", "install_relay_task"]

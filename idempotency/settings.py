@@ -259,7 +259,7 @@ HEADER_LEASE = "oncelery_lease"
 # production's claim; the header carries the fork's id to the worker (the key alone also names it).
 FORK_KEY_PREFIX = "fork:"
 HEADER_FORK = "oncelery_fork"
-# A debounced burst's message (ops/debounce.py): its debounce key and the sequence of the edit it carries; a
+# A debounced burst's message (relay/debounce.py): its debounce key and the sequence of the edit it carries; a
 # delivery whose sequence is older than its row's is acked as `debounced`.
 HEADER_DEBOUNCE_KEY = "oncelery_debounce_key"
 HEADER_DEBOUNCE_SEQ = "oncelery_debounce_seq"

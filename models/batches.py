@@ -70,7 +70,7 @@ class LlmBatch(Base):
     polls: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     error: Mapped[str | None] = mapped_column(Text)
     # Anthropic only, after a create repeated past the untagged search bound (0021): the provider batches that
-    # were running then and may run these requests too, until each has ended (oncelery.llm.batcher.Suspects:
+    # were running then and may run these requests too, until each has ended (oncelery.relay.batcher.Suspects:
     # `watched`, `items`, `applied`, `duplicates`, `others`). NULL: the create was never repeated.
     suspects: Mapped[dict[str, object] | None] = mapped_column(Json)
 

@@ -4,7 +4,7 @@ A synchronous model call's worker (`celery worker`, prefork) is killed whole (ho
 provider answered the call and before the answer was recorded. Its message stays in kombu's unacked hash, and
 with the workers' visibility timeout at an hour kombu would give it back in an hour. The relay's sweeper sees
 the run's lease expire by the database clock and puts that message back on its queue at once
-(oncelery.ops.unacked); the surviving worker takes the run over. The task declares no `store_message`: the run
+(oncelery.relay.unacked); the surviving worker takes the run over. The task declares no `store_message`: the run
 kept no copy of its message in the database.
 
 Then `oncelery runs show` tells the truth about the killed call: its intent `lost` (nobody recorded the answer)

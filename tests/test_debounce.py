@@ -26,7 +26,7 @@ from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.models import IntentState, OutboxStatus, RunStatus
-from oncelery.ops.debounce import dispatch_due
+from oncelery.relay.debounce import dispatch_due
 from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, purge_dispatched, upsert_edit
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, DEBOUNCE, INTENTS, LABEL_TOTALS, OUTBOX, RUNS

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from oncelery import RunStatus
-from oncelery.ops.sweeper import sweep_lost_runs
+from oncelery.relay.sweeper import sweep_lost_runs
 from oncelery.store.database import Database
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import wait_for

@@ -22,7 +22,7 @@ from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.tokens import estimate_tokens
 from oncelery.models import IntentState, RunStatus
-from oncelery.ops.retention import purge
+from oncelery.relay.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BUDGETS, CALLS, INTENTS, LETTERS, RUNS, TOTALS

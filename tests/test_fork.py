@@ -25,8 +25,8 @@ from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.ops.fork import fork_run, preview_fork
 from oncelery.ops.fork_preview import fork_diff
-from oncelery.ops.retention import purge
 from oncelery.outbox import enqueue
+from oncelery.relay.retention import purge
 from oncelery.runs.decisions import REASON_BAD_MESSAGE
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.kept import redact_arguments

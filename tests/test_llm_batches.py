@@ -28,11 +28,11 @@ from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.anthropic_messages import AnthropicMessages
 from oncelery.llm.adapters.batch import AnthropicBatches, OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
-from oncelery.llm.batcher import DUPLICATE_BATCH, Batcher, Suspects
 from oncelery.llm.batches import group_key
 from oncelery.models import IntentState, RunStatus
 from oncelery.models.batches import BatchState, ItemState
-from oncelery.ops.retention import purge
+from oncelery.relay.batcher import DUPLICATE_BATCH, Batcher, Suspects
+from oncelery.relay.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, BUDGETS, CALLS, INTENTS, LABEL_TOTALS, RUNS

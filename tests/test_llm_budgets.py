@@ -31,7 +31,7 @@ from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.budgets import BudgetPlan, BudgetRule, parse_budgets, reserve_txn, window_of
 from oncelery.llm.tokens import estimate_tokens
 from oncelery.models import IntentState, RunStatus
-from oncelery.ops.relay import Relay
+from oncelery.relay.loop import Relay
 from oncelery.runs.views import Runs
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BUDGETS, CALLS, INTENTS

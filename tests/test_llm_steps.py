@@ -25,7 +25,7 @@ from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.errors import ProviderRateLimited
 from oncelery.models import IntentState, RunStatus
 from oncelery.ops.costs import cost_report
-from oncelery.ops.retention import purge
+from oncelery.relay.retention import purge
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine

@@ -19,7 +19,7 @@ from oncelery.errors import StoreUnavailable
 from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.models import IntentState, RunStatus
-from oncelery.ops.retention import purge
+from oncelery.relay.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, INTENTS, LETTERS, RUNS

@@ -36,7 +36,7 @@ from oncelery import (
     parse_age,
     purge,
 )
-from oncelery.ops.retention import MAX_BATCH_SECONDS
+from oncelery.relay.retention import MAX_BATCH_SECONDS
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.keys import Identity

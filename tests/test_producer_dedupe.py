@@ -21,7 +21,7 @@ from sqlalchemy.pool import NullPool
 from oncelery import IdempotencyConflict, IdempotentTask, ProducerReplay, outbox, outcome_of, pipeline
 from oncelery.errors import StoreUnavailable
 from oncelery.models import RunStatus
-from oncelery.ops.relay import Relay
+from oncelery.relay.loop import Relay
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from oncelery import ConfigurationError, IdempotencyConflict, IdempotentTask
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.models import RunStatus
-from oncelery.ops.retention import purge
+from oncelery.relay.retention import purge
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.runs.outcomes import flush_replays

@@ -14,8 +14,8 @@ from oncelery.cli.format import echo_json, json_option
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.errors import ConfigurationError
 from oncelery.ops.reach import check_app
-from oncelery.ops.relay import DEFAULT_MAX_PUBLISHES, Relay
-from oncelery.ops.retention import kept_arguments_age, parse_age, purge
+from oncelery.relay.loop import DEFAULT_MAX_PUBLISHES, Relay
+from oncelery.relay.retention import kept_arguments_age, parse_age, purge
 from oncelery.store.database import Database
 
 

@@ -17,7 +17,7 @@ What the step's latest intent (mode "batch", state `sent`, reference = its item'
     | failed     | the intent ends failed: the step fails through the normal retry path           | 0     |
 
 Items are grouped by (provider, model, endpoint, policy): items with different policies never share a batch.
-The batcher and the poller run in `oncelery relay` (oncelery.llm.batcher).
+The batcher and the poller run in `oncelery relay` (oncelery.relay.batcher).
 """
 
 from __future__ import annotations

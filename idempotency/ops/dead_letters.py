@@ -24,8 +24,8 @@ from celery import Celery
 from sqlalchemy import Select, and_, case, delete, exists, select, update
 
 from oncelery.models import OutboxStatus, RunStatus
-from oncelery.ops.outbox import CONTINUATION, enqueue
-from oncelery.ops.relay import Relay
+from oncelery.relay.loop import Relay
+from oncelery.relay.outbox import CONTINUATION, enqueue
 from oncelery.runs.letters import delete_dead_runs_txn, revive_dead_txn
 from oncelery.settings import HEADER_FORK, HEADER_LEASE, HEADER_ON_IN_PROGRESS
 from oncelery.store.database import Database

@@ -20,7 +20,7 @@ from oncelery.llm.budgets import parse_usd
 from oncelery.models import RunStatus
 from oncelery.ops.fork import find_source, fork_run, parse_overrides
 from oncelery.ops.fork_preview import price_steps
-from oncelery.ops.retention import parse_age
+from oncelery.relay.retention import parse_age
 from oncelery.settings import FORK_KEY_PREFIX, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import RUNS

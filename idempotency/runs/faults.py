@@ -60,7 +60,7 @@ POINTS = (
     "debounce_dispatched",  # after the dispatcher wrote due bursts' outbox rows, before its transaction commits
     "supersede_check",  # before a debounced run's renewal asks whether a newer edit supersedes it
     "purge_batch",  # inside a purge batch's transaction, after its deletes, before it commits
-    # The batcher (oncelery.llm.batcher, in the relay): each crash point of a provider batch's life.
+    # The batcher (oncelery.relay.batcher, in the relay): each crash point of a provider batch's life.
     "batch_claimed",  # its items are claimed under the batch row; nothing uploaded
     "batch_uploaded",  # its input file is at the provider; the file id is not saved
     "batch_created",  # the provider's batch exists (the create window); its id is not saved

@@ -1,5 +1,5 @@
 """What retention changes in the run rows: a finished run deleted with its rows, a completed run's kept arguments
-cleared. Which runs, how many per transaction and what an application's foreign key keeps: ops/retention.py.
+cleared. Which runs, how many per transaction and what an application's foreign key keeps: relay/retention.py.
 """
 
 from __future__ import annotations

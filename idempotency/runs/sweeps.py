@@ -1,7 +1,7 @@
 """The runs the relay sends again, marked before it sends them: lost runs, due WAITING runs, a wake made due now.
 
 Every mark is one guarded UPDATE on the database clock. A run is marked (`swept_at`) in one transaction and its
-message sent after the commit (ops/sweeper.py): a sweeper that dies in between sends it again once `age` has
+message sent after the commit (relay/sweeper.py): a sweeper that dies in between sends it again once `age` has
 passed, and a copy that arrives twice is absorbed by the claim.
 
     lost, message kept         RUNNING with its lease expired, or FAILED with a retry due for `age` nobody took

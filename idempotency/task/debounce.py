@@ -4,7 +4,7 @@ The task's `debounce=Debounce(key=..., period=..., max_wait=..., on_running=...)
 key edits are grouped by. Where the producer has a claims database configured, each call upserts that key's row
 (one statement, the database's clock) and returns `AsyncResult(<the burst's task id>)`: every call of one burst
 returns the same handle, the handle of the one run that will carry the burst's latest edit. The relay's
-dispatcher (ops/debounce.py) sends that run through the outbox once the burst is due.
+dispatcher (relay/debounce.py) sends that run through the outbox once the burst is due.
 
 Fails open, as every producer check: with no claims database configured, on a store error or a canvas call
 (link, chain, a chosen task id, a countdown), the call publishes as an undebounced call does (logged). The upsert

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from oncelery.ops.unacked import on_redis, redis_channel, restore_unacked
+from oncelery.relay.unacked import on_redis, redis_channel, restore_unacked
 
 __all__ = [
     "TEST_RESTORE_INTERVAL",

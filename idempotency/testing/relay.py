@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from oncelery.ops.relay import Relay, RelayRound
+from oncelery.relay.loop import Relay, RelayRound
 
 __all__ = ["relay_running"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery import Celery
 
-from oncelery.ops.outbox import enqueue
+from oncelery.relay.outbox import enqueue
 from oncelery.runs.debounce import any_due, take_due
 from oncelery.runs.faults import fault_point
 from oncelery.settings import HEADER_DEBOUNCE_KEY, HEADER_DEBOUNCE_SEQ, HEADER_KEY, HEADER_TENANT

@@ -24,15 +24,15 @@ from typing import Any
 from sqlalchemy import select, update
 
 from oncelery.ledger.recording import CallLedger
-from oncelery.llm.batcher.poll import POLL_S as POLL_S
-from oncelery.llm.batcher.poll import Poller
-from oncelery.llm.batcher.stage import LEASE_S as LEASE_S
-from oncelery.llm.batcher.stage import BatcherLease, BatcherLeaseLost, BatchRound, logger, wake_run
-from oncelery.llm.batcher.submit import UNTAGGED_SEARCH_S as UNTAGGED_SEARCH_S
-from oncelery.llm.batcher.submit import FileBatches, InlineBatches, Submitter
-from oncelery.llm.batcher.suspects import DUPLICATE_BATCH, Suspects, SuspectWatch
 from oncelery.llm.errors import ProviderError, ProviderRejected
 from oncelery.models.batches import BatchState, ItemState
+from oncelery.relay.batcher.poll import POLL_S as POLL_S
+from oncelery.relay.batcher.poll import Poller
+from oncelery.relay.batcher.stage import LEASE_S as LEASE_S
+from oncelery.relay.batcher.stage import BatcherLease, BatcherLeaseLost, BatchRound, logger, wake_run
+from oncelery.relay.batcher.submit import UNTAGGED_SEARCH_S as UNTAGGED_SEARCH_S
+from oncelery.relay.batcher.submit import FileBatches, InlineBatches, Submitter
+from oncelery.relay.batcher.suspects import DUPLICATE_BATCH, Suspects, SuspectWatch
 from oncelery.store.database import Database
 from oncelery.store.tables import BATCH_ITEMS, BATCHES
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, select, update
 
-from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, wake_run
-from oncelery.llm.batcher.suspects import Suspects, SuspectWatch
 from oncelery.models.batches import BatchState, ItemState
+from oncelery.relay.batcher.stage import BatcherLease, BatchRound, Stage, wake_run
+from oncelery.relay.batcher.suspects import Suspects, SuspectWatch
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database, rowcount
 from oncelery.store.tables import BATCH_ITEMS, BATCHES

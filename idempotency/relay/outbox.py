@@ -21,7 +21,7 @@ from oncelery.models import OutboxStatus
 from oncelery.runs.faults import fault_point
 from oncelery.runs.keys import validate_key
 from oncelery.runs.legacy import stored_names
-from oncelery.settings import FORK_KEY_PREFIX, HEADER_FORK, HEADER_KEY, HEADER_TENANT
+from oncelery.settings import FORK_KEY_PREFIX, HEADER_FORK, HEADER_KEY, HEADER_TENANT, HEADER_WOKEN
 from oncelery.store.tables import OUTBOX
 from oncelery.task.idempotent import IdempotentTask
 
@@ -45,7 +45,7 @@ ALLOWED_OPTIONS = (
 )
 KEY_PREFIX = "outbox:"
 
-__all__ = ["ALLOWED_OPTIONS", "CONTINUATION", "KEY_PREFIX", "enqueue", "send_keyed"]
+__all__ = ["ALLOWED_OPTIONS", "CONTINUATION", "KEY_PREFIX", "enqueue", "resend_kept", "send_keyed"]
 
 
 def enqueue(session: Session | Connection, task: Any, *args: Any, **kwargs: Any) -> str:
@@ -167,3 +167,16 @@ def send_keyed(
         logger.warning("could not send %s[%s]: %s", task_name, key, exc)
         return exc
     return None
+
+
+def resend_kept(app: Celery, row: Any, woken: bool = False) -> int:
+    """Send a run's kept message again under its key, with its queue, headers and continuation (and, when
+    `woken`, the header that makes the delivery poll its call once); 1 if it was sent, 0 if the broker is down."""
+    message = row.message if isinstance(row.message, dict) else {}
+    # Where it ran, what follows it in a pipeline, and the headers it came with.
+    options = {name: message[name] for name in ("queue", "headers", *CONTINUATION) if message.get(name)}
+    if woken:  # the woken delivery polls its call once (HEADER_WOKEN), then parks again if it is not done
+        options["headers"] = {**(options.get("headers") or {}), HEADER_WOKEN: 1}
+    job = (row.task_name, message.get("args"), message.get("kwargs"), row.celery_task_id)
+    # A broker that is down: the next sweep after the interval tries again.
+    return int(send_keyed(app, *job, row.idempotency_key, row.tenant, options) is None)

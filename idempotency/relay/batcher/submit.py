@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select, update
 
-from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, epoch_of, logger
-from oncelery.llm.batcher.suspects import Suspects, items_digest
 from oncelery.llm.batches import batch_url
 from oncelery.models.batches import BatchState, ItemState
+from oncelery.relay.batcher.stage import BatcherLease, BatchRound, Stage, epoch_of, logger
+from oncelery.relay.batcher.suspects import Suspects, items_digest
 from oncelery.runs.faults import fault_point
 from oncelery.store.database import Database, rowcount
 from oncelery.store.tables import BATCH_ITEMS, BATCHES

@@ -20,9 +20,9 @@ from sqlalchemy import Connection, select, update
 
 from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.base import Usage
-from oncelery.llm.batcher.stage import BatcherLease, BatchRound, Stage, logger
 from oncelery.llm.errors import ProviderRejected, ResponseGone
 from oncelery.models.batches import BatchState
+from oncelery.relay.batcher.stage import BatcherLease, BatchRound, Stage, logger
 from oncelery.store.database import Database, rowcount
 from oncelery.store.tables import BATCH_ITEMS, BATCHES, INTENTS, RUNS
 

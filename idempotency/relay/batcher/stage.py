@@ -3,7 +3,7 @@
 One batcher works at a time (the `batcher` lease in `oncelery_leases`, on the database clock); every write a
 stage makes is fenced by that lease's token (`BatcherLease.fence`), so a batcher that lost its lease (paused,
 partitioned) writes nothing. The stages (`submit`, `poll`, `suspects`) each hold the one lease
-of their `Batcher` (`oncelery.llm.batcher`).
+of their `Batcher` (`oncelery.relay.batcher`).
 """
 
 from __future__ import annotations

@@ -19,14 +19,15 @@ from sqlalchemy import and_, case, or_, select, update
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.ledger.recording import CallLedger
 from oncelery.ledger.unknown import abandon_finished
-from oncelery.llm.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
 from oncelery.llm.budgets import DEFAULT_RELEASE_S, release_stale
 from oncelery.models import OutboxStatus, RunStatus
-from oncelery.ops.debounce import dispatch_due
-from oncelery.ops.outbox import send_keyed
-from oncelery.ops.relay_rows import back_off, give_up, mark_republished, mark_sent, sent_params
-from oncelery.ops.retention import kept_arguments_age, purge
-from oncelery.ops.sweeper import sweep_lost_runs, wake_waiting_runs
+from oncelery.relay.batcher import LEASE_S, POLL_S, UNTAGGED_SEARCH_S, Batcher, BatchRound
+from oncelery.relay.debounce import dispatch_due
+from oncelery.relay.outbox import send_keyed
+from oncelery.relay.retention import kept_arguments_age, purge
+from oncelery.relay.rows import back_off, give_up, mark_republished, mark_sent, sent_params
+from oncelery.relay.sweeper import sweep_lost_runs
+from oncelery.relay.waker import wake_waiting_runs
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
@@ -68,7 +69,7 @@ class RelayRound:
     batches_submitted: int = 0  # provider batches the batcher created (batch steps)
     batch_items_applied: int = 0  # batch items whose results were applied (done or failed): their runs woken
     purged: int = 0
-    debounced: int = 0  # due debounce bursts moved into the outbox (ops/debounce.py)
+    debounced: int = 0  # due debounce bursts moved into the outbox (relay/debounce.py)
 
     def busy(self) -> bool:
         """Whether the round moved anything (the loop then goes again without sleeping)."""

@@ -8,34 +8,31 @@ taking it: a run demoted because its entity's holder vanished, or a retry whose 
 claim absorbs the copy if the broker redelivers the original as well.
 
 On Redis, a RUNNING run that kept no message has its unacked message put back on its queue instead, as soon as
-its lease has expired (oncelery.ops.unacked): a killed worker's job is back within the lease, not the
+its lease has expired (oncelery.relay.unacked): a killed worker's job is back within the lease, not the
 visibility timeout, and nothing of it is kept at rest for that.
 
-The waker (`wake_waiting_runs`) re-sends a WAITING run's message when its wake time comes: the one way a parked
-run (a model call still running) wakes. The sweeper runs inside `oncelery relay` (and `oncelery process`), never
-inside a worker: a worker that is down cannot sweep, and one sweeper is enough for any number of workers.
+Its sibling, the waker (oncelery.relay.waker), wakes WAITING runs. The sweeper runs inside `oncelery relay` (and
+`oncelery process`), never inside a worker: a worker that is down cannot sweep, and one sweeper is enough for any
+number of workers.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from oncelery.ops.outbox import CONTINUATION, send_keyed
-from oncelery.ops.unacked import on_redis, restore_unacked
-from oncelery.runs.sweeps import mark_due_waiting_runs, mark_lost_kept_runs, mark_lost_unkept_runs
-from oncelery.settings import HEADER_WOKEN
+from oncelery.relay.outbox import resend_kept
+from oncelery.relay.unacked import on_redis, restore_unacked
+from oncelery.runs.sweeps import mark_lost_kept_runs, mark_lost_unkept_runs
 from oncelery.store.clock import stored_message
 from oncelery.store.database import Database
 
 __all__ = [
     "stored_message",
     "sweep_lost_runs",
-    "wake_waiting_runs",
 ]
 
 logger = logging.getLogger("oncelery.sweeper")  # a stable name (users filter on it)
@@ -46,7 +43,7 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
     retry due for `interval` that no delivery took); return how many."""
     rows = mark_lost_kept_runs(db, interval, batch)
     # Marked first, sent after the commit: a sweeper that dies in between re-sends after `interval`.
-    sent = sum(_resend(app, row) for row in rows)
+    sent = sum(resend_kept(app, row) for row in rows)
     if sent:
         logger.warning("sweeper: re-sent %d jobs whose worker was lost (lease expired, message kept)", sent)
     return sent + _restore_lost_on_redis(app, db, interval, batch)
@@ -54,7 +51,7 @@ def sweep_lost_runs(app: Celery, db: Database, interval: float, batch: int = 100
 
 def _restore_lost_on_redis(app: Celery, db: Database, interval: float, batch: int) -> int:
     """Put back the unacked Redis messages of up to `batch` RUNNING runs whose lease expired and that kept no
-    message (oncelery.ops.unacked); return how many messages went back."""
+    message (oncelery.relay.unacked); return how many messages went back."""
     if not _on_redis(app):
         return 0
     rows = mark_lost_unkept_runs(db, interval, batch)
@@ -79,28 +76,3 @@ def _on_redis(app: Celery) -> bool:
         seen = (app.conf, on_redis(app))
         app.__dict__["_oncelery_on_redis"] = seen
     return bool(seen[1])
-
-
-def wake_waiting_runs(app: Celery, db: Database, rewake_after: float, batch: int = 100) -> int:
-    """Re-send the stored messages of up to `batch` WAITING runs whose wake time has come; return how many.
-
-    Marked first (swept_at), sent after the commit: a waker that dies in between wakes the run again once
-    `rewake_after` has passed, and a copy that arrives twice is absorbed by the claim (one takes the run over,
-    the other finds it held). The park clears swept_at, so each park wakes as soon as it is due.
-    """
-    rows = mark_due_waiting_runs(db, rewake_after, batch)
-    woken = sum(_resend(app, row, woken=True) for row in rows)
-    if woken:
-        logger.info("waker: woke %d waiting runs (their model calls are due a poll)", woken)
-    return woken
-
-
-def _resend(app: Celery, row: Any, woken: bool = False) -> int:
-    message = row.message if isinstance(row.message, dict) else {}
-    # Where it ran, what follows it in a pipeline, and the headers it came with.
-    options = {name: message[name] for name in ("queue", "headers", *CONTINUATION) if message.get(name)}
-    if woken:  # the woken delivery polls its call once (HEADER_WOKEN), then parks again if it is not done
-        options["headers"] = {**(options.get("headers") or {}), HEADER_WOKEN: 1}
-    job = (row.task_name, message.get("args"), message.get("kwargs"), row.celery_task_id)
-    # A broker that is down: the next sweep after the interval tries again.
-    return int(send_keyed(app, *job, row.idempotency_key, row.tenant, options) is None)
