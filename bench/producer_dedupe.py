@@ -55,9 +55,9 @@ from bench.support.harness import (
     wait_done,
 )
 from oncelery import IdempotentTask
+from oncelery.basetask.producer import ProducerReplay
 from oncelery.runs.claims import RunStore
 from oncelery.store.schema import upgrade_schema
-from oncelery.task.producer import ProducerReplay
 
 DATABASE = "oncelery_bench_producer"
 RESULTS_DB = 6  # the Redis database of the producer app's result backend

@@ -6,6 +6,12 @@ grouped by concern below. `oncelery.errors`, `oncelery.settings`, `oncelery.outb
 """
 
 from oncelery import outbox
+from oncelery.basetask.caller import outcome_of
+from oncelery.basetask.debounce import DebouncedResult
+from oncelery.basetask.idempotent import IdempotentTask
+from oncelery.basetask.metering import MeteredCall, model_call, price_of
+from oncelery.basetask.pipeline import pipeline
+from oncelery.basetask.producer import ProducerReplay
 from oncelery.delivery.steps import StepInfo, current_step, step_seed
 from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import (
@@ -72,12 +78,6 @@ from oncelery.settings import (
 )
 from oncelery.store.database import Database
 from oncelery.store.schema import check_schema, schema_revision, upgrade_schema
-from oncelery.task.caller import outcome_of
-from oncelery.task.debounce import DebouncedResult
-from oncelery.task.idempotent import IdempotentTask
-from oncelery.task.metering import MeteredCall, model_call, price_of
-from oncelery.task.pipeline import pipeline
-from oncelery.task.producer import ProducerReplay
 
 __all__ = [
     # Tasks: the base class, its body API, pipelines

@@ -158,7 +158,7 @@ CONF_BUDGETS = "oncelery_budgets"
 # its budget reservation (default 900).
 CONF_BUDGET_RELEASE = "oncelery_budget_release_s"
 # Where a model call's ledger row waits while the database cannot take it (JSON Lines, one file per process;
-# oncelery.task.ledger_spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
+# oncelery.basetask.ledger_spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
 # In a container it must be a volume, or a restart loses the spend it holds (docs/operations.md).
 CONF_LEDGER_SPOOL_DIR = "oncelery_ledger_spool_dir"
 ENV_LEDGER_SPOOL_DIR = "ONCELERY_LEDGER_SPOOL_DIR"
@@ -185,7 +185,7 @@ VISIBILITY_SLACK = 4
 # True: task events also rename the task for Flower ("shop.charge [replayed]"). Off by default: every monitor
 # that labels by task name (Flower's /metrics, celery-exporter) would count steps x outcomes names per task.
 CONF_FLOWER_NAME_SUFFIX = "oncelery_flower_name_suffix"  # bool, default False
-# Producer dedupe (oncelery.task.producer): where the producer has a claims database configured, `.delay()` of an
+# Producer dedupe (oncelery.basetask.producer): where the producer has a claims database configured, `.delay()` of an
 # idempotent task asks it first and answers a duplicate of a finished run without publishing. A bool (default
 # True); a task's `producer_dedupe=` option and a call's override it. The timeout (seconds, default 0.25) bounds
 # the check; past it, or on any database error, the call publishes as it would without the check (fails open).
@@ -249,7 +249,7 @@ HEADER_ABANDONED = "oncelery_abandoned"
 # once, then the run parks again, instead of holding the slot for another inline wait.
 HEADER_WOKEN = "oncelery_woken"
 HEADER_PIPELINE = "oncelery_pipeline"
-# A pipeline link keyed by its own task (task/pipeline.py): its position, so a worker finds the run the code before
+# A pipeline link keyed by its own task (basetask/pipeline.py): its position, so a worker finds the run the code before
 # stored under the pipeline-derived key (runs/legacy.py).
 HEADER_PIPELINE_LINK = "oncelery_pipeline_link"
 # Per-call options (apply_async(..., on_in_progress=..., lease=...)), carried to every delivery of the call.
@@ -328,7 +328,7 @@ def sqlite_busy_timeout_ms() -> int:
 # benchmarks read them from here. Late acks + reject on worker lost give at-least-once delivery, which the
 # claim turns into exactly-once effects; prefetch 1 keeps a crashed worker from holding extra messages;
 # JSON only, never pickle. No Redis visibility_timeout: it follows from the tasks' leases, which a static dict
-# cannot know, so a starting worker derives it where the app sets none (oncelery.task.visibility).
+# cannot know, so a starting worker derives it where the app sets none (oncelery.basetask.visibility).
 CELERY_DELIVERY_DEFAULTS: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,

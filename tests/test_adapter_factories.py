@@ -11,11 +11,11 @@ import pytest
 from celery import Celery
 
 from oncelery import BatchPolicy, IdempotentTask, output_text
+from oncelery.basetask.llm_step import resolve_adapter
 from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.batch import OpenAIBatches
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.cancel import adapter_of
-from oncelery.task.llm_step import resolve_adapter
 from oncelery.testing import relay_running
 from tests.conftest import offline_job
 

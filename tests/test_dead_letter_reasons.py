@@ -16,13 +16,13 @@ from celery import Celery
 from click.testing import CliRunner
 
 from oncelery import BudgetExceeded, IdempotentTask, Runs, RunStatus, output_text
+from oncelery.basetask.revoke import cancel_on_revoke
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.cli.dlq import dlq
 from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.runs import decisions
 from oncelery.runs.decisions import LETTER_REASONS
-from oncelery.task.revoke import cancel_on_revoke
 from oncelery.testing import wait_until
 
 TEXT = "The council approved the new library budget on Tuesday."

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from oncelery import Debounce, DebouncedResult, IdempotentTask, output_text
+from oncelery.basetask import producer
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.fake_provider import FakeProvider, Knobs
@@ -30,7 +31,6 @@ from oncelery.relay.debounce import dispatch_due
 from oncelery.runs.debounce import SUPERSEDED_LABEL, any_due, purge_dispatched, upsert_edit
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, DEBOUNCE, INTENTS, LABEL_TOTALS, OUTBOX, RUNS
-from oncelery.task import producer
 from oncelery.testing import relay_running, wait_until
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import effects_table, run_to_completion

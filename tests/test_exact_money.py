@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from sqlalchemy import Connection, func, insert, select, text
 
 from oncelery import ConfigurationError, Price, cost_report, model_call
+from oncelery.basetask.ledger_spool import flush_spools, spool_row
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.ledger.rows import add_call, write_call
 from oncelery.models import Outcome, RunStatus
@@ -29,7 +30,6 @@ from oncelery.runs.outcomes import record_outcome
 from oncelery.settings import CONF_LEDGER_SPOOL_DIR
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import CALLS, HISTOGRAM_BUCKETS, RUN_STATUS_TOTALS, RUNS, TOTALS
-from oncelery.task.ledger_spool import flush_spools, spool_row
 from tests.test_metrics import migrated_database, scrape
 
 TASK = "oncelery.t_money"

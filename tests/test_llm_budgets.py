@@ -24,6 +24,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from oncelery import BudgetExceeded, DeadLetters, IdempotentTask, output_text
+from oncelery.basetask.startup import check_spending_settings
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError
 from oncelery.fake_provider import FakeProvider, Knobs, count_tokens
@@ -35,7 +36,6 @@ from oncelery.relay.loop import Relay
 from oncelery.runs.views import Runs
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BUDGETS, CALLS, INTENTS
-from oncelery.task.startup import check_spending_settings
 from oncelery.testing import relay_running
 from tests.conftest import ON_POSTGRESQL, ON_SQLITE
 from tests.services import proc_state, wait_for

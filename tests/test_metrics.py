@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, text
 from sqlalchemy.engine import make_url
 
+from oncelery.basetask.metering import MeteredCall, _Origin, _record
 from oncelery.models import OutboxStatus, Outcome, RunStatus
 from oncelery.models.migrate import downgrade
 from oncelery.ops.costs import cost_report
@@ -31,7 +32,6 @@ from oncelery.runs.outcomes import record_outcome
 from oncelery.store.database import Database, dispose_engines, get_engine
 from oncelery.store.schema import upgrade_schema
 from oncelery.store.tables import LETTERS, OUTBOX, RUNS
-from oncelery.task.metering import MeteredCall, _Origin, _record
 from oncelery.testing import OnceleryDb, WorkerProcess, wait_until
 from oncelery.testing.worker import import_app
 from tests import services

@@ -79,7 +79,7 @@ def test_a_waiting_duplicate_counts_one_wait_and_the_histograms_equal_the_rows(
     """A duplicate re-checks a held key at least 4 times: in_progress is 1, its wait is one observation (ended
     replayed), the duplicate ratio over first deliveries is 1/3 (2 keys, 1 duplicate), and the run, step and
     model-call histograms equal what task_runs, step_results and model_calls hold (real worker, both stores)."""
-    monkeypatch.setattr("oncelery.task.idempotent.wait_backoff", lambda waits: 0.02)  # re-checks come quickly
+    monkeypatch.setattr("oncelery.basetask.idempotent.wait_backoff", lambda waits: 0.02)  # re-checks come quickly
     release, started = threading.Event(), threading.Event()
     deliveries: dict[str, int] = {}
 

@@ -16,10 +16,10 @@ import pytest
 from celery import Celery
 
 from oncelery import IdempotentTask, ModelCallNotBudgeted, model_call
+from oncelery.basetask.unbudgeted import governing
 from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.store.database import get_engine
 from oncelery.store.tables import BUDGETS, CALLS
-from oncelery.task.unbudgeted import governing
 from tests.services import count_rows
 
 MODEL = "gpt-test"

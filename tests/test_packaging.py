@@ -248,13 +248,15 @@ def source_rooms(source: Path) -> list[str]:
 
 
 def test_every_room_imports_from_the_wheel(built: Built, fresh_venv: Venv, tmp_path: Path) -> None:
-    """Each subpackage of the framework (task, delivery, runs, store, ops, cli, testing, and any room added
-    later) and every module and nested package in it (llm.adapters, llm.batcher) imports from the installed wheel,
-    not from the repository: a room or a nested package missing from pyproject's `packages` fails here, and so
-    does a module that runs on import (a `__main__` without its guard). In that folder (no samples/), the
-    sample articles of `oncelery process --sample` and the default price table load from the installed package."""
+    """Each subpackage of the framework (basetask, delivery, runs, store, ops, relay, cli, testing, and any room
+    added later) and every module and nested package in it (llm.adapters, relay.batcher) imports from the
+    installed wheel, not from the repository: a room or a nested package missing from pyproject's `packages`
+    fails here, and so does a module that runs on import (a `__main__` without its guard). In that folder (no
+    samples/), the sample articles of `oncelery process --sample` and the default price table load from the
+    installed package."""
     rooms = source_rooms(built.source)
-    assert {"task", "delivery", "runs", "store", "ops", "cli", "testing"} <= set(rooms), rooms
+    expected = {"basetask", "delivery", "runs", "store", "ops", "relay", "fake_provider", "cli", "testing"}
+    assert expected <= set(rooms), rooms
     neutral = tmp_path / "elsewhere"
     neutral.mkdir()
     probed = run([fresh_venv.python, "-c", ROOM_PROBE, *rooms], cwd=neutral, env=fresh_venv.env)

@@ -15,6 +15,8 @@ from celery import Celery
 from sqlalchemy import select
 
 from oncelery import ConfigurationError, IdempotentTask, Price, model_call, output_text, price_of
+from oncelery.basetask.llm_step import resolve_adapter
+from oncelery.basetask.startup import check_spending_settings
 from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.ledger.prices import SHIPPED_PRICE_FILE, load_price_table, trim
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
@@ -22,8 +24,6 @@ from oncelery.models import ModelCall
 from oncelery.models.money import micros_up
 from oncelery.settings import CONF_PRICE_FILE, check_settings
 from oncelery.store.database import get_engine
-from oncelery.task.llm_step import resolve_adapter
-from oncelery.task.startup import check_spending_settings
 
 MODEL = "gpt-4o-mini"  # in LiteLLM's table: 1.5e-07 and 6e-07 USD per token
 UNLISTED = "oncelery-unlisted-model"  # in no price table

@@ -19,13 +19,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from oncelery import IdempotencyConflict, IdempotentTask, ProducerReplay, outbox, outcome_of, pipeline
+from oncelery.basetask import producer
 from oncelery.errors import StoreUnavailable
 from oncelery.models import RunStatus
 from oncelery.relay.loop import Relay
 from oncelery.runs.claims import RunStore
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database
-from oncelery.task import producer
 from oncelery.testing.faults import wait_until
 from tests.conftest import running_worker
 from tests.store_faults import FAULTS, JOB_TIMEOUT, Db, LogLines, assert_once, define_job, expected, fault_of

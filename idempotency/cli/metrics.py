@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 
+from oncelery.basetask.idempotent import IdempotentTask
 from oncelery.cli.context import celery_app_of, resolve_database_url
 from oncelery.ops.exporter import DEFAULT_ADDR, Exporter, read_password_file, serve
 from oncelery.ops.metrics import claims_registry
 from oncelery.settings import DEFAULT_METRICS_MAX_TENANTS, ENV_METRICS_MAX_TENANTS
 from oncelery.store.database import Database, safe_url
-from oncelery.task.idempotent import IdempotentTask
 
 __all__ = [
     "DEFAULT_PORT",

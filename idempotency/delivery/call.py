@@ -1,7 +1,7 @@
 """What a delivery is given: the call (identity, message, options), the task it asks things of, the live run.
 
 The task (Celery glue) builds a `Call` per delivery and implements `DeliveredTask`; the decision table uses
-only these, so the delivery room never imports the task room.
+only these, so the delivery room never imports the basetask room.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class ClaimedRow:
             raise StoreError(f"{self.task.name}[{self.ident.key}]: a claim was decided without a claim")
         logger.info("claimed %s[%s] token=%d attempt=%d", self.task.name, claim.key, claim.token, claim.attempts)
         try:
-            fork = self.call.fork  # read and checked against this call before the claim (task/idempotent.py)
+            fork = self.call.fork  # read and checked against this call before the claim (basetask/idempotent.py)
             checkpoints = self._checkpoints(claim, fork)
         except StoreError as exc:
             return self._store_failed(exc, "loading the checkpoints of")

@@ -7,7 +7,7 @@ the task prices through it),
 `rows` (one model call's row, written once per call id, with the running totals), `settle` (a call's budget
 reservation released and its cost charged, once), `unknown` (an intent that may have been created and will never
 be answered ends with a row at its estimate: provider creates never exceed ledger rows), `recording` (`CallLedger`:
-those four behind one object the task room and the relay make for an app, and the call layer, the batcher and the
+those four behind one object the basetask room and the relay make for an app, and the call layer, the batcher and the
 cancel path price and record their calls through).
 Imports no celery, kombu, redis or click.
 """

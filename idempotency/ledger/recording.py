@@ -1,7 +1,7 @@
 """The one way the rooms above price and record a model call: `CallLedger`, made for one app's prices and database.
 
 The call layer (a step's answered or billed call, an unknown outcome), the batcher (a duplicate batch's calls) and
-the cancel path (a call still open when its run ended) each build their row and hand it here; the task room and
+the cancel path (a call still open when its run ended) each build their row and hand it here; the basetask room and
 the relay make the ledger (`CallLedger(dialect, app.conf)`), so the llm room needs no callback of its own:
 
     | method              | what it guarantees                                                                  |

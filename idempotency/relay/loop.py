@@ -16,6 +16,7 @@ from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
 from sqlalchemy import and_, case, or_, select, update
 
+from oncelery.basetask.heartbeat import heartbeat_file
 from oncelery.delivery.replay_cache import purge_forgetter
 from oncelery.ledger.recording import CallLedger
 from oncelery.ledger.unknown import abandon_finished
@@ -32,7 +33,6 @@ from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_BUDGET_RELEASE, require_database_url
 from oncelery.store.database import Database
 from oncelery.store.tables import OUTBOX, RUNS
-from oncelery.task.heartbeat import heartbeat_file
 
 __all__ = [
     "DEFAULT_MAX_PUBLISHES",

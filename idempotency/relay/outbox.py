@@ -16,6 +16,7 @@ from celery import Celery, Signature
 from sqlalchemy import Connection, insert
 from sqlalchemy.orm import Session
 
+from oncelery.basetask.idempotent import IdempotentTask
 from oncelery.errors import ConfigurationError, ForkRefused
 from oncelery.models import OutboxStatus
 from oncelery.runs.faults import fault_point
@@ -23,7 +24,6 @@ from oncelery.runs.keys import validate_key
 from oncelery.runs.legacy import stored_names
 from oncelery.settings import FORK_KEY_PREFIX, HEADER_FORK, HEADER_KEY, HEADER_TENANT, HEADER_WOKEN
 from oncelery.store.tables import OUTBOX
-from oncelery.task.idempotent import IdempotentTask
 
 # The outbox's logger: a job that could not be sent again is the outbox's story.
 logger = logging.getLogger("oncelery.outbox")

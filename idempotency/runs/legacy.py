@@ -6,7 +6,7 @@ Three changes altered how a call's identity is stored:
 - injective keys: a template value that is a string reading as an integer ("42"), or holding "~", was written as
   it was; it is percent-encoded now ("%342", "%7E");
 - links' own keys: `pipeline()` keyed every link "{pipeline key}/{position}:{task name}"; a link whose task names a
-  key of its own keeps that key now (task/pipeline.py).
+  key of its own keeps that key now (basetask/pipeline.py).
 
 What a lookup costs, and when (the hot path pays nothing on a database that never held the old forms):
 - a fingerprint stored the old way is recognised where a claim compares fingerprints (`Identity.same_payload`):

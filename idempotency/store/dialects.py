@@ -39,7 +39,7 @@ MODE_DEFAULT = ""
 MODE_READ = "read"
 MODE_FAST = "fast"
 MODE_AUTOCOMMIT = "autocommit"  # durable single statements
-# A producer's check before it publishes (oncelery.task.producer): its own small pool, every statement bounded by
+# A producer's check before it publishes (oncelery.basetask.producer): its own small pool, every statement bounded by
 # a timeout (the mode's suffix, in ms), so a slow database delays a `.delay()` by that much at most.
 MODE_PRODUCER = "producer"
 
@@ -167,7 +167,7 @@ class PostgreSQL(Dialect):
         if bound is not None:
             # A producer's check: statement_timeout bounds a slow or blocked statement; libpq's connect_timeout
             # (whole seconds, at least 2) bounds a server that does not answer at all. The caller then publishes
-            # as it would without the check, and skips checks for a while (oncelery.task.producer).
+            # as it would without the check, and skips checks for a while (oncelery.basetask.producer).
             return _autocommit_engine(
                 url, "synchronous_commit=off", f"statement_timeout={bound}", connect_timeout=max(2, -(-bound // 1000))
             )

@@ -132,7 +132,7 @@ class Statements:
         )
         self.count_replay_on_run = self._count_replay_on_run()
         self.count_replay = count_replay(self.count_replay_on_run, insert) if one_trip else None
-        # A producer's check (oncelery.task.producer): its view of a call's run, and on PostgreSQL a duplicate's
+        # A producer's check (oncelery.basetask.producer): its view of a call's run, and on PostgreSQL a duplicate's
         # answer and `replayed` count (at_producer) in the same statement.
         self.producer_view = producer_view(now)
         self.producer_answer = producer_answer(now) if one_trip else None

@@ -12,9 +12,9 @@ from typing import Any
 from celery import chain
 from celery.canvas import Signature, _chain
 
+from oncelery.basetask.idempotent import IdempotentTask
 from oncelery.runs.keys import pipeline_link_key, validate_key
 from oncelery.settings import HEADER_KEY, HEADER_PIPELINE, HEADER_PIPELINE_LINK, HEADER_TENANT
-from oncelery.task.idempotent import IdempotentTask
 
 __all__ = [
     "Pipeline",

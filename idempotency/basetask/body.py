@@ -14,14 +14,14 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from oncelery.basetask.announce import Announcing
+from oncelery.basetask.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
 from oncelery.delivery.call import RunContext
 from oncelery.delivery.steps import step_seed
 from oncelery.errors import ConfigurationError
 from oncelery.runs.forks import apply_overrides
 from oncelery.settings import HEADER_WOKEN, require_database_url
 from oncelery.store.database import Database
-from oncelery.task.announce import Announcing
-from oncelery.task.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
 from oncelery.tracing.otel import telemetry_of
 
 __all__ = [

@@ -21,6 +21,13 @@ from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.serialization import raise_with_context
 from kombu.utils import json as kombu_json
 
+from oncelery.basetask.call_checks import CallChecks
+from oncelery.basetask.debounce import send_debounced
+from oncelery.basetask.heartbeat import watch_worker_heartbeat
+from oncelery.basetask.options import CALL_OPTIONS, check_option_names
+from oncelery.basetask.producer import answer_at_producer, producer_dedupe_on
+from oncelery.basetask.revoke import cancel_run_calls, watch_revokes
+from oncelery.basetask.startup import watch_worker_start
 from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
@@ -48,13 +55,6 @@ from oncelery.settings import (
     check_policy,
     pass_through,
 )
-from oncelery.task.call_checks import CallChecks
-from oncelery.task.debounce import send_debounced
-from oncelery.task.heartbeat import watch_worker_heartbeat
-from oncelery.task.options import CALL_OPTIONS, check_option_names
-from oncelery.task.producer import answer_at_producer, producer_dedupe_on
-from oncelery.task.revoke import cancel_run_calls, watch_revokes
-from oncelery.task.startup import watch_worker_start
 from oncelery.tracing.otel import key_digest, telemetry_of
 
 __all__ = [
@@ -88,7 +88,7 @@ class IdempotentTask(CallChecks):
         `idempotency_key=` and `tenant=` travel as headers (Celery drops unknown options). Where the producer has a
         claims database configured, a duplicate of a finished run is answered without publishing (a
         `ProducerReplay` holding its result), and a run in progress that will be re-sent anyway returns its own
-        AsyncResult (`producer_dedupe=False` turns the check off for one call; oncelery.task.producer).
+        AsyncResult (`producer_dedupe=False` turns the check off for one call; oncelery.basetask.producer).
         """
         check_option_names(options, CALL_OPTIONS, f"{self.name}: apply_async option")  # Celery drops typos
         key = options.pop("idempotency_key", None)
@@ -111,12 +111,12 @@ class IdempotentTask(CallChecks):
             options["headers"] = headers
         seen = self._check_at_call_time(args, kwargs, key, tenant, options.get("serializer"))
         if seen is not None and not a and self.debounce is not None:
-            # An edit of a debounced key: recorded, not published; the burst's handle (oncelery.task.debounce).
+            # An edit of a debounced key: recorded, not published; the burst's handle (oncelery.basetask.debounce).
             handle = send_debounced(self, seen[0], seen[1], headers, options)
             if handle is not None:
                 return handle
         if seen is not None and not a and producer_dedupe_on(self, dedupe):
-            # A duplicate the claims database answers is never published (oncelery.task.producer).
+            # A duplicate the claims database answers is never published (oncelery.basetask.producer).
             answered = answer_at_producer(self, seen[0], seen[1], headers, options)
             if answered is not None:
                 return answered

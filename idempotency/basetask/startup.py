@@ -5,7 +5,7 @@ Without it such a worker would take jobs and fail every one of them; refusing le
 A database that does not answer yet (a container still starting) is waited for, with backoff, for at most
 oncelery_startup_wait_s ($ONCELERY_STARTUP_WAIT_S, default 60 s), one log line per retry; a database that
 answers and is wrong (schema behind, no such database, a bad password) is refused at once: waiting cannot fix
-it. Then the broker's visibility timeout is settled against the tasks' leases (task/visibility.py).
+it. Then the broker's visibility timeout is settled against the tasks' leases (basetask/visibility.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from celery import signals
 from sqlalchemy.exc import DBAPIError
 
+from oncelery.basetask.visibility import settle_visibility
 from oncelery.errors import ConfigurationError, OnceleryError, StoreUnavailable
 from oncelery.ledger.prices import price_for, price_table
 from oncelery.llm.budgets import parse_budgets
@@ -43,7 +44,6 @@ from oncelery.settings import (
 from oncelery.store.database import Database, is_unreachable
 from oncelery.store.schema import check_schema
 from oncelery.store.tables import SECRETS
-from oncelery.task.visibility import settle_visibility
 from oncelery.tracing.otel import Telemetry, otel_enabled
 
 __all__ = [

@@ -33,6 +33,7 @@ from celery.backends.base import DisabledBackend
 from celery.result import EagerResult
 from sqlalchemy.exc import SQLAlchemyError
 
+from oncelery.basetask.caller import store_answer
 from oncelery.delivery.decision_table import conflict_error
 from oncelery.errors import ConfigurationError, StoreError
 from oncelery.models import Outcome, RunStatus
@@ -49,7 +50,6 @@ from oncelery.settings import (
     pass_through,
 )
 from oncelery.store.dialects import producer_mode
-from oncelery.task.caller import store_answer
 
 __all__ = [
     "ProducerReplay",

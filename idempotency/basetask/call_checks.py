@@ -11,9 +11,9 @@ from typing import Any
 
 from kombu.serialization import dumps, loads, prepare_accept_content
 
+from oncelery.basetask.body import RunBody
 from oncelery.errors import ConfigurationError, ForkRefused, PayloadTooLarge
 from oncelery.settings import FORK_KEY_PREFIX, payload_limits
-from oncelery.task.body import RunBody
 
 __all__ = [
     "CallChecks",

@@ -6,7 +6,7 @@ every call's cost follows since, so an upgrade never strands a spool). A file is
 whoever holds its `flock` (its live writer, or anyone once the writer is gone), each row written with
 `write_call` (its call_id makes a second write a no-op), and removed only once every row in it is in the
 database. A line that cannot be parsed (a write torn by a crash) or a row the database refuses for good is moved
-to `<folder>/rejected.jsonl` and logged, never dropped silently. oncelery.task.ledger_spool appends them.
+to `<folder>/rejected.jsonl` and logged, never dropped silently. oncelery.basetask.ledger_spool appends them.
 """
 
 from __future__ import annotations

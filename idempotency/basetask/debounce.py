@@ -10,7 +10,7 @@ Fails open, as every producer check: with no claims database configured, on a st
 (link, chain, a chosen task id, a countdown), the call publishes as an undebounced call does (logged). The upsert
 is bounded by `oncelery_producer_timeout` (PostgreSQL's statement_timeout, lock waits included; its commit stays
 durable); past it, the producer publishes undebounced and skips its database work for a few seconds, as the
-producer's dedupe check does (task/producer.py).
+producer's dedupe check does (basetask/producer.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 from celery.result import AsyncResult
 from sqlalchemy.exc import SQLAlchemyError
 
+from oncelery.basetask.producer import cooling_down, fail_open, producer_timeout
 from oncelery.errors import ConfigurationError, StoreError
 from oncelery.runs.debounce import Debounce, upsert_edit
 from oncelery.runs.keys import KeyBuilder
 from oncelery.settings import HEADER_KEY, HEADER_TENANT, configured_database_url, pass_through
-from oncelery.task.producer import cooling_down, fail_open, producer_timeout
 
 __all__ = ["DebouncedResult", "debounce_keys", "send_debounced"]
 

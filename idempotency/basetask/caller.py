@@ -43,7 +43,7 @@ def store_answer(
 ) -> None:
     """Store a result and its outcome under `task_id` as a worker's delivery would (raises the backend's errors).
 
-    For a call answered where it was made (oncelery.task.producer): on Redis both in ONE round trip (a pipeline:
+    For a call answered where it was made (oncelery.basetask.producer): on Redis both in ONE round trip (a pipeline:
     the meta, its publish for a waiting `.get()`, and the outcome), elsewhere through the backend's own calls.
     """
     if not isinstance(backend, RedisBackend):

@@ -13,13 +13,13 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from oncelery.basetask.debounce import check_debounce
 from oncelery.errors import ConfigurationError, UnknownOption
 from oncelery.llm.budgets import ON_BUDGET, parse_usd
 from oncelery.settings import check_lease, check_policy
-from oncelery.task.debounce import check_debounce
 
 if TYPE_CHECKING:
-    from oncelery.task.options import TaskOptions
+    from oncelery.basetask.options import TaskOptions
 
 __all__ = [
     "check_option_names",

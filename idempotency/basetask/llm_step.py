@@ -1,6 +1,6 @@
 """`self.llm(step, **request)`: a model call as a checkpointed step, through the write-ahead intent protocol.
 
-The task room's part is what the call layer (`oncelery.llm`, which knows no Celery) leaves to it: which adapter,
+The basetask room's part is what the call layer (`oncelery.llm`, which knows no Celery) leaves to it: which adapter,
 which policy, and which ledger: the app's (`oncelery.ledger.recording.CallLedger`, pricing through `price_for`:
 `oncelery_prices`, else the price file), through which the call layer writes its row in the transaction that ends
 the intent (with the step's checkpoint when the call is done).

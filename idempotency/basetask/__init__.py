@@ -1,4 +1,5 @@
-"""The Celery glue: what a user declares and calls (room 1 of a delivery's lifecycle).
+"""The base task: `IdempotentTask` and the Celery glue around it, what a user declares and calls (room 1 of a
+delivery's lifecycle). Named apart from the demo's jobs, `oncelery.tasks`, so the two are never confused.
 
 Reading order: `idempotent` (the `IdempotentTask` base class: one delivery's entry), `options` (what a task
 declares; `option_checks`, its checks at decoration time), `call_checks` (what a call is refused before it is

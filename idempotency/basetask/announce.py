@@ -7,12 +7,12 @@ from typing import Any
 
 from celery.utils.saferepr import saferepr
 
+from oncelery.basetask.caller import tell_caller
+from oncelery.basetask.options import TaskOptions
 from oncelery.errors import IdempotencyConflict
 from oncelery.models import Outcome
 from oncelery.runs.keys import Identity
 from oncelery.settings import CONF_FLOWER_NAME_SUFFIX
-from oncelery.task.caller import tell_caller
-from oncelery.task.options import TaskOptions
 from oncelery.tracing.otel import telemetry_of
 
 __all__ = [

@@ -8,11 +8,11 @@ Guarantees:
 - one row per real call, committed in its OWN transaction as the block ends (never the run's effects
   transaction): it survives a rollback of the effects, and a worker killed right after the call leaves it;
 - a row the database cannot take (down, restarting, SQLite locked) waits in a spool file and is written when it
-  answers again (oncelery.task.ledger_spool); each row's `call_id` makes every write of it count once;
+  answers again (oncelery.basetask.ledger_spool); each row's `call_id` makes every write of it count once;
 - a step replayed from its checkpoint never runs its body, so it makes no call and writes no row;
 - the block's error is re-raised as it was; a ledger that cannot be written is logged, never raised;
 - record-only: budgets and shared limits govern `self.llm()` calls, not these (a task they apply to warns once:
-  oncelery.task.unbudgeted);
+  oncelery.basetask.unbudgeted);
 - the cost is computed when the row is written, at that day's price (`price_of`: `app.conf.oncelery_prices`, else
   the price file, LiteLLM's table shipped in the wheel), exactly (Decimal), and stored as integer micro-USD rounded
   up (oncelery.models.money).
@@ -36,6 +36,9 @@ from typing import Any, ParamSpec, TypeVar, cast
 from celery import current_app
 from celery._state import get_current_task
 
+from oncelery.basetask.idempotent import IdempotentTask
+from oncelery.basetask.ledger_spool import after_write, spool_row
+from oncelery.basetask.unbudgeted import warn_if_governed
 from oncelery.delivery.steps import current_step
 from oncelery.errors import ConfigurationError, StoreUnavailable
 from oncelery.ledger.prices import Amount, Price, price_for
@@ -44,9 +47,6 @@ from oncelery.models.money import micros_up, usd
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url
 from oncelery.store.database import Database
-from oncelery.task.idempotent import IdempotentTask
-from oncelery.task.ledger_spool import after_write, spool_row
-from oncelery.task.unbudgeted import warn_if_governed
 
 __all__ = ["CONF_PRICES", "Meter", "MeteredCall", "Price", "model_call", "price_of"]
 

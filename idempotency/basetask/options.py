@@ -12,6 +12,8 @@ from typing import Any
 
 from celery import Task
 
+from oncelery.basetask.debounce import debounce_keys
+from oncelery.basetask.option_checks import check_option_names, validate_options
 from oncelery.delivery.replay_cache import ReplayCache, configured_cache
 from oncelery.embedded_broker import is_embedded_broker
 from oncelery.errors import ConfigurationError
@@ -36,8 +38,6 @@ from oncelery.settings import (
     digest_secret,
     require_database_url,
 )
-from oncelery.task.debounce import debounce_keys
-from oncelery.task.option_checks import check_option_names, validate_options
 
 __all__ = [
     "CALL_OPTIONS",
@@ -121,7 +121,7 @@ class TaskOptions(Task):  # type: ignore[misc]
     #: The default BatchPolicy of this task's self.llm(..., mode="batch") calls (None: BatchPolicy()).
     llm_batch: Any = None
     #: Answer a duplicate `.delay()` from the claims database instead of publishing it, where the producer has one
-    #: configured (oncelery.task.producer). None: app.conf.oncelery_producer_dedupe, else True. Per call too:
+    #: configured (oncelery.basetask.producer). None: app.conf.oncelery_producer_dedupe, else True. Per call too:
     #: apply_async(..., producer_dedupe=False).
     producer_dedupe: bool | None = None
     #: The provider's batch API the relay's batcher submits this task's batch items to (an adapter, or a factory
