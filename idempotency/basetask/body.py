@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from oncelery.basetask.announce import Announcing
 from oncelery.basetask.llm_step import batch_policy, call_unclaimed, policy_of, resolve_adapter, run_llm_step
-from oncelery.delivery.call import RunContext
+from oncelery.delivery.delivered import RunContext
 from oncelery.delivery.steps import step_seed
 from oncelery.errors import ConfigurationError
 from oncelery.runs.forks import apply_overrides

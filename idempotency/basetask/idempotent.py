@@ -28,8 +28,8 @@ from oncelery.basetask.options import CALL_OPTIONS, check_option_names
 from oncelery.basetask.producer import answer_at_producer, producer_dedupe_on
 from oncelery.basetask.revoke import cancel_run_calls, watch_revokes
 from oncelery.basetask.startup import watch_worker_start
-from oncelery.delivery.call import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.decision_table import Delivery
+from oncelery.delivery.delivered import UNFIXABLE_ERRORS, Call
 from oncelery.delivery.resend import after_store_fault, can_resend, wait_backoff
 from oncelery.errors import ConfigurationError, ForkRefused, OnceleryError, StoreError
 from oncelery.ledger.unknown import UNKNOWN_OUTCOME

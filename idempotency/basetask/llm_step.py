@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from oncelery.delivery.call import RunContext
+from oncelery.delivery.delivered import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
 from oncelery.errors import ConfigurationError
 from oncelery.ledger.prices import price_for

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Retry
 
-from oncelery.delivery.call import UNFIXABLE_ERRORS, Call, DeliveredTask, RunContext, max_retries
 from oncelery.delivery.debounce import superseded, superseding_watch
+from oncelery.delivery.delivered import UNFIXABLE_ERRORS, Call, DeliveredTask, RunContext, max_retries
 from oncelery.delivery.effects import EffectsScope
 from oncelery.delivery.renewal import Heartbeat
 from oncelery.delivery.resend import SendAgain, seconds_until

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from oncelery.delivery.call import Call, RunContext
+from oncelery.delivery.delivered import Call, RunContext
 from oncelery.models import Outcome
 from oncelery.runs.debounce import (
     SUPERSEDED_LABEL,

@@ -37,9 +37,9 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from oncelery.delivery.call import Call, DeliveredTask
 from oncelery.delivery.claimed import ClaimedRow
 from oncelery.delivery.debounce import debounced
+from oncelery.delivery.delivered import Call, DeliveredTask
 from oncelery.delivery.replay_cache import ReplayCache
 from oncelery.delivery.resend import SendAgain, after_store_fault, can_resend, direct_backoff
 from oncelery.errors import IdempotencyConflict, InProgress, RunIsDead, StaleVersion, StoreError
