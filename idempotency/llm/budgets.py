@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 PERIODS = ("day", "month")
-# As DESIGN.md's public API names them ({"tenant:*": {"usd_per_day": 50}}), and their short forms.
+# As the public API names them (docs/limits.md) ({"tenant:*": {"usd_per_day": 50}}), and their short forms.
 PERIOD_NAMES = {"usd_per_day": "day", "usd_per_month": "month", "day": "day", "month": "month"}
 ON_BUDGET = ("dead_letter", "defer")  # over budget: dead-letter the run (BudgetExceeded), or park it WAITING
 
