@@ -158,7 +158,7 @@ CONF_BUDGETS = "oncelery_budgets"
 # its budget reservation (default 900).
 CONF_BUDGET_RELEASE = "oncelery_budget_release_s"
 # Where a model call's ledger row waits while the database cannot take it (JSON Lines, one file per process;
-# oncelery.basetask.ledger_spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
+# oncelery.ledger.spool): the setting, else the variable, else DEFAULT_LEDGER_SPOOL under the data folder.
 # In a container it must be a volume, or a restart loses the spend it holds (docs/operations.md).
 CONF_LEDGER_SPOOL_DIR = "oncelery_ledger_spool_dir"
 ENV_LEDGER_SPOOL_DIR = "ONCELERY_LEDGER_SPOOL_DIR"

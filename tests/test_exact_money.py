@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from sqlalchemy import Connection, func, insert, select, text
 
 from oncelery import ConfigurationError, Price, cost_report, model_call
-from oncelery.basetask.ledger_spool import flush_spools, spool_row
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.ledger.rows import add_call, write_call
+from oncelery.ledger.spool import flush_spools, spool_row
 from oncelery.models import Outcome, RunStatus
 from oncelery.models.migrate import downgrade, upgrade
 from oncelery.models.money import micros_up, usd

@@ -4,7 +4,7 @@ A row the database cannot take (the server stopped, SQLite's file locked) waits 
 and is written when the database answers again, with its running totals; a row whose commit reached the
 database but whose answer was lost is replayed from the spool and still counted once (its call_id); files that
 processes left behind are written when a worker starts. Real databases (the throwaway PostgreSQL cluster for
-the outage), a real in-process worker, real files; oncelery.basetask.ledger_spool.
+the outage), a real in-process worker, real files; oncelery.ledger.spool.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from sqlalchemy import create_engine, insert, text
 from sqlalchemy.pool import NullPool
 
 from oncelery import IdempotentTask, StoreUnavailable, model_call
-from oncelery.basetask.ledger_files import PREFIX, REJECTED_FILE, spooled_rows
-from oncelery.basetask.ledger_spool import spool_row
+from oncelery.ledger.spool import spool_row
+from oncelery.ledger.spool_files import PREFIX, REJECTED_FILE, spooled_rows
 from oncelery.runs.faults import fault_injected
 from oncelery.settings import CONF_LEDGER_SPOOL_DIR, ENV_DATABASE_URL, ENV_LEDGER_SPOOL_DIR, ENV_SQLITE_BUSY_TIMEOUT
 from tests.conftest import ON_POSTGRESQL, migrated, running_worker

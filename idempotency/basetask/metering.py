@@ -8,7 +8,7 @@ Guarantees:
 - one row per real call, committed in its OWN transaction as the block ends (never the run's effects
   transaction): it survives a rollback of the effects, and a worker killed right after the call leaves it;
 - a row the database cannot take (down, restarting, SQLite locked) waits in a spool file and is written when it
-  answers again (oncelery.basetask.ledger_spool); each row's `call_id` makes every write of it count once;
+  answers again (oncelery.ledger.spool); each row's `call_id` makes every write of it count once;
 - a step replayed from its checkpoint never runs its body, so it makes no call and writes no row;
 - the block's error is re-raised as it was; a ledger that cannot be written is logged, never raised;
 - record-only: budgets and shared limits govern `self.llm()` calls, not these (a task they apply to warns once:
@@ -37,12 +37,12 @@ from celery import current_app
 from celery._state import get_current_task
 
 from oncelery.basetask.idempotent import IdempotentTask
-from oncelery.basetask.ledger_spool import after_write, spool_row
 from oncelery.basetask.unbudgeted import warn_if_governed
 from oncelery.delivery.steps import current_step
 from oncelery.errors import ConfigurationError, StoreUnavailable
 from oncelery.ledger.prices import Amount, Price, price_for
 from oncelery.ledger.rows import write_call
+from oncelery.ledger.spool import after_write, spool_row
 from oncelery.models.money import micros_up, usd
 from oncelery.runs.faults import fault_point
 from oncelery.settings import CONF_PRICES, ENV_DATABASE_URL, configured_database_url

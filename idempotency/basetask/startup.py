@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from oncelery.basetask.visibility import settle_visibility
 from oncelery.errors import ConfigurationError, OnceleryError, StoreUnavailable
 from oncelery.ledger.prices import price_for, price_table
+from oncelery.ledger.spool_files import replay_at_worker_start
 from oncelery.llm.budgets import parse_budgets
 from oncelery.llm.limits import parse_limits
 from oncelery.settings import (
@@ -187,3 +188,13 @@ def _refuse_to_start_unless_ready(task_class: type, sender: Any) -> None:
             ENV_PASS_THROUGH,
         )
         note_pass_through(require_database_url(app.conf), where)
+
+
+def _replay_ledger_spool(sender: Any = None, **_: Any) -> None:
+    # worker_init, in the worker's main process before its pool starts: a ledger row a dead process left in its
+    # spool file is written before this worker takes a job (the ledger room knows no Celery, so it is hooked here).
+    replay_at_worker_start(getattr(getattr(sender, "app", None), "conf", None))
+
+
+# At import (oncelery imports this module), so it runs before the startup checks that watch_worker_start connects.
+signals.worker_init.connect(_replay_ledger_spool, weak=False, dispatch_uid="oncelery.ledger_spool")

@@ -9,7 +9,7 @@ When the database cannot take the row (unreachable, restarting, SQLite's file lo
     process ends with rows left --> its file is an orphan (no lock on it) --> replayed by the next worker start,
         by any process's first successful ledger write and then one every 60 s, and by every flusher round
 
-Files: `<folder>/ledger-<host>-<pid>-<token>-<n>.jsonl`, one JSON line per row (oncelery.basetask.ledger_files reads
+Files: `<folder>/ledger-<host>-<pid>-<token>-<n>.jsonl`, one JSON line per row (oncelery.ledger.spool_files reads
 and replays them). Each process appends only to its own files (never two writers on one file, so prefork
 children cannot interleave), each line in ONE write to an O_APPEND descriptor, fsynced before the block returns.
 A process holds an exclusive `flock` on each of its files while it lives: a file whose lock can be taken belongs
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oncelery.basetask.ledger_files import (
+from oncelery.ledger.spool_files import (
     PREFIX,
     SUFFIX,
     fsync_folder,

@@ -6,7 +6,7 @@ every call's cost follows since, so an upgrade never strands a spool). A file is
 whoever holds its `flock` (its live writer, or anyone once the writer is gone), each row written with
 `write_call` (its call_id makes a second write a no-op), and removed only once every row in it is in the
 database. A line that cannot be parsed (a write torn by a crash) or a row the database refuses for good is moved
-to `<folder>/rejected.jsonl` and logged, never dropped silently. oncelery.basetask.ledger_spool appends them.
+to `<folder>/rejected.jsonl` and logged, never dropped silently. oncelery.ledger.spool appends them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-from celery import signals
 
 from oncelery.errors import StoreError
 from oncelery.ledger.rows import write_call
@@ -42,6 +40,7 @@ __all__ = [
     "SUFFIX",
     "fsync_folder",
     "remember_database",
+    "replay_at_worker_start",
     "replay_file",
     "replay_orphans",
     "spool_files",
@@ -227,10 +226,11 @@ def _database(url: str) -> Database:
     return db
 
 
-def _replay_at_worker_start(sender: Any = None, **_: Any) -> None:
-    # worker_init: in the worker's main process, before its pool starts (no thread is left running across the
-    # prefork pool's forks). A file left by a process that died or exited is written here, never raised.
-    conf = getattr(getattr(sender, "app", None), "conf", None)
+def replay_at_worker_start(conf: Any) -> None:
+    """Write every spool file left by an earlier process of this app's database, logging (never raising) a failure.
+
+    Called by the worker's main process before its pool starts (oncelery.basetask.startup connects it to
+    Celery's worker_init): no thread is left running across the prefork pool's forks."""
     url = configured_database_url(conf) if conf is not None else None
     if url is None:
         return
@@ -244,6 +244,3 @@ def _replay_at_worker_start(sender: Any = None, **_: Any) -> None:
         return
     if done:
         logger.info("ledger spool %s: %d file(s) left by earlier processes written at worker start", folder, done)
-
-
-signals.worker_init.connect(_replay_at_worker_start, weak=False, dispatch_uid="oncelery.ledger_spool")
