@@ -22,6 +22,7 @@ from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.llm.tokens import estimate_tokens
 from oncelery.models import IntentState, RunStatus
+from oncelery.relay.loop import Relay
 from oncelery.relay.retention import purge
 from oncelery.runs.faults import fault_injected
 from oncelery.store.database import Database, get_engine
@@ -218,6 +219,35 @@ def test_a_budget_refusal_after_a_create_of_unknown_outcome_keeps_that_create_on
     assert_on_the_books(db_url, fake, {intent["public_id"]: "unknown_outcome"})
 
 
+def test_a_run_failed_for_good_puts_its_open_call_on_the_books_and_a_later_send_pays_on_the_books_too(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    fake.set_knobs(generation_s=0.0)
+    # Celery's default: a plain exception is not retried (no autoretry), so the run is FAILED for good with its
+    # call open in the create window, and nothing will hold it again unless the job is sent again.
+    task = summarizer(app, responses, max_retries=3)
+    with (
+        fault_injected("llm_created", once(boom)),
+        worker_factory(app),
+        pytest.raises(Exception, match="the worker died here"),
+    ):
+        task.delay("failed", TEXT).get(timeout=JOB)
+    [run] = rows(db_url, RUNS)
+    assert run["status"] is RunStatus.FAILED and run["not_before"] is None, "failed for good: no retry is coming"
+    [intent] = intents(db_url)
+    assert intent["state"] is IntentState.ABANDONED, "the run's end ends its open call"
+    assert fake.stats()["creates_by_intent"] == {intent["public_id"]: 1}
+    assert_on_the_books(db_url, fake, {intent["public_id"]: "unknown_outcome"})
+    # The job sent again takes the run over and calls again: both creates on the books, the second labelled.
+    with worker_factory(app):
+        assert task.delay("failed", TEXT).get(timeout=JOB)
+    first, second = intents(db_url)
+    assert (first["state"], second["state"]) == (IntentState.ABANDONED, IntentState.DONE)
+    assert set(fake.stats()["creates_by_intent"]) == {first["public_id"], second["public_id"]}
+    calls = {r["call_id"]: r for r in rows(db_url, CALLS)}
+    assert calls[second["public_id"]]["ok"] and calls[first["public_id"]]["reason"] == "unknown_outcome"
+
+
 def test_the_relay_sweep_records_a_call_a_finished_run_left_open(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:
@@ -239,6 +269,28 @@ def test_the_relay_sweep_records_a_call_a_finished_run_left_open(
     assert intent["state"] is IntentState.PREPARED and rows(db_url, CALLS) == []
     with relay_running(app, db_url):
         wait_until(lambda: len(rows(db_url, CALLS)) == 1, timeout=JOB, what="the sweep recorded the open call")
+    [intent] = intents(db_url)
+    assert intent["state"] is IntentState.ABANDONED
+    assert_on_the_books(db_url, fake, {intent["public_id"]: "unknown_outcome"})
+
+
+def test_the_relay_sweep_records_a_call_a_run_failed_for_good_by_an_earlier_release_left_open(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    fake.set_knobs(generation_s=0.0)
+    # A retry an hour away: the run is FAILED with its call open in the create window, for the next holder.
+    task = summarizer(app, responses, autoretry_for=(RuntimeError,), retry_kwargs={"countdown": 3600}, max_retries=3)
+    with fault_injected("llm_created", once(boom)), worker_factory(app):
+        task.delay("legacy", TEXT)
+        wait_until(lambda: status(db_url) is RunStatus.FAILED, timeout=JOB, what="the run failed, its retry pending")
+    relay = Relay(app, db_url, sweep_interval=None)
+    relay.run_once()
+    [intent] = intents(db_url)
+    assert intent["state"] is IntentState.PREPARED and rows(db_url, CALLS) == [], "a pending retry keeps its call"
+    # What a release before this rule left when a run failed for good: the same row with no retry coming.
+    with get_engine(db_url).begin() as conn:
+        conn.execute(update(RUNS).values(not_before=None))
+    relay.run_once()
     [intent] = intents(db_url)
     assert intent["state"] is IntentState.ABANDONED
     assert_on_the_books(db_url, fake, {intent["public_id"]: "unknown_outcome"})

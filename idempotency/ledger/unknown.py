@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, or_, select, update
+from sqlalchemy import Connection, and_, or_, select, update
 
 from oncelery.ledger.rows import add_call
 from oncelery.ledger.settle import Reservation, charge_txn, release_txn
@@ -113,10 +113,13 @@ def abandon_runs_intents_txn(conn: Connection, dialect: Dialect, run_ids: list[i
 
 
 def abandon_finished(db: Database, batch: int = 100) -> int:
-    """End up to `batch` open intents whose run finished (completed or dead) or no longer exists, each with its
-    estimated ledger row (`unknown_outcome`); return how many. The relay runs it every round."""
+    """End up to `batch` open intents whose run finished (completed, dead, or failed with no retry coming) or no
+    longer exists, each with its estimated ledger row (`unknown_outcome`); return how many. The relay runs it
+    every round."""
+    failed_for_good = and_(_r.status == RunStatus.FAILED, _r.not_before.is_(None))
+    ended = or_(_r.id.is_(None), _r.status.in_(FINISHED), failed_for_good)
     orphan = select(_i.public_id).select_from(INTENTS.outerjoin(RUNS, _r.id == _i.run_id))
-    orphan = orphan.where(_i.state.in_(OPEN_STATES), or_(_r.id.is_(None), _r.status.in_(FINISHED))).limit(batch)
+    orphan = orphan.where(_i.state.in_(OPEN_STATES), ended).limit(batch)
     with db.read() as conn:
         found = list(conn.execute(orphan).scalars())
     ended = 0

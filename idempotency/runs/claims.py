@@ -320,6 +320,12 @@ class RunStore(ClaimRounds):
                 # A dead run is held by nobody: its calls still open go on the books now (the ledger rule).
                 why = f"its run went dead ({death.reason})"
                 abandon_run_intents_txn(conn, self.db.dialect, claim.run_id, UNKNOWN_OUTCOME, why)
+            elif ok and retry_in is None:
+                # Failed for good (no retry is coming: Celery acks it as failed): held by nobody unless the job is
+                # sent again, so its calls still open go on the books now too. A later send calls again, on the
+                # books as well, rather than leave a create that may have happened unrecorded and its money held.
+                why = "its run failed with no retry coming"
+                abandon_run_intents_txn(conn, self.db.dialect, claim.run_id, UNKNOWN_OUTCOME, why)
             counted = outcome if ok else Outcome.LEASE_LOST
             record_outcome_txn(conn, self.dialect, claim.task_name, counted, claim.tenant)
         return ok
