@@ -117,9 +117,9 @@ def abandon_finished(db: Database, batch: int = 100) -> int:
     longer exists, each with its estimated ledger row (`unknown_outcome`); return how many. The relay runs it
     every round."""
     failed_for_good = and_(_r.status == RunStatus.FAILED, _r.not_before.is_(None))
-    ended = or_(_r.id.is_(None), _r.status.in_(FINISHED), failed_for_good)
+    over = or_(_r.id.is_(None), _r.status.in_(FINISHED), failed_for_good)
     orphan = select(_i.public_id).select_from(INTENTS.outerjoin(RUNS, _r.id == _i.run_id))
-    orphan = orphan.where(_i.state.in_(OPEN_STATES), ended).limit(batch)
+    orphan = orphan.where(_i.state.in_(OPEN_STATES), over).limit(batch)
     with db.read() as conn:
         found = list(conn.execute(orphan).scalars())
     ended = 0
