@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -297,12 +298,21 @@ def test_two_relays_publish_five_hundred_rows_once_each(
             with engine.begin() as conn:
                 for n in range(BULK_JOBS):
                     outbox.enqueue(conn, job, n)
-            wait_for(
-                lambda: Runs(db_url).statuses(job.name, keys) == {RunStatus.COMPLETED: BULK_JOBS},
-                timeout=BULK_TIMEOUT,
-                interval=0.2,
-                what=f"all {BULK_JOBS} runs to complete",
-            )
+            try:
+                wait_for(
+                    lambda: Runs(db_url).statuses(job.name, keys) == {RunStatus.COMPLETED: BULK_JOBS},
+                    timeout=BULK_TIMEOUT,
+                    interval=0.2,
+                    what=f"all {BULK_JOBS} runs to complete",
+                )
+            except pytest.fail.Exception as exc:  # say where the jobs are: it failed once under a heavy load
+                rows = outbox_rows(engine, job.name)
+                found = {
+                    "runs": Runs(db_url).statuses(job.name, keys),
+                    "outbox": Counter(str(row.status) for row in rows),
+                    "queued on Redis": redis.Redis.from_url(REDIS_URL).llen(queue),
+                }
+                pytest.fail(f"{exc}; found {found}")
             for proc, _ in relays:
                 os.kill(proc.pid, signal.SIGTERM)
             codes = [proc.wait(timeout=STOP_TIMEOUT) for proc, _ in relays]
