@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 from celery import Celery
 from click.testing import CliRunner
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
-from oncelery import IdempotentTask, output_text
+from oncelery import IdempotentTask, RunStatus, output_text
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.errors import ConfigurationError, ForkRefused, StoreUnavailable
 from oncelery.fake_provider import FakeProvider, Knobs, generate_text
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
+from oncelery.ops.dead_letters import DeadLetters
 from oncelery.ops.fork import fork_run, preview_fork
 from oncelery.ops.fork_preview import fork_diff
 from oncelery.outbox import enqueue
@@ -33,6 +34,7 @@ from oncelery.runs.kept import redact_arguments
 from oncelery.settings import HEADER_FORK, HEADER_KEY, HEADER_TENANT
 from oncelery.store.database import Database, get_engine
 from oncelery.store.tables import BUDGETS, CALLS, LETTERS, OUTBOX, RUNS, STEPS
+from oncelery.testing import relay_running, wait_until
 from oncelery.testing.waiting import poll
 from tests.conftest import ON_SQLITE, migrated
 from tests.services import count_rows, effects_table
@@ -166,6 +168,74 @@ def test_a_fork_key_from_a_producer_never_gets_another_tenants_step_results(
 
 
 @ON_SQLITE
+def test_a_parked_fork_whose_message_was_stored_before_its_header_wakes_as_that_fork(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    """Upgrade: a fork parked WAITING whose kept message predates the fork header (forks were once recognised by
+    their key) is woken with the header put back from its key: it runs as its fork, never dead-lettered as a
+    producer's fork-shaped key. The delivery still checks the fork row's task, tenant and key."""
+    task = article(app, responses, keep_arguments=True, llm_inline_wait=0.1)
+    engine = get_engine(db_url)
+    with worker_factory(app):
+        task.delay("a2", TEXT).get(timeout=JOB)
+        fake.set_knobs(generation_s=1.0)  # the fork's call outlasts its inline wait: the fork parks
+        fork = fork_run(app, task, "doc:a2", from_step="quality", overrides=["quality.model=gpt-b"])
+
+        def parked() -> Any:
+            with engine.connect() as conn:
+                found = conn.execute(
+                    select(RUNS.c.id, RUNS.c.message).where(
+                        RUNS.c.idempotency_key == fork.key, RUNS.c.status == RunStatus.WAITING
+                    )
+                ).first()
+            return found if found is not None and found.message else None
+
+        found = wait_until(parked, timeout=JOB, what="the fork parked with its message kept")
+        legacy = dict(found.message)
+        legacy["headers"] = {k: v for k, v in (legacy.get("headers") or {}).items() if k != HEADER_FORK}
+        assert legacy["headers"] != found.message.get("headers"), "the kept message carried the fork header"
+        with engine.begin() as conn:  # what a release before the fork header kept
+            conn.execute(update(RUNS).where(RUNS.c.id == found.id).values(message=legacy))
+        with relay_running(app, db_url):
+            result = fork.get(timeout=JOB)
+    assert result["quality"] == generate_text("gpt-b", result["keywords"])
+    assert rows(db_url, LETTERS) == 0, "woken as its fork, not refused as a producer's fork-shaped key"
+
+
+def test_a_dead_forks_letter_stored_before_its_header_is_replayed_as_that_fork(
+    app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
+) -> None:
+    """Upgrade: a dead fork's letter whose message predates the fork header is replayed with the header put back
+    from its key (`oncelery dlq replay`): the enqueue takes it and the fork runs, instead of refusing it."""
+    task = article(app, responses, keep_arguments=True, max_retries=0)
+    engine = get_engine(db_url)
+    with worker_factory(app):
+        task.delay("a3", TEXT).get(timeout=JOB)
+        fake.set_knobs(fail_next=1, fail_status=400)  # the fork's call is refused: never succeeds, the fork is DEAD
+        fork = fork_run(app, task, "doc:a3", from_step="quality", overrides=["quality.model=gpt-b"])
+        with pytest.raises(Exception):  # noqa: B017 - the provider's refusal, as the fork's failure
+            fork.get(timeout=JOB)
+        [letter] = DeadLetters(db_url).list()
+        assert letter.key == fork.key and HEADER_FORK in (letter.message.get("headers") or {})
+        legacy = dict(letter.message)
+        legacy["headers"] = {k: v for k, v in legacy["headers"].items() if k != HEADER_FORK}
+        with engine.begin() as conn:  # what a release before the fork header kept
+            conn.execute(update(LETTERS).where(LETTERS.c.id == letter.letter_id).values(message=legacy))
+        [letter] = DeadLetters(db_url).list()
+        report = DeadLetters(db_url).replay(app, [letter])
+        assert [x.letter_id for x in report.replayed] == [letter.letter_id] and report.publish_error is None
+
+        def completed() -> bool:
+            with engine.connect() as conn:
+                status = conn.execute(select(RUNS.c.status).where(RUNS.c.idempotency_key == fork.key)).scalar_one()
+            return status is RunStatus.COMPLETED
+
+        wait_until(completed, timeout=JOB, what="the replayed fork to complete")
+    with engine.connect() as conn:
+        letters = conn.execute(select(LETTERS.c.reason)).scalars().all()
+    assert len(letters) == 1, "replayed as its fork: no new letter for a refused fork-shaped key"
+
+
 def test_a_fork_needs_kept_or_given_arguments_and_survives_a_store_fault_loading_its_fork(
     app: Celery, worker_factory: Any, db_url: str, fake: FakeProvider, responses: OpenAIResponses
 ) -> None:

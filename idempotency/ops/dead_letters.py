@@ -26,6 +26,7 @@ from sqlalchemy import Select, and_, case, delete, exists, select, update
 from oncelery.models import OutboxStatus, RunStatus
 from oncelery.relay.loop import Relay
 from oncelery.relay.outbox import CONTINUATION, enqueue
+from oncelery.runs.forks import stored_fork_headers
 from oncelery.runs.letters import delete_dead_runs_txn, revive_dead_txn
 from oncelery.settings import HEADER_FORK, HEADER_LEASE, HEADER_ON_IN_PROGRESS
 from oncelery.store.database import Database
@@ -204,6 +205,7 @@ class DeadLetters:
                     options[option] = message[option]
             # The call's own options travel as headers: a replay keeps its lease and on_in_progress too.
             headers = {name: v for name, v in (message.get("headers") or {}).items() if name in _REPLAYED_HEADERS}
+            headers = stored_fork_headers(letter.key, headers)  # a fork's letter stored before its header
             if headers:
                 options["headers"] = headers
             sig = app.signature(letter.task_name, list(message.get("args") or ()), dict(message.get("kwargs") or {}))

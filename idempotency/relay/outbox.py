@@ -20,6 +20,7 @@ from oncelery.basetask.idempotent import IdempotentTask
 from oncelery.errors import ConfigurationError, ForkRefused
 from oncelery.models import OutboxStatus
 from oncelery.runs.faults import fault_point
+from oncelery.runs.forks import stored_fork_headers
 from oncelery.runs.keys import validate_key
 from oncelery.runs.legacy import stored_names
 from oncelery.settings import FORK_KEY_PREFIX, HEADER_FORK, HEADER_KEY, HEADER_TENANT, HEADER_WOKEN
@@ -175,8 +176,11 @@ def resend_kept(app: Celery, row: Any, woken: bool = False) -> int:
     message = row.message if isinstance(row.message, dict) else {}
     # Where it ran, what follows it in a pipeline, and the headers it came with.
     options = {name: message[name] for name in ("queue", "headers", *CONTINUATION) if message.get(name)}
+    headers = stored_fork_headers(row.idempotency_key, options.get("headers"))
     if woken:  # the woken delivery polls its call once (HEADER_WOKEN), then parks again if it is not done
-        options["headers"] = {**(options.get("headers") or {}), HEADER_WOKEN: 1}
+        headers[HEADER_WOKEN] = 1
+    if headers:
+        options["headers"] = headers
     job = (row.task_name, message.get("args"), message.get("kwargs"), row.celery_task_id)
     # A broker that is down: the next sweep after the interval tries again.
     return int(send_keyed(app, *job, row.idempotency_key, row.tenant, options) is None)

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from oncelery.errors import ConfigurationError
-from oncelery.settings import FORK_KEY_PREFIX, MAX_KEY_LENGTH
+from oncelery.settings import FORK_KEY_PREFIX, HEADER_FORK, MAX_KEY_LENGTH
 from oncelery.store.database import Database
 from oncelery.store.tables import FORKS
 
@@ -38,6 +38,7 @@ __all__ = [
     "load_fork",
     "load_fork_txn",
     "record_fork_txn",
+    "stored_fork_headers",
 ]
 
 #: What `--set STEP.NAME=VALUE` may change in a step's model call (`mode`: "batch" makes it a batch item).
@@ -111,6 +112,17 @@ def fork_id_of(key: str | None) -> int | None:
         return None
     m = _FORK_KEY.match(key)
     return int(m.group(1)) if m else None
+
+
+def stored_fork_headers(key: str | None, headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A stored run's or letter's headers, with the fork command's header put back when its key names a fork and
+    it has none: a message stored before forks were recognised by that header alone (a legacy lookup). It restores
+    a fork's own message and never makes one: the delivery still checks the fork row's task, tenant and key."""
+    found = dict(headers or {})
+    fork_id = fork_id_of(key)
+    if fork_id is not None and HEADER_FORK not in found:
+        found[HEADER_FORK] = fork_id
+    return found
 
 
 def record_fork_txn(conn: Connection, row: Mapping[str, Any]) -> tuple[int, str, int | None]:
