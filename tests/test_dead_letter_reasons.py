@@ -19,10 +19,12 @@ from oncelery import BudgetExceeded, IdempotentTask, Runs, RunStatus, output_tex
 from oncelery.basetask.revoke import cancel_on_revoke
 from oncelery.cli import oncelery as oncelery_cli
 from oncelery.cli.dlq import dlq
+from oncelery.errors import StoreUnavailable
 from oncelery.fake_provider import FakeProvider, Knobs
 from oncelery.llm.adapters.openai_responses import OpenAIResponses
 from oncelery.runs import decisions
 from oncelery.runs.decisions import LETTER_REASONS
+from oncelery.runs.faults import fault_injected
 from oncelery.testing import wait_until
 
 TEXT = "The council approved the new library budget on Tuesday."
@@ -82,6 +84,37 @@ def test_letters_of_budget_exceeded_and_revoked_are_listed_and_replayed_by_reaso
         for name, key in ((REFUSED, "doc:a"), (DEFERRED, "doc:b")):
             wait_until(lambda n=name, k=key: runs.get(n, k).status is RunStatus.COMPLETED, JOB, what=f"{name} replayed")
     assert letters(invoke, "budget_exceeded") == letters(invoke, "revoked") == []  # replayed: listed with --all
+
+
+def test_a_revoke_that_meets_a_store_fault_tries_again_and_cancels_the_parked_run(
+    app: Celery, worker_factory: Any, db_url: str, responses: OpenAIResponses
+) -> None:
+    """A revoke is heard once, in the memory of the workers up at that moment: a cancel given up on a store fault
+    (a pooled connection a database restart closed) would be lost if the worker restarted before the run's next
+    wake. It is tried again, and the parked run is cancelled now."""
+    app.conf.oncelery_prices = PRICE
+    app.conf.oncelery_budgets = {"global": {"day": "0.000001"}}  # no call fits: the run parks WAITING
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name=DEFERRED, idempotency_key="doc:{doc}",
+              on_budget="defer")  # fmt: skip
+    def deferred(self: IdempotentTask, doc: str) -> str:
+        return output_text(self.llm("s", adapter=responses, model="gpt-test", input=TEXT, max_output_tokens=OUT))
+
+    def connection_closed(_point: str, _context: dict[str, Any]) -> None:
+        if not failed:
+            failed.append(True)
+            raise StoreUnavailable("the pooled connection was closed by a database restart")
+
+    failed: list[bool] = []
+    runs = Runs(db_url)
+    with worker_factory(app):
+        parked = deferred.delay("c")
+        wait_until(lambda: getattr(runs.get(DEFERRED, "doc:c"), "status", None) is RunStatus.WAITING, JOB)
+        with fault_injected("dead_letter", connection_closed):
+            assert cancel_on_revoke(deferred, parked.id), "the cancel was given up after one store fault"
+    assert failed == [True], "the fault was met"
+    run = runs.get(DEFERRED, "doc:c")
+    assert run is not None and run.status is RunStatus.DEAD
 
 
 def test_the_cli_accepts_every_reason_a_letter_is_written_with() -> None:

@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from celery import signals
 
-from oncelery.errors import OnceleryError
+from oncelery.errors import OnceleryError, StoreError
 from oncelery.ledger.recording import CallLedger
 from oncelery.ledger.unknown import REVOKED_LABEL
 from oncelery.llm.cancel import adapter_of, cancel_sent_calls
 from oncelery.runs.letters import cancel_revoked
 
-__all__ = ["REVOKED_LABEL", "cancel_on_revoke", "cancel_run_calls", "watch_revokes"]
+__all__ = ["REVOKED_LABEL", "REVOKE_TRIES", "cancel_on_revoke", "cancel_run_calls", "watch_revokes"]
 
 logger = logging.getLogger("oncelery.task")
+
+REVOKE_TRIES = 4  # over ~3.5 s: a closed pooled connection fails once, a database restart takes a few seconds
 
 
 def watch_revokes(task_class: type) -> None:
@@ -54,13 +57,30 @@ def watch_revokes(task_class: type) -> None:
     signals.task_revoked.connect(revoked, weak=False, dispatch_uid="oncelery.revoke")
 
 
-def cancel_on_revoke(task: Any, task_id: str, terminated: bool = False) -> bool:
-    """Cancel the run of revoked message `task_id` of `task`, and its calls in flight; return whether it did."""
-    try:
-        cancelled = cancel_revoked(task.store.db, task.name, task_id, terminated)
-    except OnceleryError as exc:  # the database is down: the run stays parked, and its next wake is revoked too
-        logger.warning("%s: could not cancel the run of revoked message %s: %s", task.name, task_id, exc)
-        return False
+def cancel_on_revoke(task: Any, task_id: str, terminated: bool = False, tries: int = REVOKE_TRIES) -> bool:
+    """Cancel the run of revoked message `task_id` of `task`, and its calls in flight; return whether it did.
+
+    A store error is tried again (`tries` times in all, 0.5 s apart, doubling): a revoke is heard once, by the
+    workers up at that moment, and remembered only in their memory, so a cancel given up here is lost if the
+    worker restarts before the run's next wake (a pooled connection a database restart closed fails once)."""
+    delay = 0.5
+    for attempt in range(1, tries + 1):
+        try:
+            cancelled = cancel_revoked(task.store.db, task.name, task_id, terminated)
+            break
+        except StoreError as exc:
+            if attempt == tries:  # the run stays parked; this worker revokes its next wake again, if it lives
+                logger.warning(
+                    "%s: could not cancel the run of revoked message %s after %d tries: %s", task.name, task_id,
+                    tries, exc,
+                )  # fmt: skip
+                return False
+            logger.info("%s: cancelling revoked message %s: %s; trying again in %.1fs", task.name, task_id, exc, delay)
+            time.sleep(delay)
+            delay *= 2
+        except OnceleryError as exc:  # not a store fault: another try would fail the same way
+            logger.warning("%s: could not cancel the run of revoked message %s: %s", task.name, task_id, exc)
+            return False
     if cancelled is None:
         return False
     run_id, _token = cancelled
