@@ -229,6 +229,8 @@ def answers_through_a_killed_relay(
     finally:
         # By PID, SIGKILL after 10 s: a relay stuck in a round never outlives the test.
         stop_sessions([proc for proc in (first, second) if proc is not None], grace=10)
+        for log in sorted(marks.glob("relay-*.log")):  # shown by pytest if the test fails: what each relay did
+            print(f"===== {log.name} =====\n{log.read_text(errors='replace')[-5000:]}")
 
 
 @pytest.mark.crash
