@@ -114,7 +114,10 @@ def test_a_fault_recording_the_dead_failure_ends_dead_once(
     assert found[0].reason == "retries_exhausted" and found[0].run_id == run.id, f"{found}\n{detail}"
     counts = pg_db.counts(job.name)
     assert counts.get("dead") == 1 and counts.get("failed") == 1, detail
-    assert set(counts) <= {"dead", "failed"}, detail
+    # Celery sends attempt 1's retry (countdown 0.2 s) before attempt 1 records its failure: on a loaded machine
+    # the retry can arrive first, find the run still held, and wait (`in_progress`), as any copy would. That wait
+    # is the claim doing its job; anything that ran or was refused besides would be a defect.
+    assert set(counts) <= {"dead", "failed", "in_progress"}, detail
     # Attempt 1, attempt 2 (its DEAD rolled back by the fault), and the taker that recorded it.
     assert pg_db.rows(executions_table, key) == 3, detail
     print(f"record_failure(dead)/{fault}: outcomes={counts} killed={killed}")
