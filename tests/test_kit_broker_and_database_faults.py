@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from sqlalchemy import create_engine
 
 from oncelery.testing import (
@@ -152,6 +153,14 @@ def test_the_database_down_at_the_completion_the_job_ends_once(oncelery_db: Once
             assert down is not None
             down.wait()
             assert oncelery_db.cluster is not None and not oncelery_db.cluster.running()
-        assert result.get(timeout=TIMEOUT) == "short"  # started again at the block's end; the job sent again
+        # Started again at the block's end; the job, sent again with a backoff (at most 10 s) while the server
+        # was down, completes. Restarting a server on a loaded machine takes a while: a longer bound here.
+        try:
+            assert result.get(timeout=2 * TIMEOUT) == "short"
+        except CeleryTimeoutError:  # say where the job is: it timed out once in CI under load
+            run = oncelery_db.run(labels.label, "label:doc-d")
+            running = oncelery_db.cluster.running()
+            pytest.fail(f"the job did not end: run {run}, outcomes {oncelery_db.outcome_counts(labels.label)}, "
+                        f"server running {running}")  # fmt: skip
     ended_once(oncelery_db, "doc-d")
     untouched(dev_db)
