@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from oncelery.errors import ConfigurationError, StepMismatch
+from oncelery.ledger.prices import batch_micros
 from oncelery.ledger.recording import CallLedger
 from oncelery.llm.adapters.base import Adapter, Observed, Usage
 from oncelery.llm.adapters.base import CallState as Provider
@@ -234,9 +235,10 @@ def record_call(
     """Write the call's ledger row (priced now) in the caller's transaction, and charge its budgets, once per
     intent (its id is the row's call id); return whether the row was new."""
     claim, model = step.claim, step.model
-    cost = step.ledger.cost_micros(model, usage.input_tokens, usage.output_tokens, intent.mode)
-    full = step.ledger.cost_micros(model, usage.input_tokens, usage.output_tokens)
-    saved = None if cost is None or full is None or intent.mode != "batch" else full - cost
+    full = step.ledger.cost_micros(model, usage.input_tokens, usage.output_tokens)  # one price lookup: both follow
+    batch = full is not None and intent.mode == "batch"
+    cost = batch_micros(full) if batch and full is not None else full
+    saved = full - cost if batch and full is not None and cost is not None else None
     row = {
         "call_id": intent.public_id,
         "task_name": claim.task_name,
