@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 from oncelery.delivery.delivered import RunContext
 from oncelery.delivery.steps import WithWrites, current_step
@@ -122,32 +122,32 @@ def budget_plan(
     return BudgetPlan(rules, job, (price.input, price.output), task.on_budget, call, shared)
 
 
+_Rules = TypeVar("_Rules")
+
+
 def budgets_of(conf: Any) -> tuple[BudgetRule, ...]:
     """The app's `oncelery_budgets`, parsed once per value (a bad table raises ConfigurationError, naming it)."""
-    table = conf.get(CONF_BUDGETS)
-    cached = _PARSED_BUDGETS.get(id(conf))
-    if cached is not None and cached[0] is table:
-        return cached[1]
-    rules = parse_budgets(table, CONF_BUDGETS)
-    _PARSED_BUDGETS[id(conf)] = (table, rules)
-    return rules
-
-
-_PARSED_BUDGETS: dict[int, tuple[Any, tuple[BudgetRule, ...]]] = {}
+    return _parsed_once(conf, CONF_BUDGETS, parse_budgets)
 
 
 def limits_of(conf: Any) -> tuple[LimitRule, ...]:
     """The app's `oncelery_limits`, parsed once per value (a bad table raises ConfigurationError, naming it)."""
-    table = conf.get(CONF_LIMITS)
-    cached = _PARSED_LIMITS.get(id(conf))
+    return _parsed_once(conf, CONF_LIMITS, parse_limits)
+
+
+def _parsed_once(conf: Any, setting: str, parse: Callable[[Any, str], _Rules]) -> _Rules:
+    """`parse(conf[setting], setting)`, kept per app and setting while the setting holds the same value: every
+    model call asks, and the tables change only when a test or an operator sets them again."""
+    table = conf.get(setting)
+    cached = _PARSED.get((id(conf), setting))
     if cached is not None and cached[0] is table:
-        return cached[1]
-    rules = parse_limits(table, CONF_LIMITS)
-    _PARSED_LIMITS[id(conf)] = (table, rules)
+        return cast(_Rules, cached[1])
+    rules = parse(table, setting)
+    _PARSED[(id(conf), setting)] = (table, rules)
     return rules
 
 
-_PARSED_LIMITS: dict[int, tuple[Any, tuple[LimitRule, ...]]] = {}
+_PARSED: dict[tuple[int, str], tuple[Any, Any]] = {}
 
 
 def run_llm_step(
